@@ -1,0 +1,86 @@
+"""LocalEngine: braid's runtime in this process (no HTTP).
+
+The engine (and torch) load on first use. `Engine.generate(...)` takes the native API's request
+fields (the prompt text as `text` or `prompt`) and returns what POST /generate would (with
+stream=True, an iterator of the chunk objects, text cumulative).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import Any, Iterator, Optional, Union
+
+from braid.backends.base import CAP_IMAGE
+from braid.backends.native import NativeApiBackend
+from braid.errors import UnsupportedFeatureError
+from braid.chat_template import ChatTemplate
+
+
+class LocalEngine(NativeApiBackend):
+    def __init__(self, model_path: str = "smollm2", *, chat_template: Union[None, str, ChatTemplate] = None,
+                 **server_args: Any):
+        super().__init__(chat_template)
+        self.model_path = model_path
+        self.server_args = server_args
+        self._engine: Any = None
+        self._lock = threading.Lock()
+
+    @property
+    def engine(self) -> Any:
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    from braid.runtime import Engine  # imports torch
+
+                    self._engine = Engine(model_path=self.model_path, **self.server_args)
+        return self._engine
+
+    def _engine_kwargs(self, body: dict) -> dict:
+        """The request body in the engine's own keyword names."""
+        engine = self.engine
+        params = getattr(self, "_engine_params", None)
+        if params is None:
+            params = self._engine_params = set(inspect.signature(engine.generate).parameters)
+        kwargs = dict(body)
+        if "text" not in params and "prompt" in params:
+            kwargs["prompt"] = kwargs.pop("text")
+        if "image_data" in kwargs and "image_data" not in params:
+            raise UnsupportedFeatureError(self.name, CAP_IMAGE, "image() on the in-process engine")
+        return kwargs
+
+    def _generate(self, body: dict) -> Any:
+        return self.engine.generate(**self._engine_kwargs(body))
+
+    def _generate_stream(self, body: dict) -> Iterator[dict]:
+        out = self.engine.generate(**self._engine_kwargs(body))
+        if isinstance(out, dict):  # an engine that ignores stream=True answers once
+            yield out
+            return
+        yield from out
+
+    def get_model_info(self) -> dict:
+        engine = self.engine
+        getter = getattr(engine, "get_model_info", None)
+        if getter is not None:
+            return getter()
+        tokenizer = getattr(engine, "tokenizer", None)
+        return {"model_path": self.model_path, "chat_template": getattr(tokenizer, "chat_template", None)}
+
+    def get_server_info(self) -> dict:
+        engine = self.engine
+        getter = getattr(engine, "get_server_info", None) or getattr(engine, "get_stats")
+        return getter()
+
+    def flush_cache(self) -> None:
+        if self._engine is not None:
+            self._engine.flush_cache()
+
+    def shutdown(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None and hasattr(engine, "shutdown"):
+            engine.shutdown()
+
+    def __repr__(self) -> str:
+        state = "loaded" if self._engine is not None else "not loaded"
+        return f"LocalEngine({self.model_path!r}, {state})"

@@ -1,0 +1,144 @@
+"""Backends that speak braid's native generate API (over HTTP or in-process).
+
+Subclasses supply the transport (`_generate`, `_generate_stream`, `get_model_info`, `flush_cache`);
+this class builds request bodies, reads responses, and implements select from prompt logprobs:
+
+1. a zero-token prefill of the prefix (max_new_tokens=0) gives its token count P (and caches it);
+2. per choice, text = prefix + choice, max_new_tokens=0, return_logprob, logprob_start_len=max(P-1, 0);
+   the choice's token logprobs are the input_token_logprobs at positions >= P;
+3. for unconditional_likelihood_normalized, per choice, text = choice alone, logprob_start_len=0.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator, Optional, Union
+
+from braid.backends.base import (ALL_CAPABILITIES, Backend, GenOutput, LogprobRequest, Prompt)
+from braid.chat_template import ChatTemplate, chat_template_for, get_chat_template
+from braid.choices import ChoicesDecision, ChoicesMethod
+from braid.errors import BackendError
+from braid.runtime.sampling_params import SamplingParams
+
+_SELECT_PARALLELISM = 8
+
+
+def sampling_params_json(sp: SamplingParams) -> dict:
+    return sp.to_dict(drop_defaults=True)
+
+
+class NativeApiBackend(Backend):
+    capabilities = ALL_CAPABILITIES
+
+    def __init__(self, chat_template: Union[None, str, ChatTemplate] = None):
+        if isinstance(chat_template, str):
+            chat_template = get_chat_template(chat_template)
+        self._chat_template_override = chat_template
+        self._chat_template: Optional[ChatTemplate] = None
+
+    # ---- transport (subclasses) -----------------------------------------------------------------
+    @abstractmethod
+    def _generate(self, body: dict) -> Any:
+        """One non-streaming generate call; returns the decoded response (dict, or list for batch input)."""
+
+    @abstractmethod
+    def _generate_stream(self, body: dict) -> Iterator[dict]:
+        """One streaming generate call; yields each chunk object (text cumulative so far)."""
+
+    @abstractmethod
+    def get_model_info(self) -> dict:
+        """{"model_path", "context_length", "vocab_size", "chat_template": str | None}"""
+
+    # ---- Backend --------------------------------------------------------------------------------
+    def get_chat_template(self) -> ChatTemplate:
+        if self._chat_template_override is not None:
+            return self._chat_template_override
+        if self._chat_template is None:
+            info = self.get_model_info()
+            self._chat_template = chat_template_for(info.get("chat_template"), info.get("model_path"))
+        return self._chat_template
+
+    def request_body(self, prompt: Prompt, sp: Union[SamplingParams, dict], logprobs: LogprobRequest = LogprobRequest(),
+                     stream: bool = False, text: Optional[str] = None) -> dict:
+        body: dict[str, Any] = {
+            "text": prompt.text if text is None else text,
+            "sampling_params": sp if isinstance(sp, dict) else sampling_params_json(sp),
+        }
+        if stream:
+            body["stream"] = True
+        if logprobs.return_logprob:
+            body["return_logprob"] = True
+            body["logprob_start_len"] = logprobs.logprob_start_len
+            body["top_logprobs_num"] = logprobs.top_logprobs_num
+        if prompt.images:
+            body["image_data"] = list(prompt.images)
+        return body
+
+    def generate(self, prompt: Prompt, sampling_params: SamplingParams,
+                 logprobs: LogprobRequest = LogprobRequest()) -> GenOutput:
+        out = _one(self._generate(self.request_body(prompt, sampling_params, logprobs)))
+        return GenOutput(out.get("text", ""), out.get("meta_info", {}))
+
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams,
+                        logprobs: LogprobRequest = LogprobRequest()) -> Iterator[tuple[str, Optional[dict]]]:
+        sent = ""
+        meta: dict = {}
+        for chunk in self._generate_stream(self.request_body(prompt, sampling_params, logprobs, stream=True)):
+            text = chunk.get("text", "")
+            delta = text[len(sent):] if text.startswith(sent) else text
+            sent = text if text.startswith(sent) else sent + text
+            meta = chunk.get("meta_info", meta)
+            if delta:
+                yield delta, None
+        yield "", meta
+
+    def prefill(self, prompt: Prompt) -> dict:
+        """A zero-token prefill of `prompt`: caches it; returns its meta_info (prompt_tokens = its length)."""
+        out = _one(self._generate(self.request_body(prompt, {"max_new_tokens": 0})))
+        return out.get("meta_info", {})
+
+    def cache_prefix(self, prompt: Prompt) -> None:
+        self.prefill(prompt)
+
+    def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoicesDecision:
+        prefix_len = int(self.prefill(prompt)["prompt_tokens"])
+        start = max(prefix_len - 1, 0)
+        scoring = {"max_new_tokens": 0, "temperature": 0.0}
+
+        def conditional(choice: str) -> list[float]:
+            body = self.request_body(prompt, scoring, LogprobRequest(True, start, 0), text=prompt.text + choice)
+            entries = _one(self._generate(body))["meta_info"]["input_token_logprobs"]
+            return _choice_logprobs(entries, prefix_len - start, choice)
+
+        def unconditional(choice: str) -> list[float]:
+            body = self.request_body(Prompt(text=choice), scoring, LogprobRequest(True, 0, 0))
+            entries = _one(self._generate(body))["meta_info"]["input_token_logprobs"]
+            return [float(lp) for lp, *_ in entries if lp is not None]
+
+        with ThreadPoolExecutor(max_workers=min(len(choices), _SELECT_PARALLELISM)) as pool:
+            token_logprobs = list(pool.map(conditional, choices))
+            uncond = list(pool.map(unconditional, choices)) if method.requires_unconditional_logprobs else None
+        decision = method(choices, token_logprobs, uncond, temperature=temperature)
+        decision.meta_info["prompt_tokens"] = prefix_len
+        return decision
+
+
+def _one(out: Any) -> dict:
+    if isinstance(out, list):
+        if not out:
+            raise BackendError("generate returned an empty list")
+        out = out[0]
+    if not isinstance(out, dict):
+        raise BackendError(f"generate returned {type(out).__name__}, expected an object")
+    return out
+
+
+def _choice_logprobs(entries: list, skip: int, choice: str) -> list[float]:
+    """Logprobs of the tokens after the prefix. When the choice's first characters merged into the
+    prefix's last token there may be none past it; then the merged token stands for the choice."""
+    tail = [float(lp) for lp, *_ in entries[skip:] if lp is not None]
+    if tail or not choice:
+        return tail
+    known = [float(lp) for lp, *_ in entries if lp is not None]
+    return known[-1:]

@@ -1,0 +1,238 @@
+"""OpenAI: any OpenAI-compatible endpoint through the official `openai` client (braid's own /v1 included).
+
+Chat models get the program's closed role blocks as messages and must generate inside an
+assistant() block. Completion models get the rendered prompt text.
+
+select: completion models score each choice from the prompt's echoed logprobs (so every choices
+method works); chat models constrain the answer to the choices: with `constrained="extra_body"`
+(default when base_url is given: braid and similar servers) through `extra_body={"regex": ...}`, with
+`constrained="response_format"` (default for api.openai.com) through a json_schema response format;
+`constrained=None` makes select (and regex/json gens) an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator, Optional, Union
+
+from braid.backends.base import (CAP_CHOICES_METHODS, CAP_FORK, CAP_GEN, CAP_IMAGE, CAP_JSON_SCHEMA, CAP_REGEX,
+                                 CAP_SELECT, CAP_STOP_TOKEN_IDS, CAP_STREAM, Backend, GenOutput, LogprobRequest,
+                                 Prompt)
+from braid.chat_template import CHATML, ChatTemplate, get_chat_template
+from braid.choices import ChoicesDecision, ChoicesMethod, choices_regex
+from braid.errors import BackendError, BackendRequestError, ProgramError
+from braid.runtime.sampling_params import SamplingParams
+
+_COMPLETION_ONLY_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002")
+_CONSTRAINED_MODES = ("extra_body", "response_format", None)
+# SamplingParams fields the openai client takes as named arguments (the rest go to extra_body)
+_NATIVE_FIELDS = {"max_new_tokens", "temperature", "top_p", "stop", "frequency_penalty", "presence_penalty", "seed",
+                  "n", "regex", "json_schema"}
+
+
+def _guess_chat(model: str) -> bool:
+    return not model.startswith(_COMPLETION_ONLY_MODELS)
+
+
+class OpenAI(Backend):
+    def __init__(self, model: str, base_url: Optional[str] = None, api_key: Optional[str] = None,
+                 is_chat_model: Optional[bool] = None, *, constrained: Union[str, None] = "auto",
+                 chat_template: Union[None, str, ChatTemplate] = None, timeout: float = 600.0, **client_kwargs: Any):
+        import openai
+
+        if api_key is None:
+            api_key = os.environ.get("OPENAI_API_KEY") or ("EMPTY" if base_url else None)
+        if api_key is None:
+            raise ProgramError("OpenAI backend needs api_key= or the OPENAI_API_KEY environment variable")
+        self.model = model
+        self.base_url = base_url
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, **client_kwargs)
+        self.is_chat_model = _guess_chat(model) if is_chat_model is None else bool(is_chat_model)
+        if constrained == "auto":
+            constrained = "extra_body" if base_url else "response_format"
+        if constrained not in _CONSTRAINED_MODES:
+            raise ProgramError(f"constrained must be 'auto', 'extra_body', 'response_format' or None, got {constrained!r}")
+        self.constrained = constrained
+        if isinstance(chat_template, str):
+            chat_template = get_chat_template(chat_template)
+        self._chat_template = chat_template or CHATML
+        self.capabilities = self._capabilities()
+
+    def _capabilities(self) -> frozenset[str]:
+        caps = {CAP_GEN, CAP_STREAM, CAP_FORK}
+        if self.base_url is not None:
+            caps.add(CAP_STOP_TOKEN_IDS)  # passed through extra_body
+        if self.constrained == "extra_body":
+            caps |= {CAP_REGEX, CAP_JSON_SCHEMA}
+        if self.is_chat_model:
+            caps.add(CAP_IMAGE)
+            if self.constrained is not None:
+                caps |= {CAP_SELECT, CAP_JSON_SCHEMA}
+        else:
+            caps |= {CAP_SELECT, CAP_CHOICES_METHODS}
+        return frozenset(caps)
+
+    def __repr__(self) -> str:
+        kind = "chat" if self.is_chat_model else "completion"
+        return f"OpenAI({self.model!r}, {kind}, base_url={self.base_url!r})"
+
+    def get_chat_template(self) -> ChatTemplate:
+        return self._chat_template
+
+    # ---- request building -----------------------------------------------------------------------
+    def _request_kwargs(self, sp: SamplingParams) -> dict:
+        kw: dict[str, Any] = {"model": self.model, "max_tokens": sp.max_new_tokens, "temperature": sp.temperature,
+                              "top_p": sp.top_p}
+        if sp.stop:
+            kw["stop"] = list(sp.stop)
+        if sp.frequency_penalty:
+            kw["frequency_penalty"] = sp.frequency_penalty
+        if sp.presence_penalty:
+            kw["presence_penalty"] = sp.presence_penalty
+        if sp.seed is not None:
+            kw["seed"] = sp.seed
+        extra: dict[str, Any] = {}
+        if self.base_url is not None:
+            extra = {k: v for k, v in sp.to_dict(drop_defaults=True).items() if k not in _NATIVE_FIELDS}
+        if sp.regex is not None:
+            extra["regex"] = sp.regex
+        if sp.json_schema is not None:
+            if self.constrained == "extra_body":
+                extra["json_schema"] = sp.json_schema
+            elif self.is_chat_model:
+                kw["response_format"] = {"type": "json_schema",
+                                         "json_schema": {"name": "output", "schema": json.loads(sp.json_schema)}}
+        if extra:
+            kw["extra_body"] = extra
+        return kw
+
+    def _messages(self, prompt: Prompt) -> list[dict]:
+        if prompt.open_role != "assistant":
+            raise ProgramError(f"{self.model} is a chat model: gen/select must be inside an assistant() block")
+        if prompt.open_role_text.strip():
+            raise ProgramError(f"{self.model} is a chat model: it cannot continue a partly written assistant message; "
+                               "put gen/select first in the assistant() block")
+        if prompt.loose_text:
+            raise ProgramError(f"{self.model} is a chat model: text outside system/user/assistant blocks would be lost")
+        return [dict(m) for m in prompt.messages]
+
+    def _call(self, fn: Any, **kwargs: Any) -> Any:
+        import openai
+
+        try:
+            return fn(**kwargs)
+        except openai.BadRequestError as e:
+            raise BackendRequestError(f"{self.model}: request rejected: {e}", 400) from None
+        except openai.APIStatusError as e:
+            if 400 <= e.status_code < 500:
+                raise BackendRequestError(f"{self.model}: request rejected ({e.status_code}): {e}", e.status_code) from None
+            raise BackendError(f"{self.model}: server error ({e.status_code}): {e}") from None
+        except openai.APIError as e:
+            raise BackendError(f"{self.model}: {e}") from None
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate(self, prompt: Prompt, sampling_params: SamplingParams,
+                 logprobs: LogprobRequest = LogprobRequest()) -> GenOutput:
+        kw = self._request_kwargs(sampling_params)
+        if self.is_chat_model:
+            resp = self._call(self.client.chat.completions.create, messages=self._messages(prompt), **kw)
+            choice = resp.choices[0]
+            text = choice.message.content or ""
+        else:
+            resp = self._call(self.client.completions.create, prompt=prompt.text, **kw)
+            choice = resp.choices[0]
+            text = choice.text or ""
+        return GenOutput(text, _meta(resp, choice.finish_reason))
+
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams,
+                        logprobs: LogprobRequest = LogprobRequest()) -> Iterator[tuple[str, Optional[dict]]]:
+        kw = self._request_kwargs(sampling_params)
+        if self.is_chat_model:
+            stream = self._call(self.client.chat.completions.create, messages=self._messages(prompt), stream=True, **kw)
+        else:
+            stream = self._call(self.client.completions.create, prompt=prompt.text, stream=True, **kw)
+        finish, rid = None, None
+        for chunk in stream:
+            rid = chunk.id or rid
+            if not chunk.choices:
+                continue
+            c = chunk.choices[0]
+            delta = (c.delta.content if self.is_chat_model else c.text) or ""
+            finish = c.finish_reason or finish
+            if delta:
+                yield delta, None
+        yield "", {"id": rid, "finish_reason": {"type": _finish_type(finish), "matched": None}}
+
+    # ---- select ---------------------------------------------------------------------------------
+    def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoicesDecision:
+        self.require(CAP_SELECT, "select")
+        if not self.is_chat_model:
+            return self._select_by_logprobs(prompt, choices, temperature, method)
+        return self._select_constrained(prompt, choices, temperature)
+
+    def _echo_logprobs(self, text: str, start_char: int) -> list[float]:
+        """Logprobs of the tokens of `text` that start at or after character `start_char`."""
+        base = dict(model=self.model, prompt=text, echo=True, logprobs=1, temperature=0.0)
+        try:
+            resp = self._call(self.client.completions.create, max_tokens=0, **base)
+        except BackendRequestError:  # endpoints that refuse max_tokens=0
+            resp = self._call(self.client.completions.create, max_tokens=1, **base)
+        lp = resp.choices[0].logprobs
+        if lp is None or lp.token_logprobs is None:
+            raise BackendError(f"{self.model} returned no prompt logprobs; select needs echo+logprobs support")
+        pairs = [(off, v) for off, v in zip(lp.text_offset, lp.token_logprobs) if off < len(text)]
+        tail = [float(v) for off, v in pairs if off >= start_char and v is not None]
+        if not tail:  # the choice merged into the token that straddles the boundary
+            tail = [float(v) for off, v in pairs if off < start_char and v is not None][-1:]
+        return tail
+
+    def _select_by_logprobs(self, prompt, choices, temperature, method) -> ChoicesDecision:
+        if prompt.images:
+            raise ProgramError("select with images needs a chat model")
+        token_logprobs = [self._echo_logprobs(prompt.text + c, len(prompt.text)) for c in choices]
+        uncond = None
+        if method.requires_unconditional_logprobs:
+            uncond = [self._echo_logprobs(c, 0) for c in choices]
+        return method(choices, token_logprobs, uncond, temperature=temperature)
+
+    def _select_constrained(self, prompt, choices, temperature) -> ChoicesDecision:
+        kw: dict[str, Any] = {"model": self.model, "messages": self._messages(prompt), "temperature": temperature,
+                              "max_tokens": 16 + max(len(c) for c in choices)}
+        if self.constrained == "extra_body":
+            kw["extra_body"] = {"regex": choices_regex(choices)}
+        else:
+            schema = {"type": "object", "properties": {"choice": {"type": "string", "enum": choices}},
+                      "required": ["choice"], "additionalProperties": False}
+            kw["response_format"] = {"type": "json_schema",
+                                     "json_schema": {"name": "choice", "schema": schema, "strict": True}}
+        resp = self._call(self.client.chat.completions.create, **kw)
+        raw = resp.choices[0].message.content or ""
+        answer = raw
+        if self.constrained == "response_format":
+            try:
+                answer = json.loads(raw)["choice"]
+            except (ValueError, KeyError, TypeError):
+                raise BackendError(f"{self.model} did not follow the choice schema: {raw!r}") from None
+        if answer not in choices:
+            stripped = answer.strip()
+            if stripped not in choices:
+                raise BackendError(f"{self.model} answered {raw!r}, which is not one of {choices}")
+            answer = stripped
+        index = choices.index(answer)
+        scores = [0.0 if i == index else float("-inf") for i in range(len(choices))]
+        return ChoicesDecision(answer, index, scores, {"choices_method": "constrained", "raw": raw, **_meta(resp, None)})
+
+
+def _finish_type(reason: Optional[str]) -> str:
+    return {"stop": "stop", "length": "length", None: "stop"}.get(reason, reason)
+
+
+def _meta(resp: Any, finish_reason: Optional[str]) -> dict:
+    usage = getattr(resp, "usage", None)
+    meta: dict[str, Any] = {"id": getattr(resp, "id", None),
+                            "finish_reason": {"type": _finish_type(finish_reason), "matched": None}}
+    if usage is not None:
+        meta["prompt_tokens"] = usage.prompt_tokens
+        meta["completion_tokens"] = usage.completion_tokens
+    return meta

@@ -1,0 +1,149 @@
+"""Runtime: spawn `python -m braid.launch_server` on a free port and talk to it as a RuntimeEndpoint.
+
+    runtime = braid.Runtime(model_path="smollm2", max_total_tokens=4096)
+    braid.set_default_backend(runtime)
+    ...
+    runtime.shutdown()  # also done at interpreter exit
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+from braid.backends.runtime_endpoint import RuntimeEndpoint
+from braid.errors import ServerStartError
+
+DEFAULT_STARTUP_TIMEOUT_S = 300.0
+_LOG_TAIL_LINES = 40
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def server_args_to_cli(server_args: dict[str, Any]) -> list[str]:
+    """{"max_total_tokens": 4096, "disable_radix_cache": True} -> ["--max-total-tokens", "4096", "--disable-radix-cache"].
+    True booleans become bare flags; False and None are left out; lists repeat their values."""
+    import json
+
+    out: list[str] = []
+    for key, value in server_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, (list, tuple)):
+            out.extend([flag, *map(str, value)])
+        elif isinstance(value, dict):
+            out.extend([flag, json.dumps(value)])
+        else:
+            out.extend([flag, str(value)])
+    return out
+
+
+class Runtime:
+    def __init__(self, model_path: str = "smollm2", *, host: str = "127.0.0.1", port: Optional[int] = None,
+                 api_key: Optional[str] = None, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 log_path: Optional[str] = None, python: Optional[str] = None, env: Optional[dict] = None,
+                 **server_args: Any):
+        self.model_path = model_path
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.api_key = api_key
+        args = {"model_path": model_path, "host": host, "port": self.port, "api_key": api_key, **server_args}
+        self.command = [python or sys.executable, "-m", "braid.launch_server", *server_args_to_cli(args)]
+
+        if log_path is None:
+            fd, log_path = tempfile.mkstemp(prefix="braid-server-", suffix=".log")
+            os.close(fd)
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self._process: Optional[subprocess.Popen] = subprocess.Popen(
+            self.command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
+        )
+        atexit.register(self.shutdown)
+        self.endpoint = RuntimeEndpoint(self.url, api_key=api_key)
+        try:
+            self._wait_healthy(startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        delay = 0.1
+        while True:
+            code = self._process.poll()
+            if code is not None:
+                raise ServerStartError(f"braid server exited with code {code} before becoming healthy.\n"
+                                       f"command: {' '.join(self.command)}\nlog tail ({self.log_path}):\n{self.log_tail()}")
+            if self.endpoint.health(timeout=2.0):
+                return
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"braid server not healthy after {timeout:.0f}s at {self.url}.\n"
+                                       f"log tail ({self.log_path}):\n{self.log_tail()}")
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+
+    def log_tail(self, lines: int = _LOG_TAIL_LINES) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"".join(f.readlines()[-lines:]).decode("utf-8", "replace")
+        except OSError:
+            return "(log unavailable)"
+
+    @property
+    def alive(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def shutdown(self, timeout: float = 15.0) -> None:
+        proc, self._process = self._process, None
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    proc.kill()
+                proc.wait()
+        if not self._log.closed:
+            self._log.close()
+        atexit.unregister(self.shutdown)
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---- delegation -----------------------------------------------------------------------------
+    def get_server_info(self) -> dict:
+        return self.endpoint.get_server_info()
+
+    def get_model_info(self) -> dict:
+        return self.endpoint.get_model_info()
+
+    def flush_cache(self) -> None:
+        self.endpoint.flush_cache()
+
+    def __repr__(self) -> str:
+        return f"Runtime({self.model_path!r}, url={self.url!r}, alive={self.alive})"

@@ -1,0 +1,203 @@
+"""RuntimeEndpoint: a braid server reached over HTTP (native API).
+
+Sync calls use `requests` (one Session per thread); streaming and the async methods use `aiohttp`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from typing import Any, AsyncIterator, Iterator, Optional, Union
+
+from braid.backends.base import GenOutput, LogprobRequest, Prompt
+from braid.backends.native import NativeApiBackend
+from braid.chat_template import ChatTemplate
+from braid.errors import BackendError, BackendRequestError
+from braid.runtime.sampling_params import SamplingParams
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class RuntimeEndpoint(NativeApiBackend):
+    def __init__(self, base_url: str, api_key: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT_S,
+                 chat_template: Union[None, str, ChatTemplate] = None):
+        super().__init__(chat_template)
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.timeout = timeout
+        self._local = threading.local()
+        self._model_info: Optional[dict] = None
+
+    def __repr__(self) -> str:
+        return f"RuntimeEndpoint({self.base_url!r})"
+
+    # ---- sync transport -------------------------------------------------------------------------
+    def _headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _session(self):
+        session = getattr(self._local, "session", None)
+        if session is None:
+            import requests
+
+            session = self._local.session = requests.Session()
+        return session
+
+    def _request(self, method: str, path: str, body: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
+        import requests
+
+        url = self.base_url + path
+        try:
+            resp = self._session().request(method, url, json=body, headers=self._headers(),
+                                           timeout=timeout or self.timeout)
+        except requests.RequestException as e:
+            raise BackendError(f"cannot reach braid server at {url}: {e}") from None
+        return _decode(resp.status_code, resp.text, url)
+
+    def _generate(self, body: dict) -> Any:
+        return self._request("POST", "/generate", body)
+
+    def _generate_stream(self, body: dict) -> Iterator[dict]:
+        return _drive(self._astream("/generate", body))
+
+    # ---- async transport ------------------------------------------------------------------------
+    def _client_timeout(self):
+        import aiohttp
+
+        return aiohttp.ClientTimeout(total=self.timeout)
+
+    async def _apost(self, path: str, body: dict) -> Any:
+        import aiohttp
+
+        url = self.base_url + path
+        try:
+            async with aiohttp.ClientSession(timeout=self._client_timeout()) as session:
+                async with session.post(url, json=body, headers=self._headers()) as resp:
+                    return _decode(resp.status, await resp.text(), url)
+        except aiohttp.ClientError as e:
+            raise BackendError(f"cannot reach braid server at {url}: {e}") from None
+
+    async def _astream(self, path: str, body: dict) -> AsyncIterator[dict]:
+        """Each `data: {...}` object of an SSE response, until `data: [DONE]`."""
+        import aiohttp
+
+        url = self.base_url + path
+        try:
+            async with aiohttp.ClientSession(timeout=self._client_timeout()) as session:
+                async with session.post(url, json=body, headers=self._headers()) as resp:
+                    if resp.status >= 400:
+                        _decode(resp.status, await resp.text(), url)
+                    buffer = b""
+                    async for piece in resp.content.iter_any():
+                        buffer += piece
+                        *lines, buffer = buffer.split(b"\n")
+                        for line in lines:
+                            obj = _sse_object(line)
+                            if obj is _DONE:
+                                return
+                            if obj is not None:
+                                yield obj
+                    obj = _sse_object(buffer)
+                    if obj is not None and obj is not _DONE:
+                        yield obj
+        except aiohttp.ClientError as e:
+            raise BackendError(f"cannot reach braid server at {url}: {e}") from None
+
+    async def agenerate(self, prompt: Prompt, sampling_params: SamplingParams,
+                        logprobs: LogprobRequest = LogprobRequest()) -> GenOutput:
+        from braid.backends.native import _one
+
+        out = _one(await self._apost("/generate", self.request_body(prompt, sampling_params, logprobs)))
+        return GenOutput(out.get("text", ""), out.get("meta_info", {}))
+
+    async def agenerate_stream(self, prompt: Prompt, sampling_params: SamplingParams,
+                               logprobs: LogprobRequest = LogprobRequest()) -> AsyncIterator[tuple[str, Optional[dict]]]:
+        """Async twin of generate_stream: (delta, None) pieces, then ("", meta_info)."""
+        sent, meta = "", {}
+        async for chunk in self._astream("/generate", self.request_body(prompt, sampling_params, logprobs, stream=True)):
+            text = chunk.get("text", "")
+            delta = text[len(sent):] if text.startswith(sent) else text
+            sent = text if text.startswith(sent) else sent + text
+            meta = chunk.get("meta_info", meta)
+            if delta:
+                yield delta, None
+        yield "", meta
+
+    # ---- server routes --------------------------------------------------------------------------
+    def get_model_info(self) -> dict:
+        if self._model_info is None:
+            self._model_info = self._request("GET", "/get_model_info")
+        return self._model_info
+
+    def get_server_info(self) -> dict:
+        return self._request("GET", "/get_server_info")
+
+    def health(self, timeout: float = 5.0) -> bool:
+        try:
+            self._request("GET", "/health", timeout=timeout)
+            return True
+        except (BackendError, BackendRequestError):
+            return False
+
+    def flush_cache(self) -> None:
+        self._request("POST", "/flush_cache")
+
+
+_DONE = object()
+
+
+def _sse_object(line: bytes) -> Any:
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return _DONE
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        raise BackendError(f"malformed server-sent event: {data[:200]!r}") from None
+    if isinstance(obj, dict) and "error" in obj:
+        _raise_error(obj, 400 if obj.get("error", {}).get("type") == "invalid_request_error" else 500, "stream")
+    return obj
+
+
+def _raise_error(payload: Any, status: int, url: str) -> None:
+    message, param = f"HTTP {status}", None
+    if isinstance(payload, dict):
+        err = payload.get("error", payload)
+        if isinstance(err, dict):
+            message = err.get("message") or message
+            param = err.get("param")
+        elif isinstance(err, str):
+            message = err
+    if 400 <= status < 500:
+        raise BackendRequestError(f"server rejected the request ({status}): {message}", status, param)
+    raise BackendError(f"server error ({status}) at {url}: {message}")
+
+
+def _decode(status: int, text: str, url: str) -> Any:
+    try:
+        payload = json.loads(text) if text else None
+    except ValueError:
+        payload = None
+    if status >= 400:
+        _raise_error(payload if payload is not None else {"error": {"message": text[:500]}}, status, url)
+    return text if payload is None else payload  # non-JSON answers (e.g. /health) come back as text
+
+
+def _drive(agen: AsyncIterator[Any]) -> Iterator[Any]:
+    """Iterate an async generator from synchronous code on a private event loop."""
+    loop = asyncio.new_event_loop()
+    try:
+        while True:
+            try:
+                yield loop.run_until_complete(agen.__anext__())
+            except StopAsyncIteration:
+                return
+    finally:
+        loop.run_until_complete(agen.aclose())
+        loop.close()

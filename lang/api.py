@@ -1,0 +1,151 @@
+"""The language's public constructors: function, gen, select, image, video, roles."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Union
+
+from braid import ir
+from braid.choices import ChoicesMethod, resolve_choices_method, token_length_normalized
+from braid.defaults import resolve_backend
+from braid.errors import ProgramError
+from braid.media import image_to_data_url, video_to_frame_data_urls
+from braid.program import BraidFunction
+from braid.runtime.sampling_params import SamplingParams
+from braid.sampling import dtype_regex, merge, pick_sampling_keywords, schema_to_json, to_field_overrides
+
+
+def function(func: Optional[Callable] = None, **default_sampling: Any) -> Any:
+    """`@braid.function` or `@braid.function(temperature=0, max_tokens=64)` (sampling defaults for
+    every gen of the program; run()'s keywords override them, gen's own override both)."""
+    if func is None:
+        return lambda f: BraidFunction(f, default_sampling=default_sampling)
+    return BraidFunction(func, default_sampling=default_sampling)
+
+
+def gen(
+    name: Optional[str] = None,
+    max_tokens: Optional[int] = None,
+    stop: Union[None, str, list[str]] = None,
+    stop_token_ids: Optional[list[int]] = None,
+    temperature: Optional[float] = None,
+    top_p: Optional[float] = None,
+    top_k: Optional[int] = None,
+    min_p: Optional[float] = None,
+    frequency_penalty: Optional[float] = None,
+    presence_penalty: Optional[float] = None,
+    ignore_eos: Optional[bool] = None,
+    return_logprob: bool = False,
+    logprob_start_len: Optional[int] = None,
+    top_logprobs_num: Optional[int] = None,
+    dtype: Optional[type] = None,
+    regex: Optional[str] = None,
+    json_schema: Any = None,
+    choices: Optional[Sequence[str]] = None,
+    choices_method: Union[ChoicesMethod, str, None] = None,
+    **more_sampling: Any,
+) -> ir.Node:
+    """Generate text into variable `name`. Sampling keywords left None inherit the program's defaults;
+    any other SamplingParams field (seed, repetition_penalty, min_new_tokens, ...) goes in **more_sampling.
+    dtype (int, float, bool, str) constrains the output with a regex and converts the variable.
+    json_schema: a dict, a JSON string or a pydantic model class. choices: makes this a select()."""
+    if choices is not None:
+        return select(name, choices, temperature=temperature or 0.0,
+                      choices_method=choices_method or token_length_normalized)
+    keywords = pick_sampling_keywords(locals())
+    keywords.update(more_sampling)
+    if json_schema is not None:
+        keywords["json_schema"] = schema_to_json(json_schema)
+    if dtype is not None:
+        if regex is not None or json_schema is not None:
+            raise ProgramError("gen: dtype cannot be combined with regex or json_schema")
+        keywords["regex"] = dtype_regex(dtype)
+    sampling = to_field_overrides(keywords)
+    if sampling.get("n", 1) != 1:
+        raise ProgramError("gen produces one sample; fork the state for several")
+    merge(SamplingParams(), sampling)  # invalid values fail here, in the program's thread
+    if name is not None and not isinstance(name, str):
+        raise ProgramError(f"gen name must be a string, got {name!r}")
+    if top_logprobs_num is not None and (not isinstance(top_logprobs_num, int) or top_logprobs_num < 0):
+        raise ProgramError(f"top_logprobs_num must be a non-negative integer, got {top_logprobs_num!r}")
+    return ir.Gen(name, sampling, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                  top_logprobs_num=top_logprobs_num, dtype=dtype)
+
+
+def gen_int(name: Optional[str] = None, **kwargs: Any) -> ir.Node:
+    return gen(name, dtype=int, **kwargs)
+
+
+def gen_string(name: Optional[str] = None, **kwargs: Any) -> ir.Node:
+    return gen(name, dtype=str, **kwargs)
+
+
+def select(name: Optional[str] = None, choices: Optional[Sequence[str]] = None, temperature: float = 0.0,
+           choices_method: Union[ChoicesMethod, str, None] = token_length_normalized) -> ir.Node:
+    """Append whichever of `choices` the model finds likeliest (see braid.choices for the methods);
+    temperature > 0 samples among them instead."""
+    if choices is None or isinstance(choices, str) or len(choices) == 0:
+        raise ProgramError("select needs a non-empty list of choices")
+    choices = list(choices)
+    bad = [c for c in choices if not isinstance(c, str)]
+    if bad:
+        raise ProgramError(f"select choices must be strings, got {bad[0]!r}")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ProgramError(f"select temperature must be >= 0, got {temperature!r}")
+    return ir.Select(name, choices, float(temperature), resolve_choices_method(choices_method))
+
+
+def image(source: Any) -> ir.Node:
+    """An image: a path, http(s) URL, data URL, bytes or PIL.Image."""
+    return ir.Image(image_to_data_url(source))
+
+
+def video(path: Any, num_frames: int) -> ir.Node:
+    """`num_frames` evenly spaced frames of a video (file, frame folder or list of images)."""
+    return ir.Video(video_to_frame_data_urls(path, num_frames), source=str(path))
+
+
+def _role(role: str, expr: Any) -> ir.Node:
+    if expr is None:
+        return ir.Concat([ir.RoleBegin(role), ir.RoleEnd(role)])
+    return ir.Concat([ir.RoleBegin(role), ir.as_node(expr), ir.RoleEnd(role)])
+
+
+def system(expr: Any = None) -> ir.Node:
+    return _role("system", expr)
+
+
+def user(expr: Any = None) -> ir.Node:
+    return _role("user", expr)
+
+
+def assistant(expr: Any = None) -> ir.Node:
+    return _role("assistant", expr)
+
+
+def system_begin() -> ir.Node:
+    return ir.RoleBegin("system")
+
+
+def system_end() -> ir.Node:
+    return ir.RoleEnd("system")
+
+
+def user_begin() -> ir.Node:
+    return ir.RoleBegin("user")
+
+
+def user_end() -> ir.Node:
+    return ir.RoleEnd("user")
+
+
+def assistant_begin() -> ir.Node:
+    return ir.RoleBegin("assistant")
+
+
+def assistant_end() -> ir.Node:
+    return ir.RoleEnd("assistant")
+
+
+def flush_cache(backend: Any = None) -> None:
+    """Drop the backend's cached prefixes."""
+    resolve_backend(backend).flush_cache()

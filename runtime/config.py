@@ -1,0 +1,127 @@
+"""ServerArgs: every knob of the runtime, one frozen dataclass; the CLI is generated from its fields."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def _opt(default, help: str, choices=None):
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    # ---- model ----
+    model_path: str = _opt("smollm2", "HF folder, .gguf file, or 'smollm2' (the embedded SmolLM2-135M-Instruct)")
+    tokenizer_path: Optional[str] = _opt(None, "tokenizer folder/file; defaults to the model's")
+    load_format: str = _opt("auto", "weight format", ["auto", "safetensors", "gguf", "dummy"])
+    model_config: Optional[str] = _opt(None, "config.json (path or inline JSON) for --load-format dummy; overrides the model's config")
+    dtype: str = _opt("auto", "weights and activations dtype (auto: bf16 on GPU, fp32 on CPU)",
+                      ["auto", "float32", "bfloat16", "float16"])
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype", ["auto", "float32", "bfloat16", "float16", "fp8_e5m2", "fp8_e4m3"])
+    device: str = _opt("auto", "cpu, cuda or auto")
+    context_length: Optional[int] = _opt(None, "override the model's context length")
+    trust_remote_code: bool = _opt(False, "unused; kept for CLI compatibility")
+    served_model_name: Optional[str] = _opt(None, "model name reported by the API")
+    random_seed: int = _opt(0, "seed for dummy weights and unseeded sampling")
+
+    # ---- memory and scheduling ----
+    max_total_tokens: Optional[int] = _opt(None, "KV pool size in tokens (default: from mem_fraction_static on GPU, 65536 on CPU)")
+    mem_fraction_static: float = _opt(0.85, "fraction of GPU memory for weights + KV pool")
+    max_running_requests: int = _opt(256, "max requests decoding at once")
+    max_prefill_tokens: int = _opt(16384, "max new tokens in one extend batch")
+    chunked_prefill_size: int = _opt(4096, "split prompts longer than this over several extend steps (-1: off)")
+    schedule_policy: str = _opt("lpm", "waiting-queue order", ["lpm", "fcfs"])
+    schedule_conservativeness: float = _opt(1.0, "how much decode headroom to reserve when admitting")
+    disable_radix_cache: bool = _opt(False, "use the chunk cache (no prefix sharing across requests)")
+
+    # ---- kernels ----
+    attention_backend: Optional[str] = _opt(None, "torch, triton or flashinfer (default: triton on GPU, torch on CPU)",
+                                            ["torch", "triton", "flashinfer"])
+    disable_cuda_graph: bool = _opt(False, "run decode eagerly")
+    cuda_graph_max_bs: int = _opt(160, "largest decode batch captured in a CUDA graph")
+    enable_torch_compile: bool = _opt(False, "torch.compile the model's non-attention parts")
+    torch_compile_max_bs: int = _opt(32, "largest batch compiled")
+    tp_size: int = _opt(1, "tensor-parallel degree")
+
+    # ---- constrained decoding ----
+    constrained_json_whitespace_pattern: Optional[str] = _opt(None, "regex for whitespace allowed in JSON output (default: compact)")
+    disable_jump_forward: bool = _opt(False, "sample every token of a constrained output")
+    grammar_timeout_s: float = _opt(10.0, "give up compiling a regex/schema after this long")
+
+    # ---- server ----
+    host: str = _opt("127.0.0.1", "HTTP host")
+    port: int = _opt(30000, "HTTP port")
+    api_key: Optional[str] = _opt(None, "require 'Authorization: Bearer <key>' on every route but /health")
+    max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted")
+    shutdown_timeout_s: float = _opt(10.0, "on SIGTERM, wait this long for in-flight requests")
+    log_level: str = _opt("info", "logging level")
+    log_requests: bool = _opt(False, "log every request")
+
+    def __post_init__(self):
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            raise ValueError("chunked_prefill_size must be -1 or >= 1")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError("max_total_tokens must be >= 16")
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.tp_size < 1:
+            raise ValueError("tp_size must be >= 1")
+
+    # ---- derived ----
+    @property
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    def model_config_overrides(self) -> Optional[dict]:
+        if self.model_config is None:
+            return None
+        text = self.model_config
+        if not text.lstrip().startswith("{"):
+            with open(text) as f:
+                text = f.read()
+        return json.loads(text)
+
+    def replace(self, **kw) -> "ServerArgs":
+        return dataclasses.replace(self, **kw)
+
+    # ---- CLI ----
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            typ = hints[f.name]
+            if typ is bool:
+                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                continue
+            base = typing.get_args(typ)[0] if typing.get_origin(typ) is typing.Union else typ
+            parser.add_argument(flag, type=base, default=f.default, choices=f.metadata.get("choices"), help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    @classmethod
+    def from_kwargs(cls, **kw) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kw) - names)
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {', '.join(unknown)}")
+        return cls(**kw)

@@ -1,0 +1,157 @@
+"""The runtime's vocabulary: requests, forward modes and the batch one forward pass consumes.
+
+Field comments say who fills each field.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from braid.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from braid.runtime.layers.attention.base import AttentionBackend
+    from braid.runtime.mem_cache.pools import KVPool, ReqToTokenPool
+
+__all__ = ["SamplingParams", "ForwardMode", "FinishReason", "Req", "ReqOutput", "ForwardBatch"]
+
+
+class ForwardMode(enum.IntEnum):
+    EXTEND = 1  # prefill of new tokens on top of a cached prefix (also mixed extend+decode)
+    DECODE = 2  # one token per request
+    IDLE = 3
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_extend(self) -> bool:
+        return self == ForwardMode.EXTEND
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort"
+    matched: Any = None  # the stop token id (int) or stop string (str) that ended it
+    message: Optional[str] = None  # for aborts caused by errors
+
+    def to_json(self) -> dict:
+        d = {"type": self.type, "matched": self.matched}
+        if self.message is not None:
+            d["message"] = self.message
+        return d
+
+
+@dataclass
+class Req:
+    # ---- filled by the submitter (Engine / server) ----
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no prompt logprobs; else prompt tokens from this index
+    top_logprobs_num: int = 0
+    stream: bool = False
+    index: int = 0  # choice index for n > 1
+    is_internal: bool = False  # the shared-prompt prefill of an n > 1 request: never reported
+
+    # ---- filled by the scheduler ----
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: Optional[int] = None
+    prefix_indices: Optional[torch.Tensor] = None  # KV slots of the matched/computed prefix
+    last_node: Any = None  # radix node locked for this request
+    cached_tokens: int = 0  # prompt tokens served from the radix cache (reported to the user)
+    kv_committed_len: int = 0  # tokens of fill_ids whose KV lives in req_to_token
+    fill_ids: list[int] = field(default_factory=list)  # input_ids + output_ids being/been computed
+    extend_input_len: int = 0  # tokens this step extends by
+    is_chunked: bool = False  # mid-way through a chunked prefill
+    finished_reason: Optional[FinishReason] = None
+    retracted_count: int = 0
+    grammar: Any = None  # constrained-decoding state (braid.runtime.constrained)
+    jump_forward_tokens: int = 0  # completion tokens appended by jump-forward (not sampled)
+    # torch.Generator for seeded sampling
+    generator: Optional[torch.Generator] = None
+    # computed-through-model counters
+    num_computed_prompt_tokens: int = 0
+
+    # ---- logprobs (filled by the scheduler) ----
+    output_token_logprobs: list = field(default_factory=list)  # [(logprob, token_id)]
+    output_top_logprobs: list = field(default_factory=list)  # [[(logprob, token_id), ...]]
+    input_token_logprobs: Optional[list] = None  # [(logprob|None, token_id)] from logprob_start_len
+    input_top_logprobs: Optional[list] = None
+
+    # ---- timings ----
+    created_time: float = field(default_factory=time.time)
+    first_token_time: Optional[float] = None
+
+    # ---- the scheduler keeps these up to date for the output side ----
+    sent_offset: int = 0  # output_ids already sent to the client
+    dirty_offset: Optional[int] = None  # jump-forward rewrote output_ids from here on
+    sent_logprob_offset: int = 0
+    sent_input_logprobs: bool = False
+    input_logprobs_partial: Optional[tuple] = None  # prompt logprobs accumulated across prefill chunks
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    def all_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+
+@dataclass
+class ForwardBatch:
+    """Built by the scheduler/ModelRunner; attention backends attach their own metadata."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64, rows of req_to_token
+    seq_lens: torch.Tensor  # [B] int32, total tokens per request after this pass
+    out_cache_loc: torch.Tensor  # [T] int64, KV slots written by this pass
+    seq_lens_cpu: list[int]
+    # EXTEND only
+    extend_prefix_lens: Optional[torch.Tensor] = None  # [B] int32
+    extend_seq_lens: Optional[torch.Tensor] = None  # [B] int32
+    extend_start_loc: Optional[torch.Tensor] = None  # [B] int32, offset of each request in T
+    extend_prefix_lens_cpu: Optional[list[int]] = None
+    extend_seq_lens_cpu: Optional[list[int]] = None
+    # filled by ModelRunner
+    req_to_token_pool: Optional["ReqToTokenPool"] = None
+    token_to_kv_pool: Optional["KVPool"] = None
+    attn_backend: Optional["AttentionBackend"] = None
+    # logits: which rows of the hidden states need logits ([N] int64 into T); None -> last per request
+    logits_indices: Optional[torch.Tensor] = None
+    # multimodal inputs (models that take them read what they need)
+    mm_inputs: Optional[list] = None
+    # attention-backend-specific metadata
+    attn_metadata: Any = None
+
+
+@dataclass
+class ReqOutput:
+    """What the scheduler reports for a request that advanced (streaming) or finished."""
+
+    rid: str
+    index: int  # choice index for n > 1
+    output_ids_offset: int  # new_token_ids replace the output from this position (jump-forward may rewrite recent ids)
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: Optional[dict]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    completion_tokens_wo_jump_forward: int
+    output_token_logprobs: Optional[list] = None  # new [(logprob, id)]
+    output_top_logprobs: Optional[list] = None
+    input_token_logprobs: Optional[list] = None  # first report only
+    input_top_logprobs: Optional[list] = None

@@ -1,0 +1,193 @@
+"""Engine: the offline, in-process entry point. Owns a Scheduler driven by a background thread."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from typing import Iterator, Optional, Union
+
+from braid.runtime.config import ServerArgs
+from braid.runtime.core import Req
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.detokenizer import OutputAccumulator
+
+logger = logging.getLogger(__name__)
+
+
+class _Pending:
+    def __init__(self, rid: str, n: int, tokenizer, sp: SamplingParams, return_logprob: bool, stream: bool):
+        self.accs = [OutputAccumulator(rid, tokenizer, sp, return_logprob) for _ in range(n)]
+        self.events: "queue.Queue" = queue.Queue()
+        self.stream = stream
+        self.remaining = n
+
+
+class Engine:
+    """`Engine(model_path="smollm2", **server_args)`; `generate(...)` takes one prompt or a list."""
+
+    def __init__(self, model_path: str = "smollm2", **kwargs):
+        from braid.runtime.scheduler.scheduler import Scheduler
+
+        self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        logging.basicConfig(level=self.server_args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.scheduler = Scheduler(self.server_args)
+        self.tokenizer = self.scheduler.tokenizer
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list = []
+        self._pending: dict[str, _Pending] = {}
+        self._closed = False
+        self._error: Optional[BaseException] = None
+        self._counter = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="braid-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- context manager ----
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ---- the scheduler thread ----
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while True:
+            with self._wake:
+                while not self._inbox and not sched.has_work() and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                inbox, self._inbox = self._inbox, []
+            for kind, payload in inbox:
+                if kind == "add":
+                    req, pending = payload
+                    try:
+                        sched.add_request(req)
+                    except Exception as e:  # noqa: BLE001 - handed to the caller
+                        pending.events.put(("error", e))
+                elif kind == "abort":
+                    sched.abort_request(payload)
+                else:
+                    fn, box = payload
+                    try:
+                        box.put(("ok", fn()))
+                    except Exception as e:  # noqa: BLE001
+                        box.put(("error", e))
+            try:
+                outputs = sched.step()
+            except BaseException as e:  # a bug: fail every waiting caller rather than hang them
+                logger.exception("scheduler step failed")
+                self._error = e
+                for p in list(self._pending.values()):
+                    p.events.put(("error", e))
+                return
+            for out in outputs:
+                p = self._pending.get(out.rid)
+                if p is not None:
+                    p.events.put(("out", out))
+
+    def _call(self, fn):
+        box: "queue.Queue" = queue.Queue()
+        with self._wake:
+            self._inbox.append(("call", (fn, box)))
+            self._wake.notify()
+        kind, value = box.get()
+        if kind == "error":
+            raise value
+        return value
+
+    # ---- API ----
+    def generate(self, prompt: Union[None, str, list[str]] = None, sampling_params: Union[None, dict, list, SamplingParams] = None,
+                 input_ids=None, return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 stream: bool = False, rid: Optional[str] = None):
+        batch = isinstance(prompt, list) or (input_ids is not None and len(input_ids) > 0 and isinstance(input_ids[0], list))
+        prompts = prompt if isinstance(prompt, list) else [prompt] if prompt is not None else None
+        ids_list = input_ids if (input_ids is not None and batch) else [input_ids] if input_ids is not None else None
+        if prompts is None and ids_list is None:
+            raise ValueError("generate() needs prompt or input_ids")
+        count = len(prompts) if prompts is not None else len(ids_list)
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * count
+        if len(sps) != count:
+            raise ValueError("sampling_params list must match the number of prompts")
+        if stream and count != 1:
+            raise ValueError("stream=True takes a single prompt")
+        pendings = []
+        for i in range(count):
+            sp = sps[i] if isinstance(sps[i], SamplingParams) else SamplingParams.from_dict(sps[i])
+            ids = ids_list[i] if ids_list is not None else self.tokenizer.encode(prompts[i])
+            r = rid if (rid and count == 1) else f"{rid or uuid.uuid4().hex}-{next(self._counter)}"
+            req = Req(rid=r, input_ids=list(ids), sampling_params=sp, return_logprob=return_logprob,
+                      logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream)
+            pending = _Pending(r, sp.n, self.tokenizer, sp, return_logprob, stream)
+            pendings.append(pending)
+            with self._wake:
+                if self._error is not None:
+                    raise RuntimeError("the engine's scheduler failed earlier") from self._error
+                self._pending[r] = pending
+                self._inbox.append(("add", (req, pending)))
+                self._wake.notify()
+        if stream:
+            return self._stream(pendings[0])
+        results = []
+        for p in pendings:
+            results.extend(self._wait(p))
+        return results if (batch or len(results) > 1) else results[0]
+
+    def _next_event(self, p: _Pending):
+        kind, value = p.events.get()
+        if kind == "error":
+            self._pending.pop(p.accs[0].rid, None)
+            raise value
+        return value
+
+    def _wait(self, p: _Pending) -> list[dict]:
+        while p.remaining:
+            out = self._next_event(p)
+            acc = p.accs[out.index]
+            acc.add(out)
+            if out.finished:
+                p.remaining -= 1
+        self._pending.pop(p.accs[0].rid, None)
+        return [a.result() for a in p.accs]
+
+    def _stream(self, p: _Pending) -> Iterator[dict]:
+        try:
+            while p.remaining:
+                out = self._next_event(p)
+                acc = p.accs[out.index]
+                delta = acc.add(out)
+                if out.finished:
+                    p.remaining -= 1
+                res = acc.result()
+                res["delta"] = delta
+                res["index"] = out.index
+                yield res
+        finally:
+            if p.remaining:
+                self.abort(p.accs[0].rid)
+            self._pending.pop(p.accs[0].rid, None)
+
+    def abort(self, rid: str) -> None:
+        with self._wake:
+            self._inbox.append(("abort", rid))
+            self._wake.notify()
+
+    def flush_cache(self) -> bool:
+        return self._call(self.scheduler.flush_cache)
+
+    def get_stats(self) -> dict:
+        return self._call(self.scheduler.get_stats)
+
+    def shutdown(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=10)
+        gb = self.scheduler._grammar_backend
+        if gb is not None:
+            gb.shutdown()

@@ -1,0 +1,80 @@
+"""The reference attention backend: plain PyTorch over the gathered paged KV. Runs on CPU and GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from braid.runtime.layers.attention.base import AttentionBackend
+
+
+def _scores_to_probs(scores: torch.Tensor, mask: torch.Tensor, logit_cap: float) -> torch.Tensor:
+    if logit_cap > 0:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+class TorchAttnBackend(AttentionBackend):
+    def __init__(self, model_runner=None):
+        self.model_runner = model_runner
+
+    def _save(self, layer, fb, k, v, save_kv_cache):
+        if save_kv_cache:
+            fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc,
+                                              k.view(-1, layer.num_kv_heads, layer.head_dim),
+                                              v.view(-1, layer.num_kv_heads, layer.v_head_dim) if v is not None else None)
+
+    def _kv(self, layer, fb, slots: torch.Tensor, dtype):
+        pool = fb.token_to_kv_pool
+        k = pool.get_key_buffer(layer.layer_id)[slots].to(dtype)
+        v = pool.get_value_buffer(layer.layer_id)[slots].to(dtype)
+        return k, v
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
+        self._save(layer, fb, k, v, save_kv_cache)
+        H, D, Dv, Hkv = layer.num_heads, layer.head_dim, layer.v_head_dim, layer.num_kv_heads
+        group = H // Hkv
+        T = q.shape[0]
+        out = q.new_empty(T, H * Dv)
+        qh = q.view(T, H, D)
+        req_to_token = fb.req_to_token_pool.req_to_token
+        start = 0
+        for i in range(fb.batch_size):
+            n = fb.extend_seq_lens_cpu[i]
+            prefix = fb.extend_prefix_lens_cpu[i]
+            total = prefix + n
+            slots = req_to_token[fb.req_pool_indices[i], :total].long()
+            kk, vv = self._kv(layer, fb, slots, q.dtype)  # [total, Hkv, D]
+            qi = qh[start:start + n].float().transpose(0, 1)  # [H, n, D]
+            kk = kk.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, total, D]
+            vv = vv.float().repeat_interleave(group, dim=1).transpose(0, 1)
+            scores = torch.matmul(qi, kk.transpose(1, 2)) * layer.scaling  # [H, n, total]
+            q_pos = torch.arange(prefix, total, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(total, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos
+            if layer.sliding_window > 0:
+                mask &= k_pos > q_pos - layer.sliding_window
+            probs = _scores_to_probs(scores, mask, layer.logit_cap)
+            out[start:start + n] = torch.matmul(probs, vv).transpose(0, 1).reshape(n, H * Dv).to(q.dtype)
+            start += n
+        return out
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
+        self._save(layer, fb, k, v, save_kv_cache)
+        H, D, Dv, Hkv = layer.num_heads, layer.head_dim, layer.v_head_dim, layer.num_kv_heads
+        group = H // Hkv
+        B = q.shape[0]
+        max_len = max(fb.seq_lens_cpu)
+        # slots: [B, L]; entries past seq_len are masked below
+        slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()
+        kk, vv = self._kv(layer, fb, slots, torch.float32)  # [B, L, Hkv, D]
+        qh = q.view(B, Hkv, group, D).float()
+        scores = torch.einsum("bhgd,blhd->bhgl", qh, kk) * layer.scaling
+        k_pos = torch.arange(max_len, device=q.device).view(1, 1, 1, max_len)
+        seq = fb.seq_lens.view(B, 1, 1, 1).to(k_pos.dtype)
+        mask = k_pos < seq
+        if layer.sliding_window > 0:
+            mask &= k_pos >= seq - layer.sliding_window
+        probs = _scores_to_probs(scores, mask, layer.logit_cap)
+        out = torch.einsum("bhgl,blhd->bhgd", probs, vv)
+        return out.reshape(B, H * Dv).to(q.dtype)

@@ -1,0 +1,172 @@
+"""TritonAttnBackend: paged-KV attention through braid's Triton kernels (the default on GPU).
+
+What it reads from the model runner (all through getattr, so the runner can adapt):
+  model_runner.device                         torch device (or its name) the scratch buffers live on
+  model_runner.model_config.num_attention_heads, .num_key_value_heads
+                                              the model's (global) head counts; divided by
+  model_runner.tp_size                        (default 1) to get this rank's heads
+  model_runner.model_config.head_dim          (default hidden_size // num_attention_heads)
+  model_runner.model_config.v_head_dim        (default head_dim)
+  model_runner.server_args.triton_attention_num_kv_splits   (optional; else the constructor's value)
+The KV pool and the req_to_token table are taken from each ForwardBatch (fb.token_to_kv_pool,
+fb.req_to_token_pool.req_to_token); the pool must offer set_kv_buffer(layer_id, loc, k, v) with
+k: [T, Hkv, D], v: [T, Hkv, Dv] and get_key_buffer / get_value_buffer(layer_id) -> [S, Hkv, D|Dv].
+
+Per-layer attributes used: layer_id, num_heads, num_kv_heads, head_dim, v_head_dim, scaling,
+logit_cap (0 = off), sliding_window (-1 = off; W > 0 means a query at position p sees (p - W, p]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from braid.runtime.layers.attention.base import AttentionBackend
+from braid.runtime.layers.attention.triton_ops import decode_attention_fwd, extend_attention_fwd
+
+if TYPE_CHECKING:
+    from braid.runtime.core import ForwardBatch
+
+__all__ = ["TritonAttnBackend", "TritonAttnMetadata"]
+
+DEFAULT_NUM_KV_SPLITS_GPU = 16
+DEFAULT_NUM_KV_SPLITS_CPU = 4  # the interpreter runs programs one by one
+
+
+@dataclass
+class TritonAttnMetadata:
+    max_len_extend: int = 0  # EXTEND: longest new-token run in the batch (sizes the kernel grid)
+    extend_start_loc: Optional[torch.Tensor] = None  # EXTEND: [B] offset of each request's rows
+    attn_logits: Optional[torch.Tensor] = None  # DECODE: fp32 scratch [B, H, num_kv_splits, Dv + 1]
+    in_cuda_graph: bool = False  # scratch is the static graph buffer; it must not be reallocated
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(self, model_runner, num_kv_splits: Optional[int] = None):
+        self.device = torch.device(getattr(model_runner, "device", "cuda"))
+        mc = model_runner.model_config
+        tp_size = max(1, int(getattr(model_runner, "tp_size", 1) or 1))
+        total_heads = int(mc.num_attention_heads)
+        self.num_heads = max(1, total_heads // tp_size)
+        total_kv = int(getattr(mc, "num_key_value_heads", None) or total_heads)
+        self.num_kv_heads = max(1, total_kv // tp_size)  # KV heads are replicated when tp_size > total_kv
+        self.head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // total_heads)
+        self.v_head_dim = int(getattr(mc, "v_head_dim", None) or self.head_dim)
+
+        server_args = getattr(model_runner, "server_args", None)
+        splits = num_kv_splits or getattr(server_args, "triton_attention_num_kv_splits", None)
+        if splits is None:
+            splits = DEFAULT_NUM_KV_SPLITS_GPU if self.device.type == "cuda" else DEFAULT_NUM_KV_SPLITS_CPU
+        if int(splits) < 1:
+            raise ValueError(f"num_kv_splits must be >= 1, got {splits}")
+        self.num_kv_splits = int(splits)
+        self.cuda_graph_attn_logits: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ metadata
+
+    def _decode_scratch(self, bs: int, num_heads: int, v_head_dim: int) -> torch.Tensor:
+        return torch.empty((bs, num_heads, self.num_kv_splits, v_head_dim + 1), dtype=torch.float32,
+                           device=self.device)
+
+    def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        if fb.forward_mode.is_decode():
+            fb.attn_metadata = TritonAttnMetadata(
+                attn_logits=self._decode_scratch(fb.batch_size, self.num_heads, self.v_head_dim))
+            return
+        if not fb.forward_mode.is_extend():
+            fb.attn_metadata = TritonAttnMetadata()
+            return
+        if fb.extend_seq_lens_cpu is not None:
+            max_len_extend = max(fb.extend_seq_lens_cpu, default=0)
+        else:
+            max_len_extend = int(fb.extend_seq_lens.max().item()) if fb.batch_size else 0
+        start_loc = fb.extend_start_loc
+        if start_loc is None:
+            start_loc = torch.zeros_like(fb.extend_seq_lens)
+            start_loc[1:] = torch.cumsum(fb.extend_seq_lens[:-1], dim=0)
+        fb.attn_metadata = TritonAttnMetadata(max_len_extend=int(max_len_extend), extend_start_loc=start_loc)
+
+    def _metadata(self, fb: "ForwardBatch") -> TritonAttnMetadata:
+        md = fb.attn_metadata
+        if not isinstance(md, TritonAttnMetadata):
+            raise RuntimeError("TritonAttnBackend: call init_forward_metadata(forward_batch) before the layers run")
+        return md
+
+    # ------------------------------------------------------------------ forward
+
+    @staticmethod
+    def _layer_dims(layer) -> tuple[int, int, int, int]:
+        d = layer.head_dim
+        return layer.num_heads, layer.num_kv_heads, d, getattr(layer, "v_head_dim", None) or d
+
+    @staticmethod
+    def _layer_options(layer) -> tuple[float, int]:
+        logit_cap = getattr(layer, "logit_cap", 0.0) or 0.0
+        window = getattr(layer, "sliding_window", -1)
+        return float(logit_cap), (-1 if window is None else int(window))
+
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True) -> torch.Tensor:
+        h, h_kv, d, dv = self._layer_dims(layer)
+        md = self._metadata(fb)
+        q3 = q.reshape(-1, h, d)
+        k3 = k.reshape(-1, h_kv, d)
+        v3 = v.reshape(-1, h_kv, dv)
+        pool = fb.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k3, v3)
+        o = q3.new_empty((q3.shape[0], h, dv))
+        logit_cap, window = self._layer_options(layer)
+        extend_attention_fwd(
+            q3, k3, v3, o,
+            pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+            fb.extend_seq_lens, md.extend_start_loc, fb.extend_prefix_lens, md.max_len_extend,
+            layer.scaling, logit_cap, window,
+        )
+        return o.view(-1, h * dv)
+
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True) -> torch.Tensor:
+        h, h_kv, d, dv = self._layer_dims(layer)
+        md = self._metadata(fb)
+        q3 = q.reshape(-1, h, d)
+        pool = fb.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.reshape(-1, h_kv, d), v.reshape(-1, h_kv, dv))
+        bs = q3.shape[0]
+        scratch = md.attn_logits
+        if scratch is None or scratch.shape[0] < bs or scratch.shape[1] < h or scratch.shape[3] < dv + 1:
+            if md.in_cuda_graph:
+                raise RuntimeError(
+                    f"TritonAttnBackend: the CUDA-graph scratch {tuple(scratch.shape)} is too small for a layer "
+                    f"with {h} heads and v_head_dim {dv} at batch {bs}; check model_config's head counts")
+            # a layer wider than model_config said (e.g. heads already divided by TP): grow the scratch
+            scratch = md.attn_logits = self._decode_scratch(bs, h, dv)
+        o = q3.new_empty((bs, h, dv))
+        logit_cap, window = self._layer_options(layer)
+        decode_attention_fwd(
+            q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
+            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+            scratch, self.num_kv_splits, layer.scaling, logit_cap, window,
+        )
+        return o.view(-1, h * dv)
+
+    # ------------------------------------------------------------------ CUDA graphs (decode)
+
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        self.cuda_graph_attn_logits = self._decode_scratch(max_bs, self.num_heads, self.v_head_dim)
+
+    def _graph_metadata(self, bs: int, fb: "ForwardBatch") -> None:
+        if self.cuda_graph_attn_logits is None:
+            raise RuntimeError("TritonAttnBackend: call init_cuda_graph_state(max_bs) first")
+        if bs > self.cuda_graph_attn_logits.shape[0]:
+            raise ValueError(f"batch {bs} exceeds the CUDA-graph capacity {self.cuda_graph_attn_logits.shape[0]}")
+        # a view of the static buffer: the same address at capture and at every replay
+        fb.attn_metadata = TritonAttnMetadata(attn_logits=self.cuda_graph_attn_logits[:bs], in_cuda_graph=True)
+
+    def init_forward_metadata_capture(self, bs: int, fb: "ForwardBatch") -> None:
+        self._graph_metadata(bs, fb)
+
+    def init_forward_metadata_replay(self, bs: int, fb: "ForwardBatch") -> None:
+        self._graph_metadata(bs, fb)

@@ -1,0 +1,215 @@
+"""Triton decode attention over the paged KV cache (page size 1), split-KV in two stages.
+
+Each request has one new query token at position seq_lens[b] - 1 that attends to its keys at positions
+[0, seq_lens[b]) (slots `req_to_token[req_pool_indices[b], pos]`), or, with a sliding window W > 0, to
+the last W of them (positions (p - W, p], the Gemma-2 / Mistral convention).
+
+Stage 1, grid (B, Hkv * head_blocks, num_kv_splits): one program takes up to BLOCK_H query heads that
+share a KV head (GQA) and one split of the visible keys, so every KV tile is read once per group. It
+writes the split's normalised partial output and its base-2 log-sum-exp into
+attn_logits[b, h, split, :Dv] and attn_logits[b, h, split, Dv].
+Stage 2, grid (B, H): merges the splits.
+
+Splits cover ceil(len / num_kv_splits) keys rounded up to a whole BLOCK_N tile, so short sequences use
+fewer splits (the rest exit at once); the split count stays fixed, which CUDA graphs need.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from braid.runtime.layers.attention.triton_ops.extend_attention import (
+    _mm,
+    _online_softmax_step,
+    _scale_scores,
+    check_last_dim_contiguous,
+    dot_dtype,
+    split_head_dim,
+)
+
+__all__ = ["decode_attention_fwd"]
+
+
+@triton.jit
+def _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr):
+    """-> (first visible key, keys per split, number of non-empty splits)."""
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(0, seq_len - sliding_window)
+    kv_len = seq_len - kv_start
+    split_len = tl.cdiv(tl.cdiv(kv_len, num_kv_splits), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(split_len, BLOCK_N)
+    return kv_start, split_len, tl.cdiv(kv_len, split_len)
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, K_buf, V_buf, Req_to_token, B_req_idx, B_seq_len, Att,
+    sm_scale, logit_cap, sliding_window, num_kv_splits,
+    stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_req,
+    stride_ab, stride_ah, stride_as,
+    KV_GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    split = tl.program_id(2)
+    cur_kv_head = pid_h // HEAD_BLOCKS
+
+    seq_len = tl.load(B_seq_len + cur_batch)
+    kv_start, split_len, n_splits = _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N, USE_WINDOW)
+    if split >= n_splits:
+        return
+    split_lo = kv_start + split * split_len
+    split_hi = tl.minimum(split_lo + split_len, seq_len)
+
+    in_group = (pid_h % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = in_group < KV_GROUP
+    offs_h = cur_kv_head * KV_GROUP + in_group
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+
+    # q: [BLOCK_H, BLOCK_D]
+    q_base = Q + cur_batch.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
+    q = tl.load(q_base + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    if BLOCK_DPE > 0:
+        offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        mask_dpe = offs_dpe < D
+        qpe = tl.load(q_base + offs_dpe[None, :], mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
+
+    req_idx = tl.load(B_req_idx + cur_batch).to(tl.int64)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+    for start_n in range(split_lo, split_hi, BLOCK_N):
+        offs_kv = start_n + offs_n
+        mask_n = offs_kv < split_hi
+        slots = tl.load(Req_to_token + req_idx * stride_req + offs_kv, mask=mask_n, other=0).to(tl.int64)
+        # k: [BLOCK_D, BLOCK_N]
+        k = tl.load(K_buf + slots[None, :] * stride_kbs + cur_kv_head * stride_kbh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        qk = _mm(q, k, DOT_DTYPE)
+        if BLOCK_DPE > 0:
+            kpe = tl.load(K_buf + slots[None, :] * stride_kbs + cur_kv_head * stride_kbh + offs_dpe[:, None],
+                          mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+            qk += _mm(qpe, kpe, DOT_DTYPE)
+        s = _scale_scores(qk, sm_scale, logit_cap, USE_CAP)
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+        # v: [BLOCK_N, BLOCK_DV]
+        v = tl.load(V_buf + slots[:, None] * stride_vbs + cur_kv_head * stride_vbh + offs_dv[None, :],
+                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_DTYPE)
+
+    att_base = Att + cur_batch.to(tl.int64) * stride_ab + offs_h * stride_ah + split * stride_as
+    tl.store(att_base[:, None] + offs_dv[None, :], acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
+    tl.store(att_base + DV, m_i + tl.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_stage2_kernel(
+    Att, O, B_seq_len,
+    sliding_window, num_kv_splits,
+    stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    seq_len = tl.load(B_seq_len + cur_batch)
+    _, _, n_splits = _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N, USE_WINDOW)
+
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+    att_base = Att + cur_batch.to(tl.int64) * stride_ab + cur_head * stride_ah
+    m = float("-inf")
+    l = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(0, n_splits):
+        part = tl.load(att_base + s * stride_as + offs_dv, mask=mask_dv, other=0.0)
+        lse = tl.load(att_base + s * stride_as + DV)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + w * part
+        l = l * alpha + w
+        m = m_new
+    # seq_len == 0 (padding rows of a CUDA-graph batch) has no splits: write zeros, not NaN
+    l = tl.where(l == 0.0, 1.0, l)
+    o_ptr = O + cur_batch.to(tl.int64) * stride_ob + cur_head * stride_oh + offs_dv
+    tl.store(o_ptr, (acc / l).to(O.dtype.element_ty), mask=mask_dv)
+
+
+# ---------------------------------------------------------------- host side
+
+_BLOCK_H = 16  # query heads per stage-1 program (a dot needs >= 16 rows; unused rows are masked)
+
+
+def _decode_launch_config(d: int, dv: int, device: torch.device) -> dict:
+    if device.type != "cuda":
+        return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if max(d, dv) <= 256:
+        return dict(BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_N=32, num_warps=8, num_stages=2)
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,  # [B, H, D]
+    k_buffer: torch.Tensor,  # [S, Hkv, D]
+    v_buffer: torch.Tensor,  # [S, Hkv, Dv]
+    o: torch.Tensor,  # [B, H, Dv], written
+    req_to_token: torch.Tensor,  # [R, C] int32
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B]
+    attn_logits: torch.Tensor,  # [>=B, >=H, num_kv_splits, >=Dv+1] fp32 scratch
+    num_kv_splits: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    sliding_window: int = -1,
+) -> None:
+    b, h, d = q.shape
+    h_kv = k_buffer.shape[1]
+    dv = v_buffer.shape[-1]
+    if h % h_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({h_kv})")
+    if k_buffer.shape[-1] != d or v_buffer.shape[1] != h_kv or o.shape != (b, h, dv):
+        raise ValueError(f"inconsistent decode shapes: q {tuple(q.shape)}, k_buffer {tuple(k_buffer.shape)}, "
+                         f"v_buffer {tuple(v_buffer.shape)}, o {tuple(o.shape)}")
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    if (attn_logits.dtype != torch.float32 or attn_logits.dim() != 4 or attn_logits.shape[0] < b
+            or attn_logits.shape[1] < h or attn_logits.shape[2] < num_kv_splits or attn_logits.shape[3] < dv + 1):
+        raise ValueError(f"attn_logits must be fp32 [>={b}, >={h}, >={num_kv_splits}, >={dv + 1}], "
+                         f"got {attn_logits.dtype} {tuple(attn_logits.shape)}")
+    check_last_dim_contiguous(q=q, o=o, k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token,
+                              attn_logits=attn_logits)
+    if b == 0:
+        return
+
+    group = h // h_kv
+    head_blocks = triton.cdiv(group, _BLOCK_H)
+    block_d, block_dpe = split_head_dim(d)
+    block_dv = max(16, triton.next_power_of_2(dv))
+    cfg = _decode_launch_config(d, dv, q.device)
+    use_window = sliding_window > 0
+    _decode_stage1_kernel[(b, h_kv * head_blocks, num_kv_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits,
+        float(sm_scale), float(logit_cap), int(sliding_window), int(num_kv_splits),
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        KV_GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
+        BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv, BLOCK_H=_BLOCK_H, BLOCK_N=cfg["BLOCK_N"],
+        USE_CAP=logit_cap > 0, USE_WINDOW=use_window, DOT_DTYPE=dot_dtype(q),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    _decode_stage2_kernel[(b, h)](
+        attn_logits, o, seq_lens, int(sliding_window), int(num_kv_splits),
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), o.stride(0), o.stride(1),
+        DV=dv, BLOCK_DV=block_dv, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=use_window,
+        num_warps=4 if dv <= 256 else 8, num_stages=2,
+    )

@@ -1,0 +1,268 @@
+"""Triton prefill/extend attention over the paged KV cache (page size 1).
+
+The new tokens of request b are rows `extend_start_loc[b] : extend_start_loc[b] + extend_seq_lens[b]`
+of q/k/v_extend. They attend to
+  * the request's cached prefix: `prefix_lens[b]` tokens whose KV slots are
+    `req_to_token[req_pool_indices[b], :prefix_lens[b]]`, read from k_buffer/v_buffer, and
+  * causally to the new tokens themselves, read from k_extend/v_extend.
+
+Sliding window W > 0: a query at absolute position p sees the keys at positions (p - W, p], i.e. the
+last W keys including itself (the Gemma-2 / Mistral convention). Soft-capping (logit_cap > 0):
+scores = cap * tanh(scores * sm_scale / cap). Accumulation is fp32; the output takes o_extend's dtype.
+KV buffers may hold fp8 (e5m2 / e4m3fn, scale 1.0): tiles are upcast in-kernel before each dot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["extend_attention_fwd"]
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _mm(a, b, DOT_DTYPE: tl.constexpr):
+    """a @ b in DOT_DTYPE with an fp32 result; fp32 operands use exact (non-tf32) products."""
+    if DOT_DTYPE == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
+
+
+@triton.jit
+def _scale_scores(qk, sm_scale, logit_cap, USE_CAP: tl.constexpr):
+    """Raw q.k -> scores in log2 units (so the softmax can use exp2)."""
+    if USE_CAP:
+        # cap * tanh(x / cap); tanh through sigmoid so the interpreter and every GPU build agree
+        x = qk * sm_scale
+        x = logit_cap * (2.0 * tl.sigmoid(2.0 * x / logit_cap) - 1.0)
+        return x * 1.4426950408889634
+    else:
+        return qk * (sm_scale * 1.4426950408889634)
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, s, v, DOT_DTYPE: tl.constexpr):
+    """One flash-attention update. s: [M, N] log2-unit scores (-inf where masked), v: [N, DV]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # rows with nothing visible yet keep m = -inf; subtract 0 there so exp2 yields 0, not NaN
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mm(p, v, DOT_DTYPE)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_fwd_kernel(
+    Q, K_ext, V_ext, O, K_buf, V_buf, Req_to_token,
+    B_req_idx, B_start_loc, B_ext_len, B_prefix_len,
+    sm_scale, logit_cap, sliding_window,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_req,
+    KV_GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    cur_seq = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    cur_block_m = tl.program_id(2)
+    cur_kv_head = cur_head // KV_GROUP
+
+    ext_len = tl.load(B_ext_len + cur_seq)
+    block_start = cur_block_m * BLOCK_M
+    if block_start >= ext_len:
+        return
+    ext_start = tl.load(B_start_loc + cur_seq)
+    prefix_len = tl.load(B_prefix_len + cur_seq)
+    req_idx = tl.load(B_req_idx + cur_seq).to(tl.int64)
+
+    offs_m = block_start + tl.arange(0, BLOCK_M)  # query index within this request's new tokens
+    mask_m = offs_m < ext_len
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+
+    q_rows = (ext_start + offs_m).to(tl.int64)
+    # q: [BLOCK_M, BLOCK_D]
+    q = tl.load(Q + q_rows[:, None] * stride_qt + cur_head * stride_qh + offs_d[None, :],
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    if BLOCK_DPE > 0:
+        # head dims past the largest power of two (e.g. the rope part of 576 = 512 + 64)
+        offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
+        mask_dpe = offs_dpe < D
+        qpe = tl.load(Q + q_rows[:, None] * stride_qt + cur_head * stride_qh + offs_dpe[None, :],
+                      mask=mask_m[:, None] & mask_dpe[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    # ---- stage 1: the cached prefix, gathered through req_to_token ----
+    q_pos = prefix_len + offs_m  # absolute positions
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(0, prefix_len + block_start - sliding_window + 1)
+    for start_n in range(lo, prefix_len, BLOCK_N):
+        offs_kv = start_n + offs_n
+        mask_n = offs_kv < prefix_len
+        slots = tl.load(Req_to_token + req_idx * stride_req + offs_kv, mask=mask_n, other=0).to(tl.int64)
+        # k: [BLOCK_D, BLOCK_N]
+        k = tl.load(K_buf + slots[None, :] * stride_kbs + cur_kv_head * stride_kbh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        qk = _mm(q, k, DOT_DTYPE)
+        if BLOCK_DPE > 0:
+            kpe = tl.load(K_buf + slots[None, :] * stride_kbs + cur_kv_head * stride_kbh + offs_dpe[:, None],
+                          mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+            qk += _mm(qpe, kpe, DOT_DTYPE)
+        s = _scale_scores(qk, sm_scale, logit_cap, USE_CAP)
+        visible = mask_n[None, :]
+        if USE_WINDOW:
+            visible = visible & (offs_kv[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        # v: [BLOCK_N, BLOCK_DV]
+        v = tl.load(V_buf + slots[:, None] * stride_vbs + cur_kv_head * stride_vbh + offs_dv[None, :],
+                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_DTYPE)
+
+    # ---- stage 2: the new tokens, causally ----
+    hi = tl.minimum(ext_len, block_start + BLOCK_M)
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(0, block_start - sliding_window + 1)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_kv = start_n + offs_n
+        mask_n = offs_kv < hi
+        kv_rows = (ext_start + offs_kv).to(tl.int64)
+        k = tl.load(K_ext + kv_rows[None, :] * stride_kt + cur_kv_head * stride_kh + offs_d[:, None],
+                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        qk = _mm(q, k, DOT_DTYPE)
+        if BLOCK_DPE > 0:
+            kpe = tl.load(K_ext + kv_rows[None, :] * stride_kt + cur_kv_head * stride_kh + offs_dpe[:, None],
+                          mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
+            qk += _mm(qpe, kpe, DOT_DTYPE)
+        s = _scale_scores(qk, sm_scale, logit_cap, USE_CAP)
+        visible = mask_n[None, :] & (offs_kv[None, :] <= offs_m[:, None] + 1)
+        if USE_WINDOW:
+            visible = visible & (offs_kv[None, :] > offs_m[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        v = tl.load(V_ext + kv_rows[:, None] * stride_vt + cur_kv_head * stride_vh + offs_dv[None, :],
+                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_DTYPE)
+
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_i[:, None]
+    tl.store(O + q_rows[:, None] * stride_ot + cur_head * stride_oh + offs_dv[None, :],
+             out.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+
+
+# ---------------------------------------------------------------- host side
+
+_TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def dot_dtype(q: torch.Tensor):
+    """Operand dtype of the in-kernel dots.
+
+    On CPU (TRITON_INTERPRET=1) the interpreter multiplies bf16 tiles as raw uint16, so dots run in fp32
+    there; on the GPU they run in q's dtype (fp8 KV tiles are upcast to it exactly).
+    """
+    if q.dtype not in _TORCH_TO_TL:
+        raise ValueError(f"attention queries must be float32, float16 or bfloat16, got {q.dtype}")
+    if q.device.type != "cuda":
+        return tl.float32
+    return _TORCH_TO_TL[q.dtype]
+
+
+def split_head_dim(d: int) -> tuple[int, int]:
+    """Head dim -> (BLOCK_D, BLOCK_DPE): the largest power of two <= d plus a padded rest (0 if none).
+
+    576 -> (512, 64), 192 -> (128, 64), 128 -> (128, 0). Dots need every dimension >= 16.
+    """
+    if d < 16:
+        return 16, 0
+    main = 1 << (d.bit_length() - 1)
+    rest = d - main
+    return main, (max(16, triton.next_power_of_2(rest)) if rest else 0)
+
+
+def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
+
+
+def _extend_launch_config(d: int, dv: int, device: torch.device) -> dict:
+    if device.type != "cuda":
+        # interpreter: small tiles so tiny test shapes still cross several tiles
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    widest = max(d, dv)
+    if widest <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if widest <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+    if widest <= 256:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+    # MLA-style 576/512: a [BLOCK_M, 512] fp32 accumulator must stay in registers
+    return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=2)
+
+
+def extend_attention_fwd(
+    q_extend: torch.Tensor,  # [T, H, D]
+    k_extend: torch.Tensor,  # [T, Hkv, D]
+    v_extend: torch.Tensor,  # [T, Hkv, Dv]
+    o_extend: torch.Tensor,  # [T, H, Dv], written
+    k_buffer: torch.Tensor,  # [S, Hkv, D]
+    v_buffer: torch.Tensor,  # [S, Hkv, Dv]
+    req_to_token: torch.Tensor,  # [R, C] int32
+    req_pool_indices: torch.Tensor,  # [B]
+    seq_lens: torch.Tensor,  # [B] prefix + extend (unused by the kernel; kept for a uniform signature)
+    extend_seq_lens: torch.Tensor,  # [B]
+    extend_start_loc: torch.Tensor,  # [B]
+    prefix_lens: torch.Tensor,  # [B]
+    max_len_extend: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    sliding_window: int = -1,
+) -> None:
+    t, h, d = q_extend.shape
+    h_kv = k_extend.shape[1]
+    dv = v_extend.shape[-1]
+    if h % h_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({h_kv})")
+    if k_extend.shape != (t, h_kv, d) or v_extend.shape != (t, h_kv, dv) or o_extend.shape != (t, h, dv):
+        raise ValueError(f"inconsistent extend shapes: q {tuple(q_extend.shape)}, k {tuple(k_extend.shape)}, "
+                         f"v {tuple(v_extend.shape)}, o {tuple(o_extend.shape)}")
+    if k_buffer.shape[1:] != (h_kv, d) or v_buffer.shape[1:] != (h_kv, dv):
+        raise ValueError(f"KV buffers {tuple(k_buffer.shape)} / {tuple(v_buffer.shape)} do not match "
+                         f"Hkv={h_kv}, D={d}, Dv={dv}")
+    check_last_dim_contiguous(q_extend=q_extend, k_extend=k_extend, v_extend=v_extend, o_extend=o_extend,
+                              k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token)
+    batch = req_pool_indices.shape[0]
+    if batch == 0 or max_len_extend <= 0 or t == 0:
+        return
+
+    block_d, block_dpe = split_head_dim(d)
+    cfg = _extend_launch_config(d, dv, q_extend.device)
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (batch, h, triton.cdiv(max_len_extend, block_m))
+    _extend_fwd_kernel[grid](
+        q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token,
+        req_pool_indices, extend_start_loc, extend_seq_lens, prefix_lens,
+        float(sm_scale), float(logit_cap), int(sliding_window),
+        q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
+        v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+        KV_GROUP=h // h_kv, D=d, DV=dv,
+        BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        USE_CAP=logit_cap > 0, USE_WINDOW=sliding_window > 0, DOT_DTYPE=dot_dtype(q_extend),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )

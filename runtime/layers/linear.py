@@ -1,0 +1,59 @@
+"""Linear layers. Weights are [out, in] like HF; tensor parallel sharding slices them on load."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from braid.runtime.distributed import parallel_state as ps
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(Linear):
+    """Output dim split over TP ranks. `output_sizes` lists fused sub-matrices (qkv, gate_up) so each is split on its own."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.tp_size = ps.tp_size()
+        self.output_sizes = [s // self.tp_size for s in output_sizes]
+        super().__init__(in_features, sum(self.output_sizes), bias)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> torch.Tensor:
+        size = self.output_sizes[shard_id]
+        rank = ps.tp_rank()
+        return loaded.narrow(0, rank * size, size)
+
+
+class RowParallelLinear(Linear):
+    """Input dim split over TP ranks; the partial outputs are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp_size = ps.tp_size()
+        super().__init__(in_features // self.tp_size, out_features, bias)
+
+    def load_shard(self, param, loaded: torch.Tensor, shard_id: int = 0) -> torch.Tensor:
+        if loaded.dim() == 1:
+            return loaded
+        size = self.in_features
+        return loaded.narrow(1, ps.tp_rank() * size, size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        if self.tp_size > 1:
+            out = ps.all_reduce(out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out

@@ -1,0 +1,80 @@
+"""Rotary position embeddings (neox/HF half-split layout), with llama3 / linear / dynamic-free scalings."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling["original_max_position_embeddings"]
+    low_wavelen = old_ctx / low
+    high_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 scaling: Optional[dict] = None, is_neox_style: bool = True):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.base = base
+        self.scaling = scaling
+        self.is_neox_style = is_neox_style
+        # the cache is built in post_load (never on meta)
+        self.cos_sin_cache: Optional[torch.Tensor] = None
+
+    def build_cache(self, device, dtype=torch.float32) -> None:
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device="cpu") / self.rotary_dim))
+        rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type"))
+        max_pos = self.max_position
+        if rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
+        elif rope_type == "linear":
+            inv_freq = inv_freq / self.scaling["factor"]
+        t = torch.arange(max_pos, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        # [max_pos, rotary_dim]: cos half then sin half
+        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=device, dtype=torch.float32)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # positions: [T]; q: [T, H*D]; k: [T, Hkv*D]
+        cs = self.cos_sin_cache.index_select(0, positions)
+        cos, sin = cs.chunk(2, dim=-1)  # [T, rd/2]
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        x = x.view(T, -1, self.head_dim)
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        cos = cos.unsqueeze(1)
+        sin = sin.unsqueeze(1)
+        rf = rot.float()
+        if self.is_neox_style:
+            x1, x2 = rf.chunk(2, dim=-1)
+            out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        else:
+            x1, x2 = rf[..., 0::2], rf[..., 1::2]
+            out = torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+        out = out.to(x.dtype)
+        if rest.shape[-1]:
+            out = torch.cat([out, rest], dim=-1)
+        return out.reshape(T, -1)
+
+
+def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float, scaling: Optional[dict] = None,
+             is_neox_style: bool = True) -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, base, scaling, is_neox_style)

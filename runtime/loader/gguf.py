@@ -1,0 +1,147 @@
+"""GGUF files: config from metadata, tensors dequantized (any type the `gguf` package handles) to HF names."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import Iterator
+
+import numpy as np
+import torch
+
+_LLAMA_TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LLAMA_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(path: str) -> dict:
+    """An HF-style config dict (LlamaConfig fields) read from the GGUF metadata (cached: parsing all metadata is slow)."""
+    import json
+
+    from braid.runtime.loader.cache import cached_dir
+
+    def convert(out_dir: str) -> None:
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(_read_gguf_config(path), f, indent=1)
+
+    with open(os.path.join(cached_dir(path, "gguf-config", convert), "config.json")) as f:
+        return json.load(f)
+
+
+def _read_gguf_config(path: str) -> dict:
+    r = _reader(path)
+    arch = _field(r, "general.architecture")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"GGUF architecture '{arch}' is not supported (llama, qwen2, mistral)")
+
+    def g(name, default=None):
+        return _field(r, f"{arch}.{name}", default)
+
+    hidden = int(g("embedding_length"))
+    heads = int(g("attention.head_count"))
+    names = {t.name for t in r.tensors}
+    vocab = g("vocab_size")
+    if vocab is None:
+        vocab = len(_field(r, "tokenizer.ggml.tokens"))
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+        "model_type": "qwen2" if arch == "qwen2" else "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")),
+        "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "head_dim": int(g("attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(g("context_length", 4096)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _field(r, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(r, "tokenizer.ggml.eos_token_id"),
+        "attention_bias": arch == "qwen2",
+        "torch_dtype": "float32",
+    }
+    return cfg
+
+
+def _hf_name(name: str) -> str:
+    if name in _LLAMA_TENSOR_NAMES:
+        return _LLAMA_TENSOR_NAMES[name]
+    m = _BLOCK_RE.fullmatch(name)
+    if m is None or m.group(2) not in _LLAMA_BLOCK_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {name}")
+    return f"model.layers.{m.group(1)}.{_LLAMA_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp's converter interleaves q/k rows for its rope layout; HF keeps halves: undo it.
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(t) -> torch.Tensor:
+    import gguf
+
+    shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+    name = t.tensor_type.name
+    if name in ("F32", "F16", "BF16"):
+        arr = np.asarray(t.data)
+        out = torch.from_numpy(arr.copy()) if name != "BF16" else torch.from_numpy(arr.copy()).view(torch.bfloat16)
+        return out.float().reshape(shape)
+    arr = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+    return torch.from_numpy(np.ascontiguousarray(arr)).reshape(shape)
+
+
+def iter_gguf_tensors(path: str, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    r = _reader(path)
+    permute = config["model_type"] == "llama"
+    for t in r.tensors:
+        hf = _hf_name(t.name)
+        arr = dequantize_tensor(t)
+        if permute and hf.endswith("q_proj.weight"):
+            arr = _unpermute_rope(arr, config["num_attention_heads"])
+        elif permute and hf.endswith("k_proj.weight"):
+            arr = _unpermute_rope(arr, config["num_key_value_heads"])
+        yield hf, arr.contiguous()
+
+
+def iter_gguf_tensors_cached(path: str, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Same tensors as iter_gguf_tensors, read from a dequantized safetensors copy made on first use."""
+    from safetensors.torch import save_file
+
+    from braid.runtime.loader.cache import cached_dir
+    from braid.runtime.loader.hf import iter_safetensors
+
+    def convert(out_dir: str) -> None:
+        save_file(dict(iter_gguf_tensors(path, config)), os.path.join(out_dir, "model.safetensors"))
+
+    return iter_safetensors(cached_dir(path, "gguf-dequantized", convert))

@@ -1,0 +1,104 @@
+"""ModelRunner: loads the model, owns the KV pools and the attention backend, runs one forward pass."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from braid.runtime.config import ServerArgs
+from braid.runtime.core import ForwardBatch, ForwardMode
+from braid.runtime.layers.attention.registry import default_backend, get_backend_class
+from braid.runtime.loader import load_model, load_model_config
+from braid.runtime.mem_cache.pools import MHAKVPool, MLAKVPool, ReqToTokenPool
+
+logger = logging.getLogger(__name__)
+
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
+_CPU_DEFAULT_KV_TOKENS = 65536
+
+
+@dataclass
+class LogitsOutput:
+    next_token_logits: torch.Tensor  # [B, V] fp32, at each request's last token
+    extra_logits: Optional[torch.Tensor] = None  # [N, V] fp32, rows fb.logits_indices (prompt logprobs)
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs):
+        self.server_args = server_args
+        self.device = torch.device(server_args.resolved_device)
+        self.model_config = load_model_config(server_args)
+        self.dtype = self.model_config.torch_dtype(server_args.dtype, self.device.type)
+        torch.manual_seed(server_args.random_seed)
+        self.model = load_model(self.model_config, server_args, self.device, self.dtype)
+        self.vocab_size = self.model_config.vocab_size
+        self.context_len = self.model_config.context_len
+        self._init_pools()
+        name = server_args.attention_backend or default_backend(self.device.type)
+        self.attn_backend_name = name
+        self.attn_backend = get_backend_class(name)(self)
+        self.cuda_graph_runner = None
+        if self.device.type == "cuda" and not server_args.disable_cuda_graph:
+            from braid.runtime.model_executor.cuda_graph import CudaGraphRunner
+
+            self.cuda_graph_runner = CudaGraphRunner(self)
+
+    # ---- memory ----
+    def _kv_cache_dtype(self) -> torch.dtype:
+        name = self.server_args.kv_cache_dtype
+        return self.dtype if name == "auto" else _KV_DTYPES[name]
+
+    def _init_pools(self) -> None:
+        mc = self.model_config
+        kv_dtype = self._kv_cache_dtype()
+        heads_kv = max(1, mc.num_key_value_heads // self.server_args.tp_size)
+        if mc.attention_arch == "mla":
+            per_token = (mc.kv_lora_rank + mc.qk_rope_head_dim) * mc.num_layers * kv_dtype.itemsize
+        else:
+            per_token = heads_kv * (mc.head_dim + mc.v_head_dim) * mc.num_layers * kv_dtype.itemsize
+        total = self.server_args.max_total_tokens
+        if total is None:
+            if self.device.type == "cuda":
+                free, capacity = torch.cuda.mem_get_info(self.device)
+                budget = free - capacity * (1 - self.server_args.mem_fraction_static)
+                total = max(int(budget // per_token), 1024)
+            else:
+                total = _CPU_DEFAULT_KV_TOKENS
+        self.max_total_tokens = int(total)
+        max_reqs = min(self.server_args.max_running_requests + 32, max(self.max_total_tokens // 2, 8))
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, self.context_len + 8, self.device)
+        if mc.attention_arch == "mla":
+            self.token_to_kv_pool = MLAKVPool(self.max_total_tokens, self.dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
+                                              mc.num_layers, self.device, kv_cache_dtype=kv_dtype)
+        else:
+            self.token_to_kv_pool = MHAKVPool(self.max_total_tokens, self.dtype, heads_kv, mc.head_dim, mc.num_layers,
+                                              self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype)
+        logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", self.max_total_tokens,
+                    self.max_total_tokens * per_token / 2**20, max_reqs)
+
+    # ---- forward ----
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch) -> LogitsOutput:
+        fb.req_to_token_pool = self.req_to_token_pool
+        fb.token_to_kv_pool = self.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        if (fb.forward_mode.is_decode() and self.cuda_graph_runner is not None
+                and self.cuda_graph_runner.can_run(fb)):
+            hidden = self.cuda_graph_runner.replay(fb)
+        else:
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model(fb)
+        if fb.forward_mode.is_decode():
+            last = hidden
+        else:
+            last_idx = (fb.extend_start_loc + fb.extend_seq_lens - 1).long()
+            last = hidden[last_idx]
+        next_logits = self.model.lm_head(last)[:, : self.vocab_size]
+        extra = None
+        if fb.logits_indices is not None and fb.logits_indices.numel():
+            extra = self.model.lm_head(hidden[fb.logits_indices])[:, : self.vocab_size]
+        return LogitsOutput(next_logits, extra)

@@ -1,0 +1,69 @@
+"""OpenAI-style error objects and the mapping from in-process exceptions to HTTP statuses."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class APIError(Exception):
+    """An error answered to the client as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, message: str, status: int = 400, *, type: Optional[str] = None,
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type or _default_type(status)
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def __repr__(self) -> str:
+        return f"APIError({self.status}, {self.message!r}, param={self.param!r})"
+
+
+def _default_type(status: int) -> str:
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 503:
+        return "service_unavailable_error"
+    if status >= 500:
+        return "internal_server_error"
+    return "invalid_request_error"
+
+
+def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+    return APIError(message, 400, param=param, code=code)
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(f"The model '{model}' does not exist", 404, param="model", code="model_not_found")
+
+
+def body_too_large(limit: int) -> APIError:
+    return APIError(f"Request body is larger than the limit of {limit} bytes", 413, code="request_too_large")
+
+
+def unauthorized() -> APIError:
+    return APIError("Invalid or missing API key (expected 'Authorization: Bearer <key>')", 401, code="invalid_api_key")
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(message, 503, code="unavailable")
+
+
+def internal(message: str) -> APIError:
+    return APIError(message, 500, code="internal_error")
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """User-caused exceptions (ValueError subclasses) become 400s; anything else is a 500."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return bad_request(str(exc), param=getattr(exc, "param", None))
+    return internal(f"{type(exc).__name__}: {exc}")

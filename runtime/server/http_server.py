@@ -1,0 +1,317 @@
+"""The aiohttp server: native API (/generate, health, info, cache, metrics), OpenAI routes, auth, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import signal
+from typing import Any, Optional
+
+from aiohttp import web
+
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server import metrics as metrics_mod
+from braid.runtime.server.errors import APIError, bad_request, body_too_large, from_exception, unauthorized, unavailable
+from braid.runtime.server.openai_api import OpenAIServing
+from braid.runtime.server.protocol import SSE_DONE, api_error_event, parse_generate, sse_event
+from braid.runtime.server.tokenizer_manager import ChoiceState, RequestHandle, TokenizerManager, merge_updates
+
+logger = logging.getLogger("braid.server")
+
+TM_KEY = web.AppKey("tokenizer_manager", TokenizerManager)
+OPENAI_KEY = web.AppKey("openai_serving", OpenAIServing)
+
+_PUBLIC_PATHS = frozenset({"/health"})
+
+
+def error_response(err: APIError) -> web.Response:
+    return web.json_response(err.to_dict(), status=err.status)
+
+
+async def read_json(request: web.Request) -> Any:
+    limit = request.app[TM_KEY].server_args.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise body_too_large(limit)
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise body_too_large(limit) from None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"Request body is not valid JSON: {e}") from None
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        request.app[TM_KEY].metrics.http_errors.inc()
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        request.app[TM_KEY].metrics.http_errors.inc()
+        return error_response(APIError(e.reason, e.status))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        logger.exception("unhandled error on %s %s", request.method, request.path)
+        request.app[TM_KEY].metrics.http_errors.inc()
+        return error_response(from_exception(e) if isinstance(e, ValueError) else APIError(f"internal error: {e}", 500))
+
+
+def auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path not in _PUBLIC_PATHS:
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return error_response(unauthorized())
+        return await handler(request)
+
+    return check
+
+
+# ---- native API -------------------------------------------------------------------------------------
+
+
+def _logprob_list(entries: Optional[list], tm: TokenizerManager, with_text: bool) -> Optional[list]:
+    if entries is None:
+        return None
+    if not with_text:
+        return [[lp, tid] for lp, tid in entries]
+    return [[lp, tid, tm.token_text(tid)] for lp, tid in entries]
+
+
+def _top_list(entries: Optional[list], tm: TokenizerManager, with_text: bool) -> Optional[list]:
+    if entries is None:
+        return None
+    return [None if pos is None else _logprob_list(pos, tm, with_text) for pos in entries]
+
+
+def native_result(tm: TokenizerManager, handle: RequestHandle, c: ChoiceState, text: str, output_ids: list[int],
+                  with_text: bool) -> dict:
+    meta = c.meta_info(handle.rid)
+    if handle.return_logprob:
+        meta["input_token_logprobs"] = _logprob_list(c.input_token_logprobs, tm, with_text)
+        meta["output_token_logprobs"] = _logprob_list(c.output_token_logprobs, tm, with_text)
+        meta["input_top_logprobs"] = _top_list(c.input_top_logprobs, tm, with_text)
+        meta["output_top_logprobs"] = _top_list(c.output_top_logprobs, tm, with_text)
+    return {"text": text, "output_ids": output_ids, "meta_info": meta}
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    tm = request.app[TM_KEY]
+    tm.check_accepting()
+    body = await read_json(request)
+    req = parse_generate(body, tm.vocab_size)
+    with_text = bool(body.get("return_text_in_logprobs", False))
+    prompt_param = "text" if isinstance(req.prompts[0], str) else "input_ids"
+    encoded = [tm.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
+    for ids, sp in zip(encoded, req.sampling_params):
+        tm.check_length(len(ids), sp.max_new_tokens, prompt_param, "max_new_tokens")
+    handles: list[RequestHandle] = []
+    try:
+        for i, (ids, sp) in enumerate(zip(encoded, req.sampling_params)):
+            handles.append(await tm.submit(ids, sp, rid=req.rids[i] if req.rids else None,
+                                           return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                                           top_logprobs_num=req.top_logprobs_num, stream=req.stream,
+                                           image_data=req.image_data[i]))
+        n = req.sampling_params[0].n
+        if req.stream:
+            return await _stream_generate(request, tm, handles, n, with_text)
+        async for _ in merge_updates(handles):
+            pass
+        results = [native_result(tm, h, c, c.text, c.output_ids, with_text) for h in handles for c in h.ordered_choices()]
+        return web.json_response(results if (req.is_batch or len(results) > 1) else results[0])
+    finally:
+        for h in handles:
+            await tm.release(h)
+
+
+async def _stream_generate(request: web.Request, tm: TokenizerManager, handles: list[RequestHandle], n: int,
+                           with_text: bool) -> web.StreamResponse:
+    updates = merge_updates(handles)
+    first = await anext(updates, None)
+    resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+
+    async def emit(p: int, u) -> None:
+        chunk = native_result(tm, handles[p], u.choice, u.text, u.output_ids, with_text)
+        chunk["index"] = p * n + u.index
+        await resp.write(sse_event(chunk))
+
+    try:
+        if first is not None:
+            await emit(*first)
+        async for p, u in updates:
+            await emit(p, u)
+    except APIError as e:
+        await resp.write(api_error_event(e))
+    await resp.write(SSE_DONE)
+    await resp.write_eof()
+    return resp
+
+
+async def health(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    if tm.dead:
+        return error_response(unavailable(f"the scheduler is not running: {tm.dead}"))
+    return web.json_response({"status": "ok"})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """Runs one real token through the model."""
+    tm = request.app[TM_KEY]
+    tm.check_accepting()
+    sp = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+    handle = await tm.submit(tm.encode("Hi") or [0], sp)
+
+    async def drain() -> None:
+        async for _ in handle.updates():
+            pass
+
+    try:
+        await asyncio.wait_for(drain(), 60)
+    except asyncio.TimeoutError:
+        return error_response(unavailable("health generation timed out"))
+    finally:
+        await tm.release(handle)
+    c = handle.choice(0)
+    if c.completion_tokens < 1 and not c.output_ids:
+        return error_response(unavailable("health generation produced no token"))
+    return web.json_response({"status": "ok", "output_ids": c.output_ids})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    return web.json_response({"model_path": tm.server_args.model_path, "served_model_name": tm.server_args.model_name,
+                              "context_length": tm.context_len, "vocab_size": tm.vocab_size,
+                              "chat_template": getattr(tm.tokenizer, "chat_template", None),
+                              "is_generation": tm.model_info.get("is_generation", True)})
+
+
+def _public_server_args(server_args) -> dict:
+    d = dataclasses.asdict(server_args)
+    if d.get("api_key"):
+        d["api_key"] = "<redacted>"
+    return d
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    stats = await tm.get_stats()
+    info = _public_server_args(tm.server_args)
+    info.update({"context_length": tm.context_len, "vocab_size": tm.vocab_size, "model_info": tm.model_info,
+                 "num_server_requests": len(tm.handles)})
+    info.update(stats)
+    return web.json_response(info)
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    ok = await tm.flush_cache()
+    if not ok:
+        return web.json_response({"success": False, "message": "requests are running; cache not flushed"}, status=400)
+    return web.json_response({"success": True, "message": "cache flushed"})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    body = await read_json(request)
+    if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
+        raise bad_request("body must be an object with a string rid", param="rid")
+    found = await tm.abort(body["rid"])
+    return web.json_response({"success": found, "rid": body["rid"]}, status=200 if found else 404)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    stats = None if tm.dead else await tm.get_stats()
+    return web.Response(body=tm.metrics.render(stats).encode(), headers={"Content-Type": metrics_mod.CONTENT_TYPE})
+
+
+# ---- OpenAI routes --------------------------------------------------------------------------------------
+
+
+async def v1_models(request: web.Request) -> web.Response:
+    return web.json_response(request.app[OPENAI_KEY].models())
+
+
+async def v1_completions(request: web.Request) -> web.StreamResponse:
+    request.app[TM_KEY].check_accepting()
+    return await request.app[OPENAI_KEY].completions(request, await read_json(request))
+
+
+async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
+    request.app[TM_KEY].check_accepting()
+    return await request.app[OPENAI_KEY].chat_completions(request, await read_json(request))
+
+
+def create_app(tm: TokenizerManager) -> web.Application:
+    args = tm.server_args
+    middlewares = [error_middleware]
+    if args.api_key:
+        middlewares.append(auth_middleware(args.api_key))
+    # +1: aiohttp rejects at >= client_max_size; read_json answers 413 with an error object
+    app = web.Application(middlewares=middlewares, client_max_size=args.max_body_bytes + 1)
+    app[TM_KEY] = tm
+    app[OPENAI_KEY] = OpenAIServing(tm)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_post("/abort_request", abort_request)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/generate", generate)
+    app.router.add_get("/v1/models", v1_models)
+    app.router.add_post("/v1/completions", v1_completions)
+    app.router.add_post("/v1/chat/completions", v1_chat_completions)
+    return app
+
+
+async def serve(server_args, ready_callback=None) -> None:
+    """Start the scheduler, serve HTTP until SIGINT/SIGTERM, then drain and stop."""
+    tm = TokenizerManager(server_args)
+    await tm.start()
+    runner = web.AppRunner(create_app(tm), handler_cancellation=True, shutdown_timeout=5.0,
+                           access_log=logging.getLogger("aiohttp.access") if server_args.log_requests else None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, server_args.host, server_args.port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        await tm.close()
+        raise
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    logger.info("braid server ready on http://%s:%d (model %s, context %d)", server_args.host, server_args.port,
+                server_args.model_name, tm.context_len)
+    if ready_callback is not None:
+        ready_callback()
+    try:
+        await stop.wait()
+        logger.info("shutting down")
+        await tm.shutdown(server_args.shutdown_timeout_s)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()
+        await tm.close()
+
+
+def launch_server(server_args) -> None:
+    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+                        format="[server %(asctime)s] %(levelname)s %(message)s")
+    asyncio.run(serve(server_args))

@@ -1,0 +1,162 @@
+"""Typed messages between the HTTP server process and the scheduler process.
+
+msgpack-encoded msgspec Structs, tagged by class name, so each socket carries one Union type and no
+pickle ever crosses a socket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+import msgspec
+
+# ---- server -> scheduler ----------------------------------------------------------------------
+
+
+class GenerateReq(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: dict  # SamplingParams.to_dict(); rebuilt with SamplingParams.from_dict
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    image_data: Any = None
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str
+
+
+class FlushCacheReq(msgspec.Struct, tag=True):
+    req_id: int
+
+
+class GetStatsReq(msgspec.Struct, tag=True):
+    req_id: int
+
+
+class ShutdownReq(msgspec.Struct, tag=True):
+    pass
+
+
+ToScheduler = Union[GenerateReq, AbortReq, FlushCacheReq, GetStatsReq, ShutdownReq]
+
+# ---- scheduler -> server ----------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True):
+    context_len: int
+    vocab_size: int
+    model_path: str
+    model_info: dict = {}
+
+
+class Output(msgspec.Struct, tag=True):
+    """One request's progress in one scheduler step (mirrors braid.runtime.core.ReqOutput)."""
+
+    rid: str
+    index: int = 0
+    output_ids_offset: int = 0
+    new_token_ids: list[int] = []
+    finished: bool = False
+    finish_reason: Optional[dict] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens_wo_jump_forward: int = 0
+    output_token_logprobs: Optional[list] = None  # new [(logprob, id)]
+    output_top_logprobs: Optional[list] = None  # new [[(logprob, id), ...] | None]
+    input_token_logprobs: Optional[list] = None  # first output only
+    input_top_logprobs: Optional[list] = None
+
+
+class OutputBatch(msgspec.Struct, tag=True):
+    outputs: list[Output]
+
+
+class ReqError(msgspec.Struct, tag=True):
+    """add_request rejected the request; `user_error` says whether it was the client's fault (400)."""
+
+    rid: str
+    message: str
+    param: Optional[str] = None
+    user_error: bool = True
+
+
+class FlushCacheResult(msgspec.Struct, tag=True):
+    req_id: int
+    ok: bool
+
+
+class Stats(msgspec.Struct, tag=True):
+    req_id: int
+    stats: dict
+
+
+class Fatal(msgspec.Struct, tag=True):
+    """The scheduler loop crashed; the process exits after sending this."""
+
+    message: str
+
+
+FromScheduler = Union[Ready, OutputBatch, ReqError, FlushCacheResult, Stats, Fatal]
+
+
+def _enc_hook(obj: Any) -> Any:
+    # numpy / torch scalars and arrays that slip into outputs
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.asdict(obj)
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
+_from_scheduler = msgspec.msgpack.Decoder(FromScheduler)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_scheduler(data: bytes) -> ToScheduler:
+    return _to_scheduler.decode(data)
+
+
+def decode_from_scheduler(data: bytes) -> FromScheduler:
+    return _from_scheduler.decode(data)
+
+
+_OUTPUT_FIELDS = Output.__struct_fields__
+
+
+def output_from_req_output(req_output: Any) -> Output:
+    """Copy the fields Output knows from a ReqOutput (or any object with those attributes)."""
+    values = {}
+    for name in _OUTPUT_FIELDS:
+        if hasattr(req_output, name):
+            v = getattr(req_output, name)
+            if v is not None or name.endswith("logprobs") or name == "finish_reason":
+                values[name] = v
+    fr = values.get("finish_reason")
+    if fr is not None and not isinstance(fr, dict):
+        values["finish_reason"] = fr.to_json() if hasattr(fr, "to_json") else dataclasses.asdict(fr)
+    if "new_token_ids" in values:
+        values["new_token_ids"] = [int(t) for t in values["new_token_ids"]]
+    # tuples -> lists of plain numbers, so msgspec sees only builtins
+    return msgspec.convert(_plain(values), Output)
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    return x

@@ -1,0 +1,344 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from aiohttp import web
+
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.errors import APIError, bad_request, model_not_found
+from braid.runtime.server.protocol import (
+    SSE_DONE,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    api_error_event,
+    build_sampling_params,
+    chat_logprob_options,
+    check_chat_supported,
+    check_completion_supported,
+    completion_logprob_options,
+    openai_sampling_overrides,
+    parse_openai,
+    sse_event,
+)
+from braid.runtime.server.tokenizer_manager import ChoiceState, RequestHandle, TokenizerManager, merge_updates
+
+
+def finish_reason_name(reason: Optional[dict]) -> Optional[str]:
+    if reason is None:
+        return None
+    kind = reason.get("type")
+    return kind if kind in ("stop", "length") else "abort"
+
+
+def matched_stop(reason: Optional[dict]) -> Any:
+    return None if reason is None else reason.get("matched")
+
+
+def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], list[str]]:
+    """Messages as the chat template wants them (text content) and the image URLs they carry."""
+    out, images = [], []
+    for i, m in enumerate(messages):
+        content = m.content
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            pieces = []
+            for part in content:
+                kind = part.get("type")
+                if kind == "text" and isinstance(part.get("text"), str):
+                    pieces.append(part["text"])
+                elif kind == "image_url" and isinstance(part.get("image_url"), dict) and "url" in part["image_url"]:
+                    images.append(part["image_url"]["url"])
+                else:
+                    raise bad_request(f"messages[{i}].content: unsupported content part {kind!r}",
+                                      param=f"messages.{i}.content")
+            text = "".join(pieces)
+        d = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out, images
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager):
+        self.tm = tm
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.tm.server_args.model_name
+
+    def check_model(self, model: Optional[str]) -> str:
+        names = {self.model_name, self.tm.server_args.model_path}
+        if model is not None and model not in names:
+            raise model_not_found(model)
+        return self.model_name
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(self._started),
+                                            "owned_by": "braid", "root": self.tm.server_args.model_path,
+                                            "max_model_len": self.tm.context_len}]}
+
+    _started = time.time()
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        t = self._token_text.get(token_id)
+        if t is None:
+            t = self.tm.token_text(token_id)
+            if len(self._token_text) < 200_000:
+                self._token_text[token_id] = t
+        return t
+
+    def _sampling_params(self, req, prompt_len: int, prompt_param: str) -> SamplingParams:
+        overrides = openai_sampling_overrides(req)
+        if "max_new_tokens" not in overrides:
+            overrides["max_new_tokens"] = max(self.tm.context_len - prompt_len, 0)
+        sp = build_sampling_params(overrides, self.tm.vocab_size)
+        max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        self.tm.check_length(prompt_len, sp.max_new_tokens, prompt_param, max_param)
+        return sp
+
+    def _chat_logprobs(self, token_logprobs: list, top_logprobs: list, want_top: int) -> list:
+        entries = []
+        for j, (lp, tid) in enumerate(token_logprobs):
+            tok = self.token_text(tid)
+            entry = {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8")), "top_logprobs": []}
+            tops = top_logprobs[j] if j < len(top_logprobs) else None
+            if want_top and tops:
+                entry["top_logprobs"] = [{"token": self.token_text(t), "logprob": l,
+                                          "bytes": list(self.token_text(t).encode("utf-8"))} for l, t in tops[:want_top]]
+            entries.append(entry)
+        return entries
+
+    def _completion_logprobs(self, token_logprobs: list, top_logprobs: list, want_top: int, text_offset: int) -> dict:
+        tokens, lps, tops, offsets = [], [], [], []
+        for j, (lp, tid) in enumerate(token_logprobs):
+            tok = self.token_text(tid)
+            tokens.append(tok)
+            lps.append(lp)
+            offsets.append(text_offset)
+            text_offset += len(tok)
+            top = top_logprobs[j] if j < len(top_logprobs) else None
+            tops.append({self.token_text(t): l for l, t in (top or [])[:want_top]} if want_top and top else None)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    @staticmethod
+    def _usage(handles: list[RequestHandle]) -> dict:
+        prompt = sum(len(h.prompt_ids) for h in handles)
+        completion = sum(c.completion_tokens for h in handles for c in h.choices.values())
+        cached = sum(max((c.cached_tokens for c in h.choices.values()), default=0) for h in handles)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def _open_stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                       "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        return resp
+
+    # ---- chat ---------------------------------------------------------------------------------------
+    async def chat_completions(self, request: web.Request, body: Any) -> web.StreamResponse:
+        req = parse_openai(ChatCompletionRequest, body)
+        model = self.check_model(req.model)
+        check_chat_supported(req)
+        return_logprob, top_n = chat_logprob_options(req)
+        messages, images = template_messages(req.messages)
+        prompt = self.tm.apply_chat_template(messages)
+        ids = self.tm.encode(prompt, add_special_tokens=False)
+        sp = self._sampling_params(req, len(ids), "messages")
+        self.tm.check_accepting()
+        handle = await self.tm.submit(ids, sp, rid=req.rid, return_logprob=return_logprob, top_logprobs_num=top_n,
+                                      stream=req.stream, image_data=images or None)
+        try:
+            rid = f"chatcmpl-{handle.rid}"
+            if req.stream:
+                return await self._stream_chat(request, handle, rid, model, req.include_usage, return_logprob, top_n)
+            async for _ in handle.updates():
+                pass
+            choices = []
+            for c in handle.ordered_choices():
+                choices.append({
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": {"content": self._chat_logprobs(c.output_token_logprobs, c.output_top_logprobs, top_n)}
+                    if return_logprob else None,
+                    "finish_reason": finish_reason_name(c.finish_reason),
+                    "matched_stop": matched_stop(c.finish_reason),
+                })
+            return web.json_response({"id": rid, "object": "chat.completion", "created": int(handle.created),
+                                      "model": model, "choices": choices, "usage": self._usage([handle])})
+        finally:
+            await self.tm.release(handle)
+
+    async def _stream_chat(self, request, handle: RequestHandle, rid: str, model: str, include_usage: bool,
+                           return_logprob: bool, top_n: int) -> web.StreamResponse:
+        updates = handle.updates()
+        first = await anext(updates, None)  # a rejected request is still answered with its status code
+        resp = await self._open_stream(request)
+        created = int(handle.created)
+
+        def chunk(index: int, delta: dict, logprobs=None, finish=None, matched=None) -> dict:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
+                choice["matched_stop"] = matched
+            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+            if include_usage:
+                c["usage"] = None
+            return c
+
+        started: set[int] = set()
+
+        async def emit(u) -> None:
+            if u.index not in started:
+                started.add(u.index)
+                await resp.write(sse_event(chunk(u.index, {"role": "assistant", "content": ""})))
+            lp = None
+            if return_logprob and u.new_token_logprobs:
+                lp = {"content": self._chat_logprobs(u.new_token_logprobs, u.new_top_logprobs, top_n)}
+            if u.delta or lp is not None or u.finished:
+                reason = u.choice.finish_reason if u.finished else None
+                await resp.write(sse_event(chunk(u.index, {"content": u.delta} if u.delta else {}, lp,
+                                                 finish_reason_name(reason), matched_stop(reason))))
+
+        try:
+            if first is not None:
+                await emit(first)
+            async for u in updates:
+                await emit(u)
+        except APIError as e:
+            await resp.write(api_error_event(e))
+        else:
+            if include_usage:
+                await resp.write(sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                            "model": model, "choices": [], "usage": self._usage([handle])}))
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    # ---- completions ---------------------------------------------------------------------------------
+    def _completion_prompts(self, prompt: Any) -> list[tuple[list[int], str]]:
+        """[(token ids, prompt text)] for each prompt of the request."""
+        if isinstance(prompt, str):
+            prompts: list = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt:
+            prompts = prompt
+        else:
+            raise bad_request("prompt must be a non-empty string, list of strings, or token ids", param="prompt")
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise bad_request("prompt must not be empty", param="prompt")
+                out.append((self.tm.encode(p), p))
+            else:
+                if not p:
+                    raise bad_request("prompt token list must not be empty", param="prompt")
+                if any(not 0 <= t < self.tm.vocab_size for t in p):
+                    raise bad_request(f"prompt: token id out of range [0, {self.tm.vocab_size})", param="prompt")
+                out.append((list(p), self.tm.tokenizer.decode(p)))
+        return out
+
+    async def completions(self, request: web.Request, body: Any) -> web.StreamResponse:
+        req = parse_openai(CompletionRequest, body)
+        model = self.check_model(req.model)
+        check_completion_supported(req)
+        return_logprob, top_n = completion_logprob_options(req)
+        prompts = self._completion_prompts(req.prompt)
+        sps = [self._sampling_params(req, len(ids), "prompt") for ids, _ in prompts]
+        logprob_start_len = 0 if (req.echo and return_logprob) else -1
+        self.tm.check_accepting()
+        handles: list[RequestHandle] = []
+        try:
+            for (ids, _), sp in zip(prompts, sps):
+                rid = req.rid if (req.rid and len(prompts) == 1) else None
+                handles.append(await self.tm.submit(ids, sp, rid=rid, return_logprob=return_logprob,
+                                                    logprob_start_len=logprob_start_len, top_logprobs_num=top_n,
+                                                    stream=req.stream))
+            rid = f"cmpl-{handles[0].rid}"
+            n = sps[0].n
+            if req.stream:
+                return await self._stream_completion(request, handles, prompts, rid, model, req, return_logprob, top_n, n)
+            async for _ in merge_updates(handles):
+                pass
+            choices = []
+            for p, (h, (_, prompt_text)) in enumerate(zip(handles, prompts)):
+                for c in h.ordered_choices():
+                    choices.append(self._completion_choice(p * n + c.index, c, prompt_text, req.echo, return_logprob, top_n))
+            return web.json_response({"id": rid, "object": "text_completion", "created": int(handles[0].created),
+                                      "model": model, "choices": choices, "usage": self._usage(handles)})
+        finally:
+            for h in handles:
+                await self.tm.release(h)
+
+    def _completion_choice(self, index: int, c: ChoiceState, prompt_text: str, echo: bool, return_logprob: bool,
+                           top_n: int) -> dict:
+        text = (prompt_text + c.text) if echo else c.text
+        logprobs = None
+        if return_logprob:
+            token_lps, top_lps = list(c.output_token_logprobs), list(c.output_top_logprobs)
+            if echo and c.input_token_logprobs is not None:
+                token_lps = list(c.input_token_logprobs) + token_lps
+                top_lps = list(c.input_top_logprobs or [None] * len(c.input_token_logprobs)) + top_lps
+            logprobs = self._completion_logprobs(token_lps, top_lps, top_n, 0)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason_name(c.finish_reason),
+                "matched_stop": matched_stop(c.finish_reason)}
+
+    async def _stream_completion(self, request, handles, prompts, rid, model, req, return_logprob, top_n,
+                                 n) -> web.StreamResponse:
+        updates = merge_updates(handles)
+        first = await anext(updates, None)
+        resp = await self._open_stream(request)
+        created = int(handles[0].created)
+        started: set[int] = set()
+        offsets: dict[int, int] = {}
+
+        async def emit(p: int, u) -> None:
+            index = p * n + u.index
+            text = u.delta
+            token_lps, top_lps = list(u.new_token_logprobs), list(u.new_top_logprobs)
+            if index not in started:
+                started.add(index)
+                if req.echo:
+                    text = prompts[p][1] + text
+                    c = u.choice
+                    if return_logprob and c.input_token_logprobs is not None:
+                        token_lps = list(c.input_token_logprobs) + token_lps
+                        top_lps = list(c.input_top_logprobs or [None] * len(c.input_token_logprobs)) + top_lps
+            lp = None
+            if return_logprob and token_lps:
+                lp = self._completion_logprobs(token_lps, top_lps, top_n, offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
+            if text or lp is not None or u.finished:
+                reason = u.choice.finish_reason if u.finished else None
+                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason_name(reason)}
+                if reason is not None:
+                    choice["matched_stop"] = matched_stop(reason)
+                c = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+                if req.include_usage:
+                    c["usage"] = None
+                await resp.write(sse_event(c))
+
+        try:
+            if first is not None:
+                await emit(*first)
+            async for p, u in updates:
+                await emit(p, u)
+        except APIError as e:
+            await resp.write(api_error_event(e))
+        else:
+            if req.include_usage:
+                await resp.write(sse_event({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                            "choices": [], "usage": self._usage(handles)}))
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,196 @@
+"""The scheduler process: owns a Scheduler, talks to the HTTP server over two ZMQ PUSH/PULL sockets.
+
+Started as `python -m braid.runtime.server.scheduler_process` with a JSON config on stdin (server
+args and socket addresses), so nothing is pickled, not even at start-up. It sends `Ready` once the
+model is loaded, then loops: drain incoming messages, run `scheduler.step()` while there is work,
+block on the socket when idle. It exits on `ShutdownReq`, SIGTERM, or when its parent dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import Optional
+
+import zmq
+
+from braid.runtime.server import messages as M
+
+logger = logging.getLogger("braid.scheduler_process")
+
+_IDLE_POLL_MS = 500  # wake up this often when idle, to notice a dead parent
+
+
+def spawn(server_args, to_scheduler_addr: str, from_scheduler_addr: str) -> subprocess.Popen:
+    """Start the scheduler process; it connects to the two addresses the caller has bound."""
+    config = {
+        "server_args": dataclasses.asdict(server_args),
+        "to_scheduler_addr": to_scheduler_addr,
+        "from_scheduler_addr": from_scheduler_addr,
+        "parent_pid": os.getpid(),
+    }
+    proc = subprocess.Popen([sys.executable, "-m", "braid.runtime.server.scheduler_process"], stdin=subprocess.PIPE)
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(config).encode())
+    proc.stdin.close()
+    return proc
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            PR_SET_PDEATHSIG = 1
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socket, parent_pid: Optional[int]):
+        self.scheduler = scheduler
+        self.recv_sock = recv_sock
+        self.send_sock = send_sock
+        self.parent_pid = parent_pid
+        self.poller = zmq.Poller()
+        self.poller.register(recv_sock, zmq.POLLIN)
+        self.running = True
+
+    def send(self, msg) -> None:
+        self.send_sock.send(M.encode(msg), copy=False)
+
+    def run(self) -> None:
+        while self.running:
+            timeout = 0 if self.scheduler.has_work() else _IDLE_POLL_MS
+            if self.poller.poll(timeout):
+                self._drain()
+            elif timeout and not self._parent_alive():
+                logger.warning("parent process is gone; scheduler exiting")
+                return
+            if self.running and self.scheduler.has_work():
+                outputs = self.scheduler.step()
+                if outputs:
+                    self.send(M.OutputBatch([M.output_from_req_output(o) for o in outputs]))
+
+    def _parent_alive(self) -> bool:
+        return self.parent_pid is None or os.getppid() == self.parent_pid
+
+    def _drain(self) -> None:
+        while self.running:
+            try:
+                data = self.recv_sock.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = M.decode_to_scheduler(data.bytes)
+            except Exception as e:  # a malformed frame is a bug in the server, never the client's fault
+                logger.error("dropping undecodable message: %s", e)
+                continue
+            self.handle(msg)
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, M.GenerateReq):
+            self._add(msg)
+        elif isinstance(msg, M.AbortReq):
+            self.scheduler.abort_request(msg.rid)
+        elif isinstance(msg, M.FlushCacheReq):
+            self.send(M.FlushCacheResult(msg.req_id, bool(self.scheduler.flush_cache())))
+        elif isinstance(msg, M.GetStatsReq):
+            self.send(M.Stats(msg.req_id, _plain_stats(self.scheduler.get_stats())))
+        elif isinstance(msg, M.ShutdownReq):
+            self.running = False
+
+    def _add(self, msg: M.GenerateReq) -> None:
+        from braid.runtime.core import Req
+        from braid.runtime.sampling_params import SamplingParams
+
+        try:
+            req = Req(rid=msg.rid, input_ids=list(msg.input_ids),
+                      sampling_params=SamplingParams.from_dict(msg.sampling_params),
+                      return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+                      top_logprobs_num=msg.top_logprobs_num, stream=msg.stream)
+            if msg.image_data is not None and hasattr(req, "image_data"):
+                req.image_data = msg.image_data
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            self.send(M.ReqError(msg.rid, str(e), getattr(e, "param", None), True))
+        except Exception as e:
+            logger.exception("add_request failed for %s", msg.rid)
+            self.send(M.ReqError(msg.rid, f"{type(e).__name__}: {e}", None, False))
+
+
+def _plain_stats(stats: dict) -> dict:
+    out = {}
+    for k, v in (stats or {}).items():
+        if hasattr(v, "item"):
+            v = v.item()
+        if isinstance(v, (str, int, float, bool, type(None), list, dict)):
+            out[str(k)] = v
+    return out
+
+
+def _model_info(scheduler, server_args) -> dict:
+    tok = getattr(scheduler, "tokenizer", None)
+    info = {"model_path": server_args.model_path}
+    for name in ("is_generation", "model_type", "architecture", "max_running_requests", "max_total_tokens"):
+        v = getattr(scheduler, name, None)
+        if isinstance(v, (str, int, float, bool)):
+            info[name] = v
+    if tok is not None:
+        info["eos_token_id"] = getattr(tok, "eos_token_id", None)
+    return info
+
+
+def run(config: dict) -> int:
+    from braid.runtime.config import ServerArgs
+
+    server_args = ServerArgs(**config["server_args"])
+    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
+                        format="[scheduler %(asctime)s] %(levelname)s %(message)s")
+    ctx = zmq.Context(1)
+    send_sock = ctx.socket(zmq.PUSH)
+    send_sock.setsockopt(zmq.LINGER, 2000)
+    send_sock.connect(config["from_scheduler_addr"])
+    recv_sock = ctx.socket(zmq.PULL)
+    recv_sock.setsockopt(zmq.LINGER, 0)
+    recv_sock.connect(config["to_scheduler_addr"])
+    try:
+        from braid.runtime.scheduler.scheduler import Scheduler
+
+        t0 = time.time()
+        scheduler = Scheduler(server_args)
+        logger.info("model loaded in %.1fs", time.time() - t0)
+        loop = SchedulerLoop(scheduler, recv_sock, send_sock, config.get("parent_pid"))
+        loop.send(M.Ready(int(scheduler.context_len), int(scheduler.vocab_size), server_args.model_path,
+                          _model_info(scheduler, server_args)))
+        loop.run()
+        return 0
+    except Exception:
+        msg = traceback.format_exc()
+        logger.error("scheduler crashed:\n%s", msg)
+        send_sock.send(M.encode(M.Fatal(msg)))
+        return 1
+    finally:
+        send_sock.close()
+        recv_sock.close()
+        ctx.term()
+
+
+def main() -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: let the server drain first
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    config = json.loads(sys.stdin.read())
+    sys.exit(run(config))
+
+
+if __name__ == "__main__":
+    main()
