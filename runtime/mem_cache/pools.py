@@ -6,6 +6,7 @@ padded batches (CUDA graphs) write their dummy tokens there.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from typing import Optional, Union
 
@@ -54,6 +55,18 @@ def resolve_kv_cache_dtype(kv_cache_dtype: Union[str, torch.dtype, None], dtype:
     return resolved
 
 
+def _outside_inference_mode(fn):
+    """Pool tensors are updated in place both inside and outside torch.inference_mode; tensors created
+    inside it could not be updated outside, so they are always created as normal tensors."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch.inference_mode(False):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _check_positive(**values: int) -> None:
     for name, value in values.items():
         if not isinstance(value, int) or value < 1:
@@ -63,6 +76,7 @@ def _check_positive(**values: int) -> None:
 class ReqToTokenPool:
     """A table with one row per running request; row entries are the request's KV slot indices."""
 
+    @_outside_inference_mode
     def __init__(self, size: int, max_context_len: int, device: DeviceLike):
         _check_positive(size=size, max_context_len=max_context_len)
         self.size = size
@@ -105,6 +119,7 @@ class KVPool(ABC):
     free writes the freed ones after its back. Both cost O(n) and no host synchronization.
     """
 
+    @_outside_inference_mode
     def __init__(self, size: int, dtype: torch.dtype, layer_num: int, device: DeviceLike,
                  kv_cache_dtype: Union[str, torch.dtype, None] = None,
                  k_scale: float = 1.0, v_scale: float = 1.0):
@@ -112,7 +127,7 @@ class KVPool(ABC):
         if dtype not in _COMPUTE_DTYPES:
             raise ValueError(f"dtype must be one of {_COMPUTE_DTYPES}, got {dtype}")
         self.size = size
-        self.dtype = dtype
+        self.dtype = dtype  # what attention computes in; the cache itself holds cache_dtype
         self.layer_num = layer_num
         self.device = torch.device(device)
         self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
@@ -121,8 +136,8 @@ class KVPool(ABC):
         self.store_dtype = torch.uint8 if self.is_fp8 else self.cache_dtype
         self.k_scale = float(k_scale)
         self.v_scale = float(v_scale)
-        # Free slots live in a ring: _ring[_head : _head + _num_free] (mod size).
-        self._ring = torch.empty(size, dtype=torch.int64, device=self.device)
+        # Free slots live in a ring: _ring[_head : _head + _num_free] (mod size), set up by clear().
+        self._ring: torch.Tensor
         self._head = 0
         self._num_free = 0
         self.clear()
@@ -170,6 +185,7 @@ class KVPool(ABC):
             return self._ring[self._head:end].clone()
         return torch.cat((self._ring[self._head:], self._ring[: end - self.size]))
 
+    @_outside_inference_mode
     def clear(self) -> None:
         self._ring = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
         self._head = 0
@@ -185,11 +201,15 @@ class KVPool(ABC):
 
     @abstractmethod
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """[size + 1, heads, dim] in `dtype`, or the fp8 view when the cache is fp8 (multiply by k_scale after upcasting)."""
+        """[size + 1, heads, dim] in cache_dtype (usually == dtype).
+
+        For an fp8 cache, the fp8 view: upcast it and multiply by k_scale."""
 
     @abstractmethod
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        """[size + 1, heads, v_dim] in `dtype`, or the fp8 view when the cache is fp8 (multiply by v_scale after upcasting)."""
+        """[size + 1, heads, v_dim] in cache_dtype (usually == dtype).
+
+        For an fp8 cache, the fp8 view: upcast it and multiply by v_scale."""
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
@@ -209,8 +229,12 @@ def _view_as_cache(buffers: list[torch.Tensor], pool: KVPool) -> list[torch.Tens
 
 
 class MHAKVPool(KVPool):
-    """Separate K and V per layer: k_buffer[l]: [size + 1, head_num, head_dim], v_buffer[l]: [size + 1, head_num, v_head_dim]."""
+    """Separate K and V per layer.
 
+    k_buffer[l]: [size + 1, head_num, head_dim], v_buffer[l]: [size + 1, head_num, v_head_dim]
+    """
+
+    @_outside_inference_mode
     def __init__(self, size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
                  device: DeviceLike, v_head_dim: Optional[int] = None,
                  kv_cache_dtype: Union[str, torch.dtype, None] = None,
@@ -254,6 +278,7 @@ class MLAKVPool(KVPool):
     The key is the whole latent, the value its first kv_lora_rank channels (a view, no copy).
     """
 
+    @_outside_inference_mode
     def __init__(self, size: int, dtype: torch.dtype, kv_lora_rank: int, qk_rope_head_dim: int, layer_num: int,
                  device: DeviceLike, kv_cache_dtype: Union[str, torch.dtype, None] = None,
                  k_scale: float = 1.0, v_scale: float = 1.0):

@@ -65,9 +65,11 @@ class RadixCache(PrefixCache):
     def reset(self) -> None:
         root = getattr(self, "root_node", None)
         if root is not None:
-            values = [node.value for node in self._iter_nodes() if node is not root]
-            if values:
-                self.token_to_kv_pool.free(torch.cat(values))
+            nodes = [node for node in self._iter_nodes() if node is not root]
+            if nodes:
+                self.token_to_kv_pool.free(torch.cat([node.value for node in nodes]))
+            for node in nodes:
+                node.parent = None
         self.root_node = TreeNode([], self._empty_slots(), None, self._clock)
         self.root_node.lock_ref = 1  # the root is never evicted
         self._evictable_size = 0
@@ -129,9 +131,10 @@ class RadixCache(PrefixCache):
     def insert(self, key: Sequence[int], value: torch.Tensor) -> tuple[int, torch.Tensor, TreeNode]:
         """Cache key -> value (int64 slots, len(key) of them).
 
-        Returns (prefix_len, slots, node): the first prefix_len tokens were cached already and keep the
-        tree's slots (value[:prefix_len] is then the caller's to free, where it differs from slots); the
-        rest adopt value's slots (the tree keeps slices of value: do not write to it afterwards). slots are the tree's slots for the whole key, node covers exactly key.
+        Returns (prefix_len, slots, node). The first prefix_len tokens were cached already and keep the
+        tree's slots: value[:prefix_len], where it differs from slots, is the caller's to free. The rest
+        adopt value's slots (the tree keeps slices of value: do not write to it afterwards). slots are
+        the tree's slots for the whole key; node covers exactly key.
         """
         key = _as_list(key)
         if len(key) != value.numel():
@@ -147,28 +150,36 @@ class RadixCache(PrefixCache):
             return 0, self._empty_slots(), node
         return prefix_len, torch.cat(values), node
 
-    def inc_lock_ref(self, node: Optional[TreeNode]) -> None:
+    def _path_to_root(self, node: Optional[TreeNode]) -> list[TreeNode]:
+        path = []
         while node is not None and node is not self.root_node:
-            if node.lock_ref == 0:
-                self._evictable_size -= len(node.key)
-                self._protected_size += len(node.key)
-            node.lock_ref += 1
+            path.append(node)
             node = node.parent
+        if path and node is None:
+            raise RuntimeError(f"{path[0]} is no longer in the cache (evicted or reset); match the prefix again")
+        return path
+
+    def inc_lock_ref(self, node: Optional[TreeNode]) -> None:
+        for n in self._path_to_root(node):
+            if n.lock_ref == 0:
+                self._evictable_size -= len(n.key)
+                self._protected_size += len(n.key)
+            n.lock_ref += 1
 
     def dec_lock_ref(self, node: Optional[TreeNode]) -> None:
-        while node is not None and node is not self.root_node:
-            if node.lock_ref <= 0:
-                raise RuntimeError(f"dec_lock_ref on an unlocked node {node}")
-            if node.lock_ref == 1:
-                self._evictable_size += len(node.key)
-                self._protected_size -= len(node.key)
-            node.lock_ref -= 1
-            node = node.parent
+        path = self._path_to_root(node)
+        if path and path[0].lock_ref <= 0:
+            raise RuntimeError(f"dec_lock_ref on an unlocked node {path[0]}")
+        for n in path:
+            if n.lock_ref == 1:
+                self._evictable_size += len(n.key)
+                self._protected_size -= len(n.key)
+            n.lock_ref -= 1
 
     def evict(self, num_tokens: int) -> int:
         if num_tokens <= 0:
             return 0
-        heap = [node for node in self._iter_nodes() if not node.children and node is not self.root_node]
+        heap = [node for node in self._iter_nodes() if not node.children and node.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         values: list[torch.Tensor] = []
@@ -176,6 +187,7 @@ class RadixCache(PrefixCache):
             node = heapq.heappop(heap)
             parent = node.parent
             del parent.children[node.key[0]]
+            node.parent = None  # detached: locking it now is an error
             values.append(node.value)
             freed += len(node.key)
             self._evictable_size -= len(node.key)

@@ -105,6 +105,23 @@ def test_kv_free_list_wraps_around_and_catches_overflow():
     assert pool.available_size() == pool.size
 
 
+def test_pools_built_under_inference_mode_work_outside_it():
+    with torch.inference_mode():
+        kv = _mha(size=8)
+        rows = ReqToTokenPool(2, 4, "cpu")
+    loc = kv.alloc(3)
+    kv.free(loc)
+    kv.set_kv_buffer(0, loc, torch.ones(3, 2, 4), torch.ones(3, 2, 4))
+    rows.req_to_token[0, :3] = loc.to(torch.int32)
+    with torch.inference_mode():
+        loc = kv.alloc(2)
+        kv.set_kv_buffer(1, loc, torch.ones(2, 2, 4), torch.ones(2, 2, 4))
+    kv.free(loc)
+    kv.clear()
+    kv.free(kv.alloc(8))
+    assert kv.available_size() == kv.size
+
+
 # ---- MHA ----
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_mha_set_get_per_layer(dtype):

@@ -1,6 +1,6 @@
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import pytest
@@ -123,6 +123,22 @@ def test_lock_prevents_eviction(cache):
     assert cache.evict(1) == 2, "a whole leaf edge goes at once"
     assert cache.evict(1) == 2
     assert cache.total_size() == 0
+
+
+def test_locking_an_evicted_node_is_an_error(cache):
+    _insert(cache, [1, 2])
+    _, node = cache.match_prefix([1, 2])
+    assert cache.evict(2) == 2
+    with pytest.raises(RuntimeError, match="no longer in the cache"):
+        cache.inc_lock_ref(node)
+    _insert(cache, [3])
+    _, node = cache.match_prefix([3])
+    cache.reset()
+    with pytest.raises(RuntimeError, match="no longer in the cache"):
+        cache.inc_lock_ref(node)
+    assert cache.protected_size() == cache.evictable_size() == 0
+    cache.inc_lock_ref(cache.root_node)  # the root and None are always fine
+    cache.dec_lock_ref(None)
 
 
 def test_lock_of_a_split_node_protects_its_prefix(cache):
@@ -529,7 +545,7 @@ class Harness:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_randomized_against_reference(seed):
     h = Harness(seed)
-    for _ in range(1500):
+    for _ in range(2000):
         h.step()
         h.check()
     h.drain()
