@@ -1,0 +1,32 @@
+"""Constrained decoding: regex / JSON schema -> token masks (outlines-core), with jump-forward.
+
+Names load lazily: the compile worker process imports `fsm` and must not pull in torch.
+"""
+
+_EXPORTS = {
+    "GrammarError": "fsm",
+    "GrammarTimeoutError": "fsm",
+    "GrammarBackend": "grammar",
+    "CompiledGrammar": "grammar",
+    "GrammarState": "grammar",
+    "apply_vocab_mask": "grammar",
+    "JumpForward": "jump_forward",
+    "json_schema_to_regex": "json_schema",
+    "choices_to_regex": "json_schema",
+    "TokenVocabulary": "vocabulary",
+    "build_token_vocabulary": "vocabulary",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = list(_EXPORTS)

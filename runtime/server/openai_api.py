@@ -175,6 +175,10 @@ class OpenAIServing:
                 })
             return web.json_response({"id": rid, "object": "chat.completion", "created": int(handle.created),
                                       "model": model, "choices": choices, "usage": self._usage([handle])})
+        except APIError as e:
+            if e.param == "json_schema" and req.response_format is not None:
+                e.param = "response_format"  # the name the client used
+            raise
         finally:
             await self.tm.release(handle)
 

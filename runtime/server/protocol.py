@@ -88,8 +88,16 @@ def parse_openai(model_cls: type[_OpenAIRequest], body: Any) -> Any:
         return model_cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ())) or None
+        param = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_tag(p)) or None
         raise bad_request(f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param) from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def _is_union_tag(loc_part) -> bool:
+    """pydantic puts the tried Union member in error locations ('str', 'list[int]'); they are no parameter."""
+    return isinstance(loc_part, str) and (loc_part in _TYPE_TAGS or "[" in loc_part)
 
 
 def _unsupported(req: _OpenAIRequest, names: tuple[str, ...]) -> None:
@@ -108,8 +116,18 @@ def build_sampling_params(overrides: dict, vocab_size: Optional[int] = None) -> 
     except SamplingParamsError as e:
         raise bad_request(str(e), param=e.param) from None
     except (TypeError, ValueError) as e:
-        raise bad_request(f"invalid sampling parameters: {e}") from None
+        raise bad_request(f"invalid sampling parameters: {e}", param=_culprit(overrides)) from None
     return sp
+
+
+def _culprit(overrides: dict) -> Optional[str]:
+    """The first field that fails on its own (for errors SamplingParams raises without naming one)."""
+    for name, value in (overrides or {}).items():
+        try:
+            SamplingParams.from_dict({name: value}).verify()
+        except (TypeError, ValueError):
+            return name
+    return None
 
 
 def _check_int(value: Any, param: str, lo: int, hi: Optional[int] = None) -> None:

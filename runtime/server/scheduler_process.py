@@ -121,10 +121,21 @@ class SchedulerLoop:
                 req.image_data = msg.image_data
             self.scheduler.add_request(req)
         except ValueError as e:
-            self.send(M.ReqError(msg.rid, str(e), getattr(e, "param", None), True))
+            self.send(M.ReqError(msg.rid, str(e), getattr(e, "param", None) or _grammar_param(e, msg), True))
         except Exception as e:
             logger.exception("add_request failed for %s", msg.rid)
             self.send(M.ReqError(msg.rid, f"{type(e).__name__}: {e}", None, False))
+
+
+def _grammar_param(e: ValueError, msg: M.GenerateReq) -> Optional[str]:
+    """A grammar error names no field; it is the regex or the schema the request carried."""
+    if type(e).__name__ not in ("GrammarError", "GrammarTimeoutError"):
+        return None
+    if msg.sampling_params.get("regex") is not None:
+        return "regex"
+    if msg.sampling_params.get("json_schema") is not None:
+        return "json_schema"
+    return None
 
 
 def _plain_stats(stats: dict) -> dict:

@@ -128,6 +128,10 @@ class RequestHandle:
                     if not c.finished:
                         yield self._apply(self._abort_output(c, item.message))
                 continue
+            error = _grammar_failure(item, self.sampling_params)
+            if error is not None:
+                self.num_finished = self.n
+                raise error
             update = self._apply(item)
             if update is not None:
                 yield update
@@ -167,10 +171,15 @@ class RequestHandle:
         c.completion_tokens = out.completion_tokens
         c.cached_tokens = out.cached_tokens
         c.completion_tokens_wo_jump_forward = out.completion_tokens_wo_jump_forward
-        delta = c.detokenizer.update(offset, list(out.new_token_ids))
+        new_ids, detok_reason = list(out.new_token_ids), out.finish_reason
+        matched = (out.finish_reason or {}).get("matched")
+        if out.finished and isinstance(matched, int) and new_ids and new_ids[-1] == matched:
+            # the stop token is no part of the text: never show it to the detokenizer
+            new_ids, detok_reason = new_ids[:-1], {**out.finish_reason, "matched": None}
+        delta = c.detokenizer.update(offset, new_ids)
         if out.finished:
             c.finish_reason = out.finish_reason or _ABORTED
-            delta += c.detokenizer.finish(c.finish_reason)
+            delta += c.detokenizer.finish(detok_reason)
             c.finished = True
             self.num_finished += 1
             if self.finished:
@@ -191,6 +200,14 @@ class RequestHandle:
                         finish_reason=reason, prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
                         cached_tokens=c.cached_tokens,
                         completion_tokens_wo_jump_forward=c.completion_tokens_wo_jump_forward)
+
+
+def _grammar_failure(out: M.Output, sp: SamplingParams) -> Optional[APIError]:
+    """A request the scheduler aborted because its regex/schema could not be compiled: the client's error."""
+    reason = out.finish_reason if out.finished else None
+    if not reason or reason.get("type") != "abort" or not str(reason.get("message", "")).startswith("grammar error"):
+        return None
+    return bad_request(reason["message"], param="regex" if sp.regex is not None else "json_schema")
 
 
 @dataclass
@@ -370,8 +387,10 @@ class TokenizerManager:
         handle.released = True
         if self.handles.get(handle.rid) is handle:
             del self.handles[handle.rid]
-        if not handle.finished and not self.dead:
-            await self._send_msg(M.AbortReq(handle.rid))
+        if not handle.finished:
+            self.metrics.requests_aborted.inc()
+            if not self.dead:
+                await self._send_msg(M.AbortReq(handle.rid))
         if not self.handles:
             self._idle.set()
 

@@ -1,16 +1,19 @@
 """TritonAttnBackend: paged-KV attention through braid's Triton kernels (the default on GPU).
 
-What it reads from the model runner (all through getattr, so the runner can adapt):
+What it reads from the model runner (all through getattr, so the runner can adapt); only the decode
+scratch is sized from it, and a layer wider than these numbers grows the scratch (outside CUDA graphs):
   model_runner.device                         torch device (or its name) the scratch buffers live on
   model_runner.model_config.num_attention_heads, .num_key_value_heads
-                                              the model's (global) head counts; divided by
-  model_runner.tp_size                        (default 1) to get this rank's heads
+                                              the model's (global) head counts, divided by the TP size:
+  model_runner.tp_size, else model_runner.server_args.tp_size (default 1)
   model_runner.model_config.head_dim          (default hidden_size // num_attention_heads)
   model_runner.model_config.v_head_dim        (default head_dim)
+  model_runner.model_config.attention_arch == "mla": one latent KV head, Dv = .kv_lora_rank
   model_runner.server_args.triton_attention_num_kv_splits   (optional; else the constructor's value)
 The KV pool and the req_to_token table are taken from each ForwardBatch (fb.token_to_kv_pool,
 fb.req_to_token_pool.req_to_token); the pool must offer set_kv_buffer(layer_id, loc, k, v) with
-k: [T, Hkv, D], v: [T, Hkv, Dv] and get_key_buffer / get_value_buffer(layer_id) -> [S, Hkv, D|Dv].
+k: [T, Hkv, D], v: [T, Hkv, Dv] and get_key_buffer / get_value_buffer(layer_id) -> [S, Hkv, D|Dv];
+when pool.is_fp8, pool.k_scale / pool.v_scale dequantise what the buffers hold.
 
 Per-layer attributes used: layer_id, num_heads, num_kv_heads, head_dim, v_head_dim, scaling,
 logit_cap (0 = off), sliding_window (-1 = off; W > 0 means a query at position p sees (p - W, p]).
@@ -47,15 +50,20 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, model_runner, num_kv_splits: Optional[int] = None):
         self.device = torch.device(getattr(model_runner, "device", "cuda"))
         mc = model_runner.model_config
-        tp_size = max(1, int(getattr(model_runner, "tp_size", 1) or 1))
+        server_args = getattr(model_runner, "server_args", None)
+        tp_size = getattr(model_runner, "tp_size", None) or getattr(server_args, "tp_size", None) or 1
+        tp_size = max(1, int(tp_size))
         total_heads = int(mc.num_attention_heads)
         self.num_heads = max(1, total_heads // tp_size)
         total_kv = int(getattr(mc, "num_key_value_heads", None) or total_heads)
         self.num_kv_heads = max(1, total_kv // tp_size)  # KV heads are replicated when tp_size > total_kv
         self.head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // total_heads)
         self.v_head_dim = int(getattr(mc, "v_head_dim", None) or self.head_dim)
+        if getattr(mc, "attention_arch", None) == "mla":
+            # absorbed MLA attends over the latent: keys [kv_lora_rank + rope], values [kv_lora_rank]
+            self.num_kv_heads = 1
+            self.v_head_dim = max(self.v_head_dim, int(getattr(mc, "kv_lora_rank", 0) or 0))
 
-        server_args = getattr(model_runner, "server_args", None)
         splits = num_kv_splits or getattr(server_args, "triton_attention_num_kv_splits", None)
         if splits is None:
             splits = DEFAULT_NUM_KV_SPLITS_GPU if self.device.type == "cuda" else DEFAULT_NUM_KV_SPLITS_CPU
@@ -107,6 +115,12 @@ class TritonAttnBackend(AttentionBackend):
         window = getattr(layer, "sliding_window", -1)
         return float(logit_cap), (-1 if window is None else int(window))
 
+    @staticmethod
+    def _kv_scales(pool) -> tuple[float, float]:
+        if not getattr(pool, "is_fp8", False):
+            return 1.0, 1.0
+        return float(getattr(pool, "k_scale", 1.0)), float(getattr(pool, "v_scale", 1.0))
+
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True) -> torch.Tensor:
         h, h_kv, d, dv = self._layer_dims(layer)
         md = self._metadata(fb)
@@ -123,7 +137,7 @@ class TritonAttnBackend(AttentionBackend):
             pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
             fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
             fb.extend_seq_lens, md.extend_start_loc, fb.extend_prefix_lens, md.max_len_extend,
-            layer.scaling, logit_cap, window,
+            layer.scaling, logit_cap, window, *self._kv_scales(pool),
         )
         return o.view(-1, h * dv)
 
@@ -148,7 +162,7 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(
             q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
             fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
-            scratch, self.num_kv_splits, layer.scaling, logit_cap, window,
+            scratch, self.num_kv_splits, layer.scaling, logit_cap, window, *self._kv_scales(pool),
         )
         return o.view(-1, h * dv)
 

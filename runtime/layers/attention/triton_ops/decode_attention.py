@@ -12,6 +12,7 @@ Stage 2, grid (B, H): merges the splits.
 
 Splits cover ceil(len / num_kv_splits) keys rounded up to a whole BLOCK_N tile, so short sequences use
 fewer splits (the rest exit at once); the split count stays fixed, which CUDA graphs need.
+Values read from fp8 buffers are multiplied by k_scale / v_scale (the pool stores x / scale).
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers.attention.triton_ops.extend_attention import (
-    _mm,
-    _online_softmax_step,
-    _scale_scores,
+    _attend_tile,
     check_last_dim_contiguous,
     dot_dtype,
     split_head_dim,
@@ -47,7 +46,7 @@ def _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N: tl.constexpr,
 @triton.jit
 def _decode_stage1_kernel(
     Q, K_buf, V_buf, Req_to_token, B_req_idx, B_seq_len, Att,
-    sm_scale, logit_cap, sliding_window, num_kv_splits,
+    sm_scale, logit_cap, sliding_window, num_kv_splits, v_scale,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_req,
     stride_ab, stride_ah, stride_as,
     KV_GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
@@ -83,32 +82,37 @@ def _decode_stage1_kernel(
         offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
         mask_dpe = offs_dpe < D
         qpe = tl.load(q_base + offs_dpe[None, :], mask=mask_h[:, None] & mask_dpe[None, :], other=0.0)
+    else:  # unused placeholders
+        offs_dpe, mask_dpe, qpe = offs_d, mask_d, q
 
-    req_idx = tl.load(B_req_idx + cur_batch).to(tl.int64)
+    req_row = Req_to_token + tl.load(B_req_idx + cur_batch).to(tl.int64) * stride_req
+    K_h = K_buf + cur_kv_head * stride_kbh
+    V_h = V_buf + cur_kv_head * stride_vbh
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    for start_n in range(split_lo, split_hi, BLOCK_N):
+    # split_len is a whole number of tiles: only the sequence's last tile can be partial
+    full_hi = split_lo + (split_hi - split_lo) // BLOCK_N * BLOCK_N
+    for start_n in range(split_lo, full_hi, BLOCK_N):
         offs_kv = start_n + offs_n
+        rows = tl.load(req_row + offs_kv).to(tl.int64)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, qpe, offs_h, offs_kv, rows, offs_kv < split_hi,
+            K_h, V_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
+            sm_scale, logit_cap, sliding_window, 1.0,
+            BLOCK_DPE, False, False, USE_CAP, False, False, DOT_DTYPE)
+    if full_hi < split_hi:
+        offs_kv = full_hi + offs_n
         mask_n = offs_kv < split_hi
-        slots = tl.load(Req_to_token + req_idx * stride_req + offs_kv, mask=mask_n, other=0).to(tl.int64)
-        # k: [BLOCK_D, BLOCK_N]
-        k = tl.load(K_buf + slots[None, :] * stride_kbs + cur_kv_head * stride_kbh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        qk = _mm(q, k, DOT_DTYPE)
-        if BLOCK_DPE > 0:
-            kpe = tl.load(K_buf + slots[None, :] * stride_kbs + cur_kv_head * stride_kbh + offs_dpe[:, None],
-                          mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
-            qk += _mm(qpe, kpe, DOT_DTYPE)
-        s = _scale_scores(qk, sm_scale, logit_cap, USE_CAP)
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        # v: [BLOCK_N, BLOCK_DV]
-        v = tl.load(V_buf + slots[:, None] * stride_vbs + cur_kv_head * stride_vbh + offs_dv[None, :],
-                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_DTYPE)
+        rows = tl.load(req_row + offs_kv, mask=mask_n, other=0).to(tl.int64)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, qpe, offs_h, offs_kv, rows, mask_n,
+            K_h, V_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
+            sm_scale, logit_cap, sliding_window, 1.0,
+            BLOCK_DPE, True, False, USE_CAP, False, False, DOT_DTYPE)
 
     att_base = Att + cur_batch.to(tl.int64) * stride_ab + offs_h * stride_ah + split * stride_as
-    tl.store(att_base[:, None] + offs_dv[None, :], acc / l_i[:, None], mask=mask_h[:, None] & mask_dv[None, :])
+    tl.store(att_base[:, None] + offs_dv[None, :], acc * (v_scale / l_i)[:, None], mask=mask_h[:, None] & mask_dv[None, :])
     tl.store(att_base + DV, m_i + tl.log2(l_i), mask=mask_h)
 
 
@@ -153,6 +157,8 @@ _BLOCK_H = 16  # query heads per stage-1 program (a dot needs >= 16 rows; unused
 def _decode_launch_config(d: int, dv: int, device: torch.device) -> dict:
     if device.type != "cuda":
         return dict(BLOCK_N=16, num_warps=4, num_stages=1)
+    if max(d, dv) <= 128:
+        return dict(BLOCK_N=64, num_warps=2, num_stages=2)
     if max(d, dv) <= 256:
         return dict(BLOCK_N=64, num_warps=4, num_stages=2)
     return dict(BLOCK_N=32, num_warps=8, num_stages=2)
@@ -171,6 +177,8 @@ def decode_attention_fwd(
     sm_scale: float,
     logit_cap: float = 0.0,
     sliding_window: int = -1,
+    k_scale: float = 1.0,  # dequantisation scales of values read from k_buffer / v_buffer (fp8 caches)
+    v_scale: float = 1.0,
 ) -> None:
     b, h, d = q.shape
     h_kv = k_buffer.shape[1]
@@ -199,7 +207,7 @@ def decode_attention_fwd(
     use_window = sliding_window > 0
     _decode_stage1_kernel[(b, h_kv * head_blocks, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits,
-        float(sm_scale), float(logit_cap), int(sliding_window), int(num_kv_splits),
+        float(sm_scale * k_scale), float(logit_cap), int(sliding_window), int(num_kv_splits), float(v_scale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
         KV_GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,

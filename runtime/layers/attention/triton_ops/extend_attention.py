@@ -9,7 +9,8 @@ of q/k/v_extend. They attend to
 Sliding window W > 0: a query at absolute position p sees the keys at positions (p - W, p], i.e. the
 last W keys including itself (the Gemma-2 / Mistral convention). Soft-capping (logit_cap > 0):
 scores = cap * tanh(scores * sm_scale / cap). Accumulation is fp32; the output takes o_extend's dtype.
-KV buffers may hold fp8 (e5m2 / e4m3fn, scale 1.0): tiles are upcast in-kernel before each dot.
+KV buffers may hold fp8 (e5m2 / e4m3fn): tiles are upcast in-kernel before each dot, and values read
+from the buffers are multiplied by k_scale / v_scale (the pool stores x / scale).
 """
 
 from __future__ import annotations
@@ -45,29 +46,73 @@ def _scale_scores(qk, sm_scale, logit_cap, USE_CAP: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, s, v, DOT_DTYPE: tl.constexpr):
-    """One flash-attention update. s: [M, N] log2-unit scores (-inf where masked), v: [N, DV]."""
+def _online_softmax_step(acc, m_i, l_i, s, v, v_scale, V_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """One flash-attention update. s: [M, N] log2-unit scores (-inf where masked), v: [N, DV] (times v_scale)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # rows with nothing visible yet keep m = -inf; subtract 0 there so exp2 yields 0, not NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if V_SCALED:
+        p = p * v_scale
     acc = acc * alpha[:, None] + _mm(p, v, DOT_DTYPE)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, qpe, q_idx, kv_idx, rows, mask_n,
+    K_head, V_head, stride_ks, stride_vs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
+    sm_scale, logit_cap, sliding_window, v_scale,
+    BLOCK_DPE: tl.constexpr, MASK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_CAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr, V_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """Attend the query tile to BLOCK_N keys stored at `rows` [N] of K_head/V_head (one KV head's base).
+
+    q_idx [M] and kv_idx [N] are positions on one axis (for the causal and window masks); mask_n [N]
+    marks real keys and is only applied when MASK_N (tiles known to be full skip every mask).
+    """
+    if MASK_N:
+        k_mask = mask_n[None, :] & mask_d[:, None]
+        v_mask = mask_n[:, None] & mask_dv[None, :]
+    else:
+        k_mask = mask_d[:, None]
+        v_mask = mask_dv[None, :]
+    # k: [BLOCK_D, BLOCK_N]
+    k = tl.load(K_head + rows[None, :] * stride_ks + offs_d[:, None], mask=k_mask, other=0.0)
+    qk = _mm(q, k, DOT_DTYPE)
+    if BLOCK_DPE > 0:
+        if MASK_N:
+            kpe_mask = mask_n[None, :] & mask_dpe[:, None]
+        else:
+            kpe_mask = mask_dpe[:, None]
+        kpe = tl.load(K_head + rows[None, :] * stride_ks + offs_dpe[:, None], mask=kpe_mask, other=0.0)
+        qk += _mm(qpe, kpe, DOT_DTYPE)
+    s = _scale_scores(qk, sm_scale, logit_cap, USE_CAP)
+    if MASK_N or CAUSAL or USE_WINDOW:
+        visible = mask_n[None, :]
+        if CAUSAL:
+            visible = visible & (kv_idx[None, :] <= q_idx[:, None])
+        if USE_WINDOW:
+            visible = visible & (kv_idx[None, :] > q_idx[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+    # v: [BLOCK_N, BLOCK_DV]
+    v = tl.load(V_head + rows[:, None] * stride_vs + offs_dv[None, :], mask=v_mask, other=0.0)
+    return _online_softmax_step(acc, m_i, l_i, s, v, v_scale, V_SCALED, DOT_DTYPE)
 
 
 @triton.jit
 def _extend_fwd_kernel(
     Q, K_ext, V_ext, O, K_buf, V_buf, Req_to_token,
     B_req_idx, B_start_loc, B_ext_len, B_prefix_len,
-    sm_scale, logit_cap, sliding_window,
+    sm_scale, logit_cap, sliding_window, k_scale, v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_req,
     KV_GROUP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, V_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     cur_seq = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -80,7 +125,7 @@ def _extend_fwd_kernel(
         return
     ext_start = tl.load(B_start_loc + cur_seq)
     prefix_len = tl.load(B_prefix_len + cur_seq)
-    req_idx = tl.load(B_req_idx + cur_seq).to(tl.int64)
+    req_row = Req_to_token + tl.load(B_req_idx + cur_seq).to(tl.int64) * stride_req
 
     offs_m = block_start + tl.arange(0, BLOCK_M)  # query index within this request's new tokens
     mask_m = offs_m < ext_len
@@ -91,71 +136,69 @@ def _extend_fwd_kernel(
     mask_dv = offs_dv < DV
 
     q_rows = (ext_start + offs_m).to(tl.int64)
-    # q: [BLOCK_M, BLOCK_D]
-    q = tl.load(Q + q_rows[:, None] * stride_qt + cur_head * stride_qh + offs_d[None, :],
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q_ptrs = Q + q_rows[:, None] * stride_qt + cur_head * stride_qh
+    # q: [BLOCK_M, BLOCK_D]; qpe: the head dims past the largest power of two (rope part of 576 = 512 + 64)
+    q = tl.load(q_ptrs + offs_d[None, :], mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     if BLOCK_DPE > 0:
-        # head dims past the largest power of two (e.g. the rope part of 576 = 512 + 64)
         offs_dpe = BLOCK_D + tl.arange(0, BLOCK_DPE)
         mask_dpe = offs_dpe < D
-        qpe = tl.load(Q + q_rows[:, None] * stride_qt + cur_head * stride_qh + offs_dpe[None, :],
-                      mask=mask_m[:, None] & mask_dpe[None, :], other=0.0)
+        qpe = tl.load(q_ptrs + offs_dpe[None, :], mask=mask_m[:, None] & mask_dpe[None, :], other=0.0)
+    else:  # unused placeholders
+        offs_dpe, mask_dpe, qpe = offs_d, mask_d, q
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    # ---- stage 1: the cached prefix, gathered through req_to_token ----
-    q_pos = prefix_len + offs_m  # absolute positions
+    # ---- the cached prefix, gathered through req_to_token (positions 0 .. prefix_len) ----
+    K_buf_h = K_buf + cur_kv_head * stride_kbh
+    V_buf_h = V_buf + cur_kv_head * stride_vbh
+    q_pos = prefix_len + offs_m
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(0, prefix_len + block_start - sliding_window + 1)
-    for start_n in range(lo, prefix_len, BLOCK_N):
+    full_hi = lo + tl.maximum(prefix_len - lo, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, full_hi, BLOCK_N):
         offs_kv = start_n + offs_n
+        rows = tl.load(req_row + offs_kv).to(tl.int64)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, qpe, q_pos, offs_kv, rows, offs_kv < prefix_len,
+            K_buf_h, V_buf_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
+            sm_scale * k_scale, logit_cap, sliding_window, v_scale,
+            BLOCK_DPE, False, False, USE_CAP, USE_WINDOW, V_SCALED, DOT_DTYPE)
+    if full_hi < prefix_len:
+        offs_kv = full_hi + offs_n
         mask_n = offs_kv < prefix_len
-        slots = tl.load(Req_to_token + req_idx * stride_req + offs_kv, mask=mask_n, other=0).to(tl.int64)
-        # k: [BLOCK_D, BLOCK_N]
-        k = tl.load(K_buf + slots[None, :] * stride_kbs + cur_kv_head * stride_kbh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        qk = _mm(q, k, DOT_DTYPE)
-        if BLOCK_DPE > 0:
-            kpe = tl.load(K_buf + slots[None, :] * stride_kbs + cur_kv_head * stride_kbh + offs_dpe[:, None],
-                          mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
-            qk += _mm(qpe, kpe, DOT_DTYPE)
-        s = _scale_scores(qk, sm_scale, logit_cap, USE_CAP)
-        visible = mask_n[None, :]
-        if USE_WINDOW:
-            visible = visible & (offs_kv[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-        # v: [BLOCK_N, BLOCK_DV]
-        v = tl.load(V_buf + slots[:, None] * stride_vbs + cur_kv_head * stride_vbh + offs_dv[None, :],
-                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_DTYPE)
+        rows = tl.load(req_row + offs_kv, mask=mask_n, other=0).to(tl.int64)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, qpe, q_pos, offs_kv, rows, mask_n,
+            K_buf_h, V_buf_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
+            sm_scale * k_scale, logit_cap, sliding_window, v_scale,
+            BLOCK_DPE, True, False, USE_CAP, USE_WINDOW, V_SCALED, DOT_DTYPE)
 
-    # ---- stage 2: the new tokens, causally ----
+    # ---- the new tokens, causally (indices within the extend run) ----
+    K_ext_h = K_ext + cur_kv_head * stride_kh
+    V_ext_h = V_ext + cur_kv_head * stride_vh
     hi = tl.minimum(ext_len, block_start + BLOCK_M)
-    lo = 0
+    diag_lo = block_start
     if USE_WINDOW:
-        lo = tl.maximum(0, block_start - sliding_window + 1)
-    for start_n in range(lo, hi, BLOCK_N):
+        diag_lo = tl.maximum(0, block_start - sliding_window + 1)
+    else:
+        # tiles left of this query block: every key is visible to every row (BLOCK_M % BLOCK_N == 0)
+        for start_n in range(0, block_start, BLOCK_N):
+            offs_kv = start_n + offs_n
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qpe, offs_m, offs_kv, (ext_start + offs_kv).to(tl.int64), offs_kv < hi,
+                K_ext_h, V_ext_h, stride_kt, stride_vt, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
+                sm_scale, logit_cap, sliding_window, 1.0,
+                BLOCK_DPE, False, False, USE_CAP, USE_WINDOW, False, DOT_DTYPE)
+    for start_n in range(diag_lo, hi, BLOCK_N):
         offs_kv = start_n + offs_n
-        mask_n = offs_kv < hi
-        kv_rows = (ext_start + offs_kv).to(tl.int64)
-        k = tl.load(K_ext + kv_rows[None, :] * stride_kt + cur_kv_head * stride_kh + offs_d[:, None],
-                    mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-        qk = _mm(q, k, DOT_DTYPE)
-        if BLOCK_DPE > 0:
-            kpe = tl.load(K_ext + kv_rows[None, :] * stride_kt + cur_kv_head * stride_kh + offs_dpe[:, None],
-                          mask=mask_n[None, :] & mask_dpe[:, None], other=0.0)
-            qk += _mm(qpe, kpe, DOT_DTYPE)
-        s = _scale_scores(qk, sm_scale, logit_cap, USE_CAP)
-        visible = mask_n[None, :] & (offs_kv[None, :] <= offs_m[:, None] + 1)
-        if USE_WINDOW:
-            visible = visible & (offs_kv[None, :] > offs_m[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-        v = tl.load(V_ext + kv_rows[:, None] * stride_vt + cur_kv_head * stride_vh + offs_dv[None, :],
-                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, s, v, DOT_DTYPE)
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, qpe, offs_m, offs_kv, (ext_start + offs_kv).to(tl.int64), offs_kv < hi,
+            K_ext_h, V_ext_h, stride_kt, stride_vt, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
+            sm_scale, logit_cap, sliding_window, 1.0,
+            BLOCK_DPE, True, True, USE_CAP, USE_WINDOW, False, DOT_DTYPE)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -203,13 +246,14 @@ def _extend_launch_config(d: int, dv: int, device: torch.device) -> dict:
     if device.type != "cuda":
         # interpreter: small tiles so tiny test shapes still cross several tiles
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    # measured on an H200 (bf16, Llama-3-8B and Gemma-2 head shapes, with and without cached prefixes)
     widest = max(d, dv)
     if widest <= 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
     if widest <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
     if widest <= 256:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
     # MLA-style 576/512: a [BLOCK_M, 512] fp32 accumulator must stay in registers
     return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=2)
 
@@ -231,6 +275,8 @@ def extend_attention_fwd(
     sm_scale: float,
     logit_cap: float = 0.0,
     sliding_window: int = -1,
+    k_scale: float = 1.0,  # dequantisation scales of values read from k_buffer / v_buffer (fp8 caches)
+    v_scale: float = 1.0,
 ) -> None:
     t, h, d = q_extend.shape
     h_kv = k_extend.shape[1]
@@ -252,17 +298,19 @@ def extend_attention_fwd(
     block_d, block_dpe = split_head_dim(d)
     cfg = _extend_launch_config(d, dv, q_extend.device)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    assert block_m % block_n == 0  # the unmasked below-diagonal tiles rely on it
     grid = (batch, h, triton.cdiv(max_len_extend, block_m))
     _extend_fwd_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token,
         req_pool_indices, extend_start_loc, extend_seq_lens, prefix_lens,
-        float(sm_scale), float(logit_cap), int(sliding_window),
+        float(sm_scale), float(logit_cap), int(sliding_window), float(k_scale), float(v_scale),
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         KV_GROUP=h // h_kv, D=d, DV=dv,
         BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         BLOCK_M=block_m, BLOCK_N=block_n,
-        USE_CAP=logit_cap > 0, USE_WINDOW=sliding_window > 0, DOT_DTYPE=dot_dtype(q_extend),
+        USE_CAP=logit_cap > 0, USE_WINDOW=sliding_window > 0, V_SCALED=v_scale != 1.0,
+        DOT_DTYPE=dot_dtype(q_extend),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

@@ -1,0 +1,316 @@
+"""Grammar-constrained decoding: compiled grammars (shared, cached), per-request states, logit masks."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections import OrderedDict
+from typing import NamedTuple
+
+import torch
+
+from .fsm import WORKER_START_TIMEOUT_S, CompilePool, GrammarError, GrammarTimeoutError, check_regex_syntax
+from .json_schema import json_schema_to_regex, schema_to_json_text
+from .jump_forward import CharFSM, JumpForward, retokenize, split_utf8
+from .vocabulary import TokenVocabulary, build_token_vocabulary
+
+KINDS = ("regex", "json")
+JUMP_FORWARD_MAX_WINDOW = 4  # already-emitted tokens that may be re-encoded together with a forced string
+
+
+class _Cursor(NamedTuple):
+    fsm_state: int
+    char_state: int | None  # None: the character FSM lost track, so no jump-forward from here
+    pending: bytes  # trailing bytes of an incomplete UTF-8 character
+    terminated: bool
+
+
+class CompiledGrammar:
+    """One regex compiled against one vocabulary; immutable and shared by every request using it."""
+
+    def __init__(self, kind: str, spec: str, regex: str, index, char_fsm: CharFSM | None,
+                 vocabulary: TokenVocabulary, vocab_size: int, tokenizer):
+        self.kind = kind
+        self.spec = spec
+        self.regex = regex
+        self.index = index
+        self.char_fsm = char_fsm
+        self.vocabulary = vocabulary
+        self.vocab_size = vocab_size
+        self.eos_token_id = vocabulary.eos_token_id
+        self.tokenizer = tokenizer
+        self._allowed_cpu: dict[int, torch.Tensor] = {}
+        self._allowed_device: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def new_state(self) -> "GrammarState":
+        return GrammarState(self)
+
+    def __repr__(self) -> str:
+        return f"CompiledGrammar(kind={self.kind!r}, regex={self.regex[:60]!r})"
+
+    def allowed_ids(self, fsm_state: int) -> torch.Tensor:
+        """Sorted int64 ids allowed in `fsm_state` (EOS included when the state is final); cached per state."""
+        ids = self._allowed_cpu.get(fsm_state)
+        if ids is None:
+            raw = self.index.get_allowed_tokens(fsm_state) or []
+            allowed = {t for t in raw if t != self.eos_token_id}
+            if self.index.is_final_state(fsm_state):
+                allowed.add(self.eos_token_id)
+            ids = torch.tensor(sorted(allowed), dtype=torch.int64)
+            with self._lock:
+                self._allowed_cpu[fsm_state] = ids
+        return ids
+
+    def allowed_ids_on(self, fsm_state: int, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.allowed_ids(fsm_state)
+        key = (fsm_state, device)
+        ids = self._allowed_device.get(key)
+        if ids is None:
+            ids = self.allowed_ids(fsm_state).to(device)
+            with self._lock:
+                self._allowed_device[key] = ids
+        return ids
+
+    def initial_cursor(self) -> _Cursor:
+        char_state = self.char_fsm.initial if self.char_fsm is not None else None
+        return _Cursor(self.index.get_initial_state(), char_state, b"", False)
+
+    def advance(self, cursor: _Cursor, token_id: int) -> _Cursor | None:
+        """The cursor after `token_id`, or None when the grammar does not allow it there."""
+        if cursor.terminated:
+            return None
+        if token_id == self.eos_token_id:
+            return cursor._replace(terminated=True) if self.index.is_final_state(cursor.fsm_state) else None
+        if not 0 <= token_id < self.vocab_size:
+            return None
+        next_state = self.index.get_next_state(cursor.fsm_state, token_id)
+        if next_state is None:
+            return None
+        char_state, pending = cursor.char_state, b""
+        if char_state is not None:
+            decoded = split_utf8(cursor.pending + (self.vocabulary.token_bytes[token_id] or b""))
+            if decoded is None:
+                char_state = None
+            else:
+                text, pending = decoded
+                char_state = self.char_fsm.step(char_state, text)
+        return _Cursor(next_state, char_state, pending, False)
+
+
+class GrammarState:
+    """One request's position in a compiled grammar, with the history needed to roll back."""
+
+    def __init__(self, grammar: CompiledGrammar):
+        self.grammar = grammar
+        self._cursor = grammar.initial_cursor()
+        self._history: list[_Cursor] = []  # cursor before each accepted token
+        self._tokens: list[int] = []
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self._tokens)
+
+    def accept_token(self, token_id: int) -> None:
+        token_id = int(token_id)
+        nxt = self.grammar.advance(self._cursor, token_id)
+        if nxt is None:
+            if self._cursor.terminated:
+                raise GrammarError(f"token {token_id} given after the grammar already terminated")
+            raise GrammarError(f"token {token_id} is not allowed by the grammar here")
+        self._history.append(self._cursor)
+        self._tokens.append(token_id)
+        self._cursor = nxt
+
+    def rollback(self, n: int) -> None:
+        if n < 0 or n > len(self._tokens):
+            raise GrammarError(f"cannot roll back {n} tokens; {len(self._tokens)} were accepted")
+        if n == 0:
+            return
+        self._cursor = self._history[-n]
+        del self._history[-n:]
+        del self._tokens[-n:]
+
+    def is_terminated(self) -> bool:
+        if self._cursor.terminated:
+            return True
+        return len(self.grammar.allowed_ids(self._cursor.fsm_state)) == 0
+
+    def allowed_token_ids(self) -> torch.Tensor:
+        """Sorted int64 ids, shared by every request in this state: read, never modify in place.
+
+        Once terminated (or at a dead end) just EOS, so a masked row never becomes all -inf.
+        """
+        if self._cursor.terminated:
+            return torch.tensor([self.grammar.eos_token_id], dtype=torch.int64)
+        ids = self.grammar.allowed_ids(self._cursor.fsm_state)
+        if len(ids) == 0:
+            return torch.tensor([self.grammar.eos_token_id], dtype=torch.int64)
+        return ids
+
+    def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
+        """Overwrite `mask[row]` (mask: [B, vocab_size] bool) with this state's allowed tokens."""
+        if self._cursor.terminated or len(self.grammar.allowed_ids(self._cursor.fsm_state)) == 0:
+            ids = torch.tensor([self.grammar.eos_token_id], dtype=torch.int64, device=mask.device)
+        else:
+            ids = self.grammar.allowed_ids_on(self._cursor.fsm_state, mask.device)
+        mask_row = mask[row]
+        mask_row.fill_(False)
+        mask_row.index_fill_(0, ids, True)
+
+    def jump_forward(self, output_ids: list[int]) -> JumpForward | None:
+        """Append the grammar's forced continuation without sampling; retokenized with the last few tokens."""
+        grammar = self.grammar
+        cursor = self._cursor
+        if cursor.terminated or grammar.char_fsm is None or cursor.char_state is None or cursor.pending:
+            return None
+        forced = grammar.char_fsm.forced_string(cursor.char_state)
+        if not forced:
+            return None
+        shared = 0  # trailing tokens that output_ids and this state agree on
+        limit = min(JUMP_FORWARD_MAX_WINDOW, len(self._tokens), len(output_ids))
+        while shared < limit and int(output_ids[-1 - shared]) == self._tokens[-1 - shared]:
+            shared += 1
+        for k in [*range(1, shared + 1), 0]:
+            window = grammar.vocabulary.decode_bytes(self._tokens[len(self._tokens) - k:]) if k else b""
+            decoded = split_utf8(window)
+            if decoded is None or decoded[1]:
+                continue  # the window starts or ends inside a character
+            new_ids = retokenize(grammar.tokenizer, window, forced)
+            if not new_ids:
+                continue
+            replay = self._replay(k, new_ids)
+            if replay is None:
+                continue
+            history, tokens, final = replay
+            self._history, self._tokens, self._cursor = history, tokens, final
+            return JumpForward(k, new_ids)
+        return None
+
+    def _replay(self, k: int, new_ids: list[int]):
+        keep = len(self._tokens) - k
+        history, tokens = self._history[:keep], self._tokens[:keep]
+        cursor = self._history[keep] if k else self._cursor
+        for token_id in new_ids:
+            nxt = self.grammar.advance(cursor, token_id)
+            if nxt is None:
+                return None
+            history.append(cursor)
+            tokens.append(token_id)
+            cursor = nxt
+        return history, tokens, cursor
+
+
+def apply_vocab_mask(logits: torch.Tensor, mask: torch.Tensor) -> None:
+    """logits: [B, V]; mask: [B, V] bool, True = allowed (rows without a grammar are all True)."""
+    if logits.shape != mask.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and mask {tuple(mask.shape)} differ in shape")
+    logits.masked_fill_(~mask, float("-inf"))
+
+
+class GrammarBackend:
+    """Compiles and caches grammars for one tokenizer; `vocab_size` is the model's logits width."""
+
+    def __init__(self, tokenizer, vocab_size: int, whitespace_pattern: str | None = None, timeout_s: float = 10.0,
+                 num_workers: int = 1, *, eos_token_id: int | None = None, cache_size: int = 512):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.whitespace_pattern = whitespace_pattern
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        full = build_token_vocabulary(tokenizer, eos_token_id)
+        if not 0 <= full.eos_token_id < vocab_size:
+            raise ValueError(f"EOS token id {full.eos_token_id} is outside the model's vocabulary ({vocab_size})")
+        # Tokens the model cannot emit (id >= vocab_size) are never allowed.
+        self.vocabulary = TokenVocabulary(full.token_bytes[:vocab_size], full.eos_token_id)
+        self._pool = CompilePool(self.vocabulary.to_outlines(), num_workers=num_workers, timeout_s=timeout_s)
+        self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def validate(self, kind: str, spec) -> None:
+        self._to_regex(kind, spec)
+
+    def submit(self, kind: str, spec) -> concurrent.futures.Future:
+        """Future of a `CompiledGrammar`; the same (kind, spec) gives the same future (and object)."""
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            key = self._cache_key(kind, spec)
+        except GrammarError as exc:
+            outer.set_exception(exc)
+            return outer
+        with self._lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+            self._cache[key] = outer
+            self._evict_locked()
+        try:
+            regex = self._to_regex(kind, key[1])
+            inner = self._pool.submit(regex)
+        except (GrammarError, RuntimeError) as exc:
+            self._set_exception(key, outer, exc if isinstance(exc, GrammarError) else GrammarError(str(exc)))
+            return outer
+        inner.add_done_callback(lambda done: self._finish(key, outer, done))
+        return outer
+
+    def compile(self, kind: str, spec) -> CompiledGrammar:
+        future = self.submit(kind, spec)
+        try:
+            return future.result(timeout=self.timeout_s * 4 + WORKER_START_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            raise GrammarTimeoutError(f"compiling the {kind} grammar did not finish in time") from None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown()
+
+    def _cache_key(self, kind: str, spec) -> tuple[str, str]:
+        if kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
+        if kind == "json" and not isinstance(spec, str):
+            spec = schema_to_json_text(spec)
+        if not isinstance(spec, str):
+            raise GrammarError(f"a {kind} grammar must be given as a string, got {type(spec).__name__}")
+        return kind, spec
+
+    def _to_regex(self, kind: str, spec) -> str:
+        kind, spec = self._cache_key(kind, spec)
+        if kind == "regex":
+            check_regex_syntax(spec)
+            return spec
+        return json_schema_to_regex(spec, self.whitespace_pattern)
+
+    def _finish(self, key, outer: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
+        exc = done.exception()
+        if exc is not None:
+            self._set_exception(key, outer, exc if isinstance(exc, GrammarError) else GrammarError(str(exc)))
+            return
+        compiled = done.result()
+        grammar = CompiledGrammar(key[0], key[1], compiled.regex, compiled.index, compiled.char_fsm,
+                                  self.vocabulary, self.vocab_size, self.tokenizer)
+        grammar.allowed_ids(grammar.initial_cursor().fsm_state)  # here, off the scheduler's thread
+        try:
+            outer.set_result(grammar)
+        except concurrent.futures.InvalidStateError:
+            self._forget(key, outer)  # a caller cancelled the shared future
+
+    def _set_exception(self, key, outer: concurrent.futures.Future, exc: GrammarError) -> None:
+        if isinstance(exc, GrammarTimeoutError):
+            self._forget(key, outer)  # a later request may try again (e.g. with more time or less load)
+        try:
+            outer.set_exception(exc)
+        except concurrent.futures.InvalidStateError:
+            self._forget(key, outer)
+
+    def _forget(self, key, outer) -> None:
+        with self._lock:
+            if self._cache.get(key) is outer:
+                del self._cache[key]
+
+    def _evict_locked(self) -> None:
+        while len(self._cache) > self.cache_size:
+            oldest_key, oldest = next(iter(self._cache.items()))
+            if not oldest.done():
+                break
+            del self._cache[oldest_key]

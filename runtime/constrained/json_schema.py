@@ -1,0 +1,58 @@
+"""JSON schema (dict, JSON text or pydantic model class) and choice lists -> regex."""
+
+from __future__ import annotations
+
+import json
+
+from .fsm import GrammarError
+
+# Characters with a meaning in Rust's regex syntax and in interegular's (Python-like) one.
+_REGEX_META = set("\\.^$|?*+()[]{}-&~#")
+
+
+def json_schema_to_regex(schema, whitespace_pattern: str | None = None) -> str:
+    """Regex of the JSON texts the schema accepts. `whitespace_pattern=None` means compact JSON (no spaces)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    text = schema_to_json_text(schema)
+    try:
+        return build_regex_from_schema(text, "" if whitespace_pattern is None else whitespace_pattern)
+    except (ValueError, TypeError) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise GrammarError(f"unsupported JSON schema: {message}") from None
+
+
+def schema_to_json_text(schema) -> str:
+    if isinstance(schema, type):
+        to_schema = getattr(schema, "model_json_schema", None)
+        if to_schema is None:
+            raise GrammarError(f"{schema.__name__} is not a pydantic model class; pass a JSON schema instead")
+        schema = to_schema()
+    if isinstance(schema, (str, bytes)):
+        try:
+            parsed = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from None
+    else:
+        parsed = schema
+    if not isinstance(parsed, dict):
+        raise GrammarError(f"a JSON schema must be a JSON object, got {type(parsed).__name__}")
+    try:
+        return json.dumps(parsed)
+    except (TypeError, ValueError) as exc:
+        raise GrammarError(f"the JSON schema cannot be serialized to JSON: {exc}") from None
+
+
+def escape_regex_literal(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_META else c for c in text)
+
+
+def choices_to_regex(choices: list[str]) -> str:
+    """Regex matching exactly one of `choices`."""
+    if isinstance(choices, str) or not choices:
+        raise GrammarError("choices must be a non-empty list of strings")
+    if not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("every choice must be a non-empty string")
+    # Longest first: with leftmost-first alternation a choice listed after one of its prefixes could never match.
+    ordered = sorted(dict.fromkeys(choices), key=len, reverse=True)
+    return "(" + "|".join(escape_regex_literal(c) for c in ordered) + ")"
