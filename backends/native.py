@@ -6,7 +6,8 @@ this class builds request bodies, reads responses, and implements select from pr
 1. a zero-token prefill of the prefix (max_new_tokens=0) gives its token count P (and caches it);
 2. per choice, text = prefix + choice, max_new_tokens=0, return_logprob, logprob_start_len=max(P-1, 0);
    the choice's token logprobs are the input_token_logprobs at positions >= P;
-3. for unconditional_likelihood_normalized, per choice, text = choice alone, logprob_start_len=0.
+3. for unconditional_likelihood_normalized, the same with a content-free context instead of the prefix
+   (braid.choices.unconditional_context).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Iterator, Optional, Union
 
 from braid.backends.base import (ALL_CAPABILITIES, Backend, GenOutput, LogprobRequest, Prompt)
 from braid.chat_template import ChatTemplate, chat_template_for, get_chat_template
-from braid.choices import ChoicesDecision, ChoicesMethod
+from braid.choices import ChoicesDecision, ChoicesMethod, unconditional_context
 from braid.errors import BackendError
 from braid.runtime.sampling_params import SamplingParams
 
@@ -102,26 +103,27 @@ class NativeApiBackend(Backend):
         self.prefill(prompt)
 
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoicesDecision:
+        token_logprobs = self._score_choices(prompt, choices)
+        uncond = None
+        if method.requires_unconditional_logprobs:
+            context = unconditional_context(prompt.open_role, self.get_chat_template())
+            uncond = self._score_choices(Prompt(text=context), choices)
+        decision = method(choices, token_logprobs, uncond, temperature=temperature)
+        return decision
+
+    def _score_choices(self, prompt: Prompt, choices: list[str]) -> list[list[float]]:
+        """Per choice, the logprobs of its tokens after `prompt` (steps 1 and 2 above)."""
         prefix_len = int(self.prefill(prompt)["prompt_tokens"])
         start = max(prefix_len - 1, 0)
         scoring = {"max_new_tokens": 0, "temperature": 0.0}
 
-        def conditional(choice: str) -> list[float]:
+        def score(choice: str) -> list[float]:
             body = self.request_body(prompt, scoring, LogprobRequest(True, start, 0), text=prompt.text + choice)
             entries = _one(self._generate(body))["meta_info"]["input_token_logprobs"]
             return _choice_logprobs(entries, prefix_len - start, choice)
 
-        def unconditional(choice: str) -> list[float]:
-            body = self.request_body(Prompt(text=choice), scoring, LogprobRequest(True, 0, 0))
-            entries = _one(self._generate(body))["meta_info"]["input_token_logprobs"]
-            return [float(lp) for lp, *_ in entries if lp is not None]
-
         with ThreadPoolExecutor(max_workers=min(len(choices), _SELECT_PARALLELISM)) as pool:
-            token_logprobs = list(pool.map(conditional, choices))
-            uncond = list(pool.map(unconditional, choices)) if method.requires_unconditional_logprobs else None
-        decision = method(choices, token_logprobs, uncond, temperature=temperature)
-        decision.meta_info["prompt_tokens"] = prefix_len
-        return decision
+            return list(pool.map(score, choices))
 
 
 def _one(out: Any) -> dict:

@@ -20,7 +20,7 @@ from braid.backends.base import (CAP_CHOICES_METHODS, CAP_FORK, CAP_GEN, CAP_IMA
                                  CAP_SELECT, CAP_STOP_TOKEN_IDS, CAP_STREAM, Backend, GenOutput, LogprobRequest,
                                  Prompt)
 from braid.chat_template import CHATML, ChatTemplate, get_chat_template
-from braid.choices import ChoicesDecision, ChoicesMethod, choices_regex
+from braid.choices import ChoicesDecision, ChoicesMethod, choices_regex, unconditional_context
 from braid.errors import BackendError, BackendRequestError, ProgramError
 from braid.runtime.sampling_params import SamplingParams
 
@@ -193,7 +193,8 @@ class OpenAI(Backend):
         token_logprobs = [self._echo_logprobs(prompt.text + c, len(prompt.text)) for c in choices]
         uncond = None
         if method.requires_unconditional_logprobs:
-            uncond = [self._echo_logprobs(c, 0) for c in choices]
+            context = unconditional_context(prompt.open_role, self._chat_template)
+            uncond = [self._echo_logprobs(context + c, len(context)) for c in choices]
         return method(choices, token_logprobs, uncond, temperature=temperature)
 
     def _select_constrained(self, prompt, choices, temperature) -> ChoicesDecision:

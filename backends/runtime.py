@@ -52,6 +52,27 @@ def server_args_to_cli(server_args: dict[str, Any]) -> list[str]:
     return out
 
 
+def _die_with_parent_preexec():
+    """On Linux, have the server get SIGTERM if this process dies without running atexit (e.g. it was
+    killed). Only from the main thread: the kernel signals when the forking *thread* exits."""
+    import threading
+
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl  # resolved here: the child only calls it
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, sigterm)
+
+    return preexec
+
+
 class Runtime:
     def __init__(self, model_path: str = "smollm2", *, host: str = "127.0.0.1", port: Optional[int] = None,
                  api_key: Optional[str] = None, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
@@ -65,20 +86,24 @@ class Runtime:
         args = {"model_path": model_path, "host": host, "port": self.port, "api_key": api_key, **server_args}
         self.command = [python or sys.executable, "-m", "braid.launch_server", *server_args_to_cli(args)]
 
+        self._owns_log = log_path is None
+        self._keep_log = False
         if log_path is None:
             fd, log_path = tempfile.mkstemp(prefix="braid-server-", suffix=".log")
             os.close(fd)
         self.log_path = log_path
+        self.endpoint = RuntimeEndpoint(self.url, api_key=api_key)
         self._log = open(log_path, "ab")
         self._process: Optional[subprocess.Popen] = subprocess.Popen(
             self.command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
+            preexec_fn=_die_with_parent_preexec(),
         )
         atexit.register(self.shutdown)
-        self.endpoint = RuntimeEndpoint(self.url, api_key=api_key)
         try:
             self._wait_healthy(startup_timeout)
         except BaseException:
+            self._keep_log = True  # the error message points at it
             self.shutdown()
             raise
 
@@ -125,8 +150,14 @@ class Runtime:
                 except (ProcessLookupError, PermissionError):
                     proc.kill()
                 proc.wait()
+        self.endpoint.shutdown()
         if not self._log.closed:
             self._log.close()
+            if self._owns_log and not self._keep_log:
+                try:
+                    os.unlink(self.log_path)
+                except OSError:
+                    pass
         atexit.unregister(self.shutdown)
 
     def __enter__(self) -> "Runtime":

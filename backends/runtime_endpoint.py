@@ -1,6 +1,7 @@
 """RuntimeEndpoint: a braid server reached over HTTP (native API).
 
-Sync calls use `requests` (one Session per thread); streaming and the async methods use `aiohttp`.
+Sync calls use `requests` (one Session, its connection pool shared by every program thread);
+streaming and the async methods use `aiohttp`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from braid.errors import BackendError, BackendRequestError
 from braid.runtime.sampling_params import SamplingParams
 
 DEFAULT_TIMEOUT_S = 600.0
+_POOL_SIZE = 128  # keep-alive connections: run_batch runs up to 64 programs, fork branches more
 
 
 class RuntimeEndpoint(NativeApiBackend):
@@ -28,7 +30,8 @@ class RuntimeEndpoint(NativeApiBackend):
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = timeout
-        self._local = threading.local()
+        self._session_lock = threading.Lock()
+        self._requests_session = None
         self._model_info: Optional[dict] = None
 
     def __repr__(self) -> str:
@@ -39,12 +42,23 @@ class RuntimeEndpoint(NativeApiBackend):
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _session(self):
-        session = getattr(self._local, "session", None)
-        if session is None:
-            import requests
+        if self._requests_session is None:
+            with self._session_lock:
+                if self._requests_session is None:
+                    import requests
+                    from requests.adapters import HTTPAdapter
 
-            session = self._local.session = requests.Session()
-        return session
+                    session = requests.Session()
+                    adapter = HTTPAdapter(pool_connections=1, pool_maxsize=_POOL_SIZE)
+                    session.mount("http://", adapter)
+                    session.mount("https://", adapter)
+                    self._requests_session = session
+        return self._requests_session
+
+    def shutdown(self) -> None:
+        session, self._requests_session = self._requests_session, None
+        if session is not None:
+            session.close()
 
     def _request(self, method: str, path: str, body: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
         import requests

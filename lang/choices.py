@@ -2,8 +2,9 @@
 
 Input for every method: `token_logprobs[i]` is the list of logprobs of choice i's tokens given the
 prompt (position >= the prompt's length); methods that need it also get
-`unconditional_token_logprobs[i]`, the logprobs of choice i's tokens with no prompt (positions with no
-logprob, like the very first token, are left out).
+`unconditional_token_logprobs[i]`, the logprobs of choice i's tokens after a content-free context
+(`unconditional_context`): the markup that opens the current role block, or a newline outside roles,
+so that even a one-token choice has a logprob to normalize by.
 """
 
 from __future__ import annotations
@@ -139,6 +140,13 @@ def resolve_choices_method(method: Union[str, ChoicesMethod, None]) -> ChoicesMe
     if isinstance(method, str) and method in _BY_NAME:
         return _BY_NAME[method]
     raise ProgramError(f"unknown choices_method {method!r}; use one of {', '.join(_BY_NAME)}")
+
+
+def unconditional_context(open_role: Optional[str], template: Any) -> str:
+    """The context choices are scored against for their unconditional likelihood."""
+    if open_role is not None:
+        return template.role_prefix(open_role)
+    return "\n"
 
 
 _REGEX_SPECIAL = set("\\.^$*+?{}[]()|/")

@@ -71,15 +71,16 @@ def trace_program(func: Any, template: ChatTemplate, args: tuple, kwargs: dict, 
     executor = StreamExecutor(TracingBackend(template), SamplingParams(), record_nodes=True)
     state = ProgramState(executor)
     error: Optional[BaseException] = None
+    body_stop: Optional[str] = None
     try:
         func(state, *args, **call_kwargs)
-    except StopTrace:
-        pass
+    except StopTrace as e:  # raised in the program's own thread (fork)
+        body_stop = e.reason
     except Exception as e:  # noqa: BLE001 - reported in the Trace; everything before it is still constant
         error = e
     executor.end()
     executor.wait_finished()
-    stop = executor.error.reason if isinstance(executor.error, StopTrace) else None
+    stop = executor.error.reason if isinstance(executor.error, StopTrace) else body_stop
     if executor.error is not None and stop is None and error is None:
         error = executor.error
     text = executor.text_

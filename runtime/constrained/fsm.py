@@ -190,7 +190,7 @@ class _Job:
 
 
 class CompilePool:
-    """Compiles regexes into outlines-core `Index`es on `num_workers` child processes, each job bounded by `timeout_s`."""
+    """Compiles regexes into outlines-core `Index`es on `num_workers` child processes; each job gets `timeout_s`."""
 
     def __init__(self, vocabulary, num_workers: int = 1, timeout_s: float = 10.0):
         if num_workers < 1:

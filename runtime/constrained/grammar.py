@@ -11,34 +11,43 @@ import torch
 
 from .fsm import WORKER_START_TIMEOUT_S, CompilePool, GrammarError, GrammarTimeoutError, check_regex_syntax
 from .json_schema import json_schema_to_regex, schema_to_json_text
-from .jump_forward import CharFSM, JumpForward, retokenize, split_utf8
+from .jump_forward import ForcedBytes, JumpForward, retokenize_candidates
 from .vocabulary import TokenVocabulary, build_token_vocabulary
 
 KINDS = ("regex", "json")
-JUMP_FORWARD_MAX_WINDOW = 4  # already-emitted tokens that may be re-encoded together with a forced string
 
 
 class _Cursor(NamedTuple):
     fsm_state: int
-    char_state: int | None  # None: the character FSM lost track, so no jump-forward from here
-    pending: bytes  # trailing bytes of an incomplete UTF-8 character
     terminated: bool
+
+
+class _VocabTables:
+    """Per-tokenizer lookups shared by every grammar of one backend."""
+
+    def __init__(self, vocabulary: TokenVocabulary):
+        self.vocabulary = vocabulary
+        first = [raw[0] if raw else -1 for raw in vocabulary.token_bytes]
+        self.first_byte = torch.tensor(first, dtype=torch.int16)  # [V]
+        self.single_byte_token: list[int | None] = [None] * 256
+        for token_id, raw in enumerate(vocabulary.token_bytes):
+            if raw is not None and len(raw) == 1 and self.single_byte_token[raw[0]] is None:
+                self.single_byte_token[raw[0]] = token_id
 
 
 class CompiledGrammar:
     """One regex compiled against one vocabulary; immutable and shared by every request using it."""
 
-    def __init__(self, kind: str, spec: str, regex: str, index, char_fsm: CharFSM | None,
-                 vocabulary: TokenVocabulary, vocab_size: int, tokenizer):
+    def __init__(self, kind: str, spec: str, regex: str, index, tables: _VocabTables, vocab_size: int, tokenizer):
         self.kind = kind
         self.spec = spec
         self.regex = regex
         self.index = index
-        self.char_fsm = char_fsm
-        self.vocabulary = vocabulary
+        self.vocabulary = tables.vocabulary
         self.vocab_size = vocab_size
-        self.eos_token_id = vocabulary.eos_token_id
+        self.eos_token_id = tables.vocabulary.eos_token_id
         self.tokenizer = tokenizer
+        self.forced_bytes = ForcedBytes(index, self.allowed_ids, tables.first_byte, tables.single_byte_token)
         self._allowed_cpu: dict[int, torch.Tensor] = {}
         self._allowed_device: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._lock = threading.Lock()
@@ -74,29 +83,18 @@ class CompiledGrammar:
         return ids
 
     def initial_cursor(self) -> _Cursor:
-        char_state = self.char_fsm.initial if self.char_fsm is not None else None
-        return _Cursor(self.index.get_initial_state(), char_state, b"", False)
+        return _Cursor(self.index.get_initial_state(), False)
 
     def advance(self, cursor: _Cursor, token_id: int) -> _Cursor | None:
         """The cursor after `token_id`, or None when the grammar does not allow it there."""
         if cursor.terminated:
             return None
         if token_id == self.eos_token_id:
-            return cursor._replace(terminated=True) if self.index.is_final_state(cursor.fsm_state) else None
+            return _Cursor(cursor.fsm_state, True) if self.index.is_final_state(cursor.fsm_state) else None
         if not 0 <= token_id < self.vocab_size:
             return None
         next_state = self.index.get_next_state(cursor.fsm_state, token_id)
-        if next_state is None:
-            return None
-        char_state, pending = cursor.char_state, b""
-        if char_state is not None:
-            decoded = split_utf8(cursor.pending + (self.vocabulary.token_bytes[token_id] or b""))
-            if decoded is None:
-                char_state = None
-            else:
-                text, pending = decoded
-                char_state = self.char_fsm.step(char_state, text)
-        return _Cursor(next_state, char_state, pending, False)
+        return None if next_state is None else _Cursor(next_state, False)
 
 
 class GrammarState:
@@ -160,46 +158,33 @@ class GrammarState:
         mask_row.index_fill_(0, ids, True)
 
     def jump_forward(self, output_ids: list[int]) -> JumpForward | None:
-        """Append the grammar's forced continuation without sampling; retokenized with the last few tokens."""
-        grammar = self.grammar
-        cursor = self._cursor
-        if cursor.terminated or grammar.char_fsm is None or cursor.char_state is None or cursor.pending:
+        """Append the grammar's forced continuation without sampling, re-encoded with the last few tokens."""
+        if self._cursor.terminated:
             return None
-        forced = grammar.char_fsm.forced_string(cursor.char_state)
+        forced = self.grammar.forced_bytes(self._cursor.fsm_state)
         if not forced:
             return None
-        shared = 0  # trailing tokens that output_ids and this state agree on
-        limit = min(JUMP_FORWARD_MAX_WINDOW, len(self._tokens), len(output_ids))
-        while shared < limit and int(output_ids[-1 - shared]) == self._tokens[-1 - shared]:
-            shared += 1
-        for k in [*range(1, shared + 1), 0]:
-            window = grammar.vocabulary.decode_bytes(self._tokens[len(self._tokens) - k:]) if k else b""
-            decoded = split_utf8(window)
-            if decoded is None or decoded[1]:
-                continue  # the window starts or ends inside a character
-            new_ids = retokenize(grammar.tokenizer, window, forced)
-            if not new_ids:
-                continue
-            replay = self._replay(k, new_ids)
-            if replay is None:
-                continue
-            history, tokens, final = replay
-            self._history, self._tokens, self._cursor = history, tokens, final
-            return JumpForward(k, new_ids)
+        candidates = retokenize_candidates(self.grammar.tokenizer, self.grammar.vocabulary.token_bytes,
+                                           self._tokens, output_ids, forced)
+        for num_rollback, token_ids in candidates:
+            if self._replay(num_rollback, token_ids):
+                return JumpForward(num_rollback, token_ids)
         return None
 
-    def _replay(self, k: int, new_ids: list[int]):
-        keep = len(self._tokens) - k
+    def _replay(self, num_rollback: int, token_ids: list[int]) -> bool:
+        """Roll back and accept `token_ids`, all or nothing."""
+        keep = len(self._tokens) - num_rollback
+        cursor = self._history[keep] if num_rollback else self._cursor
         history, tokens = self._history[:keep], self._tokens[:keep]
-        cursor = self._history[keep] if k else self._cursor
-        for token_id in new_ids:
+        for token_id in token_ids:
             nxt = self.grammar.advance(cursor, token_id)
             if nxt is None:
-                return None
+                return False
             history.append(cursor)
             tokens.append(token_id)
             cursor = nxt
-        return history, tokens, cursor
+        self._history, self._tokens, self._cursor = history, tokens, cursor
+        return True
 
 
 def apply_vocab_mask(logits: torch.Tensor, mask: torch.Tensor) -> None:
@@ -224,6 +209,8 @@ class GrammarBackend:
             raise ValueError(f"EOS token id {full.eos_token_id} is outside the model's vocabulary ({vocab_size})")
         # Tokens the model cannot emit (id >= vocab_size) are never allowed.
         self.vocabulary = TokenVocabulary(full.token_bytes[:vocab_size], full.eos_token_id)
+        self._tables = _VocabTables(self.vocabulary)
+        self.eos_token_id = self.vocabulary.eos_token_id
         self._pool = CompilePool(self.vocabulary.to_outlines(), num_workers=num_workers, timeout_s=timeout_s)
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
         self._lock = threading.Lock()
@@ -252,7 +239,7 @@ class GrammarBackend:
         except (GrammarError, RuntimeError) as exc:
             self._set_exception(key, outer, exc if isinstance(exc, GrammarError) else GrammarError(str(exc)))
             return outer
-        inner.add_done_callback(lambda done: self._finish(key, outer, done))
+        inner.add_done_callback(lambda done: self._finish(key, regex, outer, done))
         return outer
 
     def compile(self, kind: str, spec) -> CompiledGrammar:
@@ -281,15 +268,18 @@ class GrammarBackend:
             return spec
         return json_schema_to_regex(spec, self.whitespace_pattern)
 
-    def _finish(self, key, outer: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
+    def _finish(self, key, regex: str, outer: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
         exc = done.exception()
         if exc is not None:
             self._set_exception(key, outer, exc if isinstance(exc, GrammarError) else GrammarError(str(exc)))
             return
-        compiled = done.result()
-        grammar = CompiledGrammar(key[0], key[1], compiled.regex, compiled.index, compiled.char_fsm,
-                                  self.vocabulary, self.vocab_size, self.tokenizer)
-        grammar.allowed_ids(grammar.initial_cursor().fsm_state)  # here, off the scheduler's thread
+        try:
+            grammar = CompiledGrammar(key[0], key[1], regex, done.result(), self._tables, self.vocab_size,
+                                      self.tokenizer)
+            grammar.allowed_ids(grammar.initial_cursor().fsm_state)  # here, off the scheduler's thread
+        except Exception as exc:  # noqa: BLE001 - the waiting request must end either way
+            self._set_exception(key, outer, GrammarError(f"cannot use the compiled grammar: {exc}"))
+            return
         try:
             outer.set_result(grammar)
         except concurrent.futures.InvalidStateError:
