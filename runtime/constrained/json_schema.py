@@ -6,6 +6,11 @@ import json
 
 from .fsm import GrammarError
 
+# outlines-core emits unbounded digit runs for integers, fractions and exponents; a sampled model at temperature 1
+# can then spin on digits until max_tokens and leave truncated JSON. Bound each run (int64 has 19 digits).
+_UNBOUNDED_DIGIT_RUNS = (("(0|[1-9][0-9]*)", "(0|[1-9][0-9]{0,18})"), (r"(\.[0-9]+)", r"(\.[0-9]{1,16})"),
+                         ("[+-][0-9]+)", "[+-][0-9]{1,3})"))
+
 # Characters with a meaning in Rust's regex syntax and in interegular's (Python-like) one.
 _REGEX_META = set("\\.^$|?*+()[]{}-&~#")
 
@@ -16,10 +21,13 @@ def json_schema_to_regex(schema, whitespace_pattern: str | None = None) -> str:
 
     text = schema_to_json_text(schema)
     try:
-        return build_regex_from_schema(text, "" if whitespace_pattern is None else whitespace_pattern)
+        regex = build_regex_from_schema(text, "" if whitespace_pattern is None else whitespace_pattern)
     except (ValueError, TypeError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise GrammarError(f"unsupported JSON schema: {message}") from None
+    for unbounded, bounded in _UNBOUNDED_DIGIT_RUNS:
+        regex = regex.replace(unbounded, bounded)
+    return regex
 
 
 def schema_to_json_text(schema) -> str:

@@ -1,0 +1,118 @@
+"""CUDA graphs for decode: capture the model once per padded batch size, replay with the inputs copied in.
+
+A batch of B requests replays the graph of the smallest captured size >= B; padding rows write their KV to the
+pool's dummy slot 0 and attend over one token, and their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+
+import torch
+
+from braid.runtime.core import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 3, 4] + list(range(8, 33, 4)) + list(range(40, 161, 8)) + list(range(176, 513, 16))
+    return [s for s in sizes if s <= max_bs]
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner):
+        self.runner = model_runner
+        self.model = model_runner.model
+        self.attn_backend = model_runner.attn_backend
+        max_reqs = model_runner.req_to_token_pool.size
+        self.batch_sizes = capture_batch_sizes(min(model_runner.server_args.cuda_graph_max_bs, max_reqs))
+        self.max_bs = self.batch_sizes[-1]
+        dev = model_runner.device
+        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
+        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.compiled = None
+        if model_runner.server_args.enable_torch_compile:
+            self._enable_compile()
+        self.attn_backend.init_cuda_graph_state(self.max_bs)
+        start = time.perf_counter()
+        self.capture()
+        logger.info("captured CUDA graphs for %d batch sizes (max %d) in %.1f s", len(self.batch_sizes), self.max_bs,
+                    time.perf_counter() - start)
+
+    def _enable_compile(self) -> None:
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        limit = self.runner.server_args.torch_compile_max_bs
+        self.batch_sizes_compiled = {b for b in self.batch_sizes if b <= limit}
+        self.compiled = torch.compile(self.model.forward, mode="max-autotune-no-cudagraphs", dynamic=False)
+
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs,
+            input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            req_pool_indices=self.req_pool_indices[:bs], seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], seq_lens_cpu=[1] * bs,
+        )
+        fb.req_to_token_pool = self.runner.req_to_token_pool
+        fb.token_to_kv_pool = self.runner.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        return fb
+
+    def _forward_fn(self, bs: int):
+        if self.compiled is not None and bs in self.batch_sizes_compiled:
+            return self.compiled
+        return self.model.forward
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.batch_sizes):
+                fb = self._static_batch(bs)
+                self.attn_backend.init_forward_metadata_capture(bs, fb)
+                forward = self._forward_fn(bs)
+                for _ in range(2):  # warm-up (and torch.compile) outside the graph
+                    forward(fb)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = forward(fb)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bs] = graph
+                self.outputs[bs] = out
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.batch_size <= self.max_bs
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        bs = fb.batch_size
+        padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        if padded != bs:
+            self.seq_lens[bs:padded].fill_(1)
+            self.req_pool_indices[bs:padded].zero_()
+            self.out_cache_loc[bs:padded].zero_()
+            self.input_ids[bs:padded].zero_()
+            self.positions[bs:padded].zero_()
+        self.input_ids[:bs].copy_(fb.input_ids)
+        self.positions[:bs].copy_(fb.positions)
+        self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
+        self.seq_lens[:bs].copy_(fb.seq_lens)
+        self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
+        static = self._static_batch(padded)
+        static.seq_lens_cpu = list(fb.seq_lens_cpu) + [1] * (padded - bs)
+        self.attn_backend.init_forward_metadata_replay(padded, static)
+        self.graphs[padded].replay()
+        return self.outputs[padded][:bs]

@@ -1,0 +1,57 @@
+"""Llama-family variants on tiny random configs: braid loads HF's safetensors and matches HF's logits and greedy tokens."""
+
+import pytest
+import torch
+
+from braid.runtime import Engine
+
+VARIANTS = {
+    "llama3_rope_scaling": dict(model_type="llama", cls="LlamaForCausalLM", extra=dict(
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "qwen2_qkv_bias": dict(model_type="qwen2", cls="Qwen2ForCausalLM", extra=dict()),
+    "mistral_sliding_window": dict(model_type="mistral", cls="MistralForCausalLM", extra=dict(sliding_window=16)),
+    "smollm_tied": dict(model_type="llama", cls="LlamaForCausalLM", extra=dict(tie_word_embeddings=True)),
+}
+
+
+def _make_checkpoint(tmp_path, variant):
+    import transformers
+
+    spec = VARIANTS[variant]
+    cfg_cls = transformers.AutoConfig.for_model(spec["model_type"]).__class__
+    kwargs = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+    cfg = cfg_cls(**{**kwargs, **spec["extra"]})
+    torch.manual_seed(0)
+    model = getattr(transformers, spec["cls"])(cfg).eval()
+    with torch.no_grad():  # larger weights than HF's init so the logits are far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+            elif "bias" in str(p):
+                p.normal_(0, 0.2)
+        if spec["model_type"] == "qwen2":
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.bias.normal_(0, 0.5)
+                layer.self_attn.k_proj.bias.normal_(0, 0.5)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_matches_hf(tmp_path, variant):
+    hf = _make_checkpoint(tmp_path, variant)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (5, 40, 23)]
+    with Engine(model_path=str(tmp_path), tokenizer_path="smollm2", log_level="warning") as engine:
+        res = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": 12, "ignore_eos": True},
+                              return_logprob=True, logprob_start_len=0)
+    for ids, r in zip(prompts, res):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+        assert r["output_ids"] == ref[0, len(ids):].tolist(), variant
+        got = torch.tensor([lp for lp, _ in r["meta_info"]["input_token_logprobs"][1:]])
+        want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        assert torch.allclose(got, want, atol=2e-4), (variant, (got - want).abs().max())
