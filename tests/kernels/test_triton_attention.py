@@ -15,6 +15,7 @@ import torch
 from braid.runtime.core import ForwardBatch, ForwardMode
 from braid.runtime.layers.attention.triton_backend import TritonAttnBackend
 from braid.runtime.layers.attention.triton_ops import decode_attention_fwd, extend_attention_fwd
+from braid.runtime.mem_cache.pools import MHAKVPool
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -79,7 +80,7 @@ def randn(shape, dtype, gen, device, scale=1.0):
 
 
 def run_extend_case(h, h_kv, d, dv, prefix_lens, extend_lens, dtype=torch.float32, kv_dtype=None,
-                    logit_cap=0.0, window=-1, seed=0, device=DEVICE):
+                    logit_cap=0.0, window=-1, seed=0, device=DEVICE, k_scale=1.0, v_scale=1.0):
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -97,14 +98,14 @@ def run_extend_case(h, h_kv, d, dv, prefix_lens, extend_lens, dtype=torch.float3
 
     extend_attention_fwd(q, k, v, o, k_buffer, v_buffer, req_to_token, rows, as_i32(seq_lens),
                          as_i32(extend_lens), start_loc, as_i32(prefix_lens), max(extend_lens),
-                         sm_scale, logit_cap, window)
+                         sm_scale, logit_cap, window, k_scale, v_scale)
 
     errs = []
     for b, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
         s0 = int(start_loc[b])
         prefix_slots = per_req[b][:p]
-        keys = torch.cat([k_buffer[prefix_slots].float(), k[s0:s0 + e].float()])
-        vals = torch.cat([v_buffer[prefix_slots].float(), v[s0:s0 + e].float()])
+        keys = torch.cat([k_buffer[prefix_slots].float() * k_scale, k[s0:s0 + e].float()])
+        vals = torch.cat([v_buffer[prefix_slots].float() * v_scale, v[s0:s0 + e].float()])
         q_pos = torch.arange(p, p + e, device=device)
         ref = ref_attention(q[s0:s0 + e], keys, vals, q_pos, sm_scale, logit_cap, window)
         errs.append(rel_err(o[s0:s0 + e], ref))
@@ -112,7 +113,7 @@ def run_extend_case(h, h_kv, d, dv, prefix_lens, extend_lens, dtype=torch.float3
 
 
 def run_decode_case(h, h_kv, d, dv, seq_lens, num_kv_splits, dtype=torch.float32, kv_dtype=None,
-                    logit_cap=0.0, window=-1, seed=0, device=DEVICE):
+                    logit_cap=0.0, window=-1, seed=0, device=DEVICE, k_scale=1.0, v_scale=1.0):
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     batch = len(seq_lens)
@@ -126,13 +127,14 @@ def run_decode_case(h, h_kv, d, dv, seq_lens, num_kv_splits, dtype=torch.float32
 
     decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, rows,
                          torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                         attn_logits, num_kv_splits, sm_scale, logit_cap, window)
+                         attn_logits, num_kv_splits, sm_scale, logit_cap, window, k_scale, v_scale)
 
     errs = []
     for b, n in enumerate(seq_lens):
         slots = per_req[b]
         q_pos = torch.tensor([n - 1], device=device)
-        ref = ref_attention(q[b:b + 1], k_buffer[slots], v_buffer[slots], q_pos, sm_scale, logit_cap, window)
+        ref = ref_attention(q[b:b + 1], k_buffer[slots].float() * k_scale, v_buffer[slots].float() * v_scale,
+                            q_pos, sm_scale, logit_cap, window)
         errs.append(rel_err(o[b:b + 1], ref))
     return max(errs)
 
@@ -169,7 +171,14 @@ def test_decode_single_split_and_fp8_e5m2():
     assert err <= 1e-4, err  # the reference reads the same fp8 values, so only fp32 rounding differs
 
 
-def test_decode_window_longer_than_sequence_and_mla_dims():
+def test_fp8_dequant_scales():
+    # the buffers hold x / scale: both kernels multiply what they read from them back by the scales
+    common = dict(h=4, h_kv=2, d=16, dv=16, kv_dtype=FP8_E4M3, k_scale=0.37, v_scale=2.5, seed=6)
+    assert run_decode_case(seq_lens=[23, 5], num_kv_splits=2, **common) <= 1e-4
+    assert run_extend_case(prefix_lens=[19, 0], extend_lens=[6, 4], **common) <= 1e-4
+
+
+def test_window_longer_than_sequence_and_split_head_dim():
     # 72 = 64 + 16 exercises the split head dim (like MLA's 576 = 512 + 64); Dv differs from D
     err = run_decode_case(4, 1, 72, 64, seq_lens=[9, 30], num_kv_splits=3, window=100, seed=4)
     assert err <= 1e-4, err
@@ -206,26 +215,33 @@ def test_shape_errors_are_clear():
                              torch.arange(2), torch.ones(2, dtype=torch.int32), torch.empty(2, 4, 1, 16), 1, 1.0)
 
 
+def test_launch_falls_back_to_a_config_that_fits():
+    from triton.runtime.errors import OutOfResources
+
+    from braid.runtime.layers.attention.triton_ops.extend_attention import launch_first_fitting
+
+    launches = []
+
+    class FakeKernel:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launches.append((grid, kwargs["BLOCK_M"]))
+                if kwargs["BLOCK_M"] > 32:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+            return run
+
+    configs = [dict(BLOCK_M=128), dict(BLOCK_M=64), dict(BLOCK_M=32)]
+    key = ("fake", "test_launch_falls_back")
+    assert launch_first_fitting(FakeKernel(), lambda c: (c["BLOCK_M"],), configs, key, 1, x=2) == configs[2]
+    assert launches == [((128,), 128), ((64,), 64), ((32,), 32)]
+    launches.clear()
+    launch_first_fitting(FakeKernel(), lambda c: (c["BLOCK_M"],), configs, key)  # remembered: no retries
+    assert launches == [((32,), 32)]
+    with pytest.raises(OutOfResources):
+        launch_first_fitting(FakeKernel(), lambda c: (1,), configs[:2], ("fake", "none fits"))
+
+
 # ---------------------------------------------------------------------------------- backend end to end
-
-
-class StandInKVPool:
-    """The KV pool contract the backend relies on (MHA, page size 1)."""
-
-    def __init__(self, size, dtype, head_num, head_dim, layer_num, device, v_head_dim=None):
-        v_head_dim = v_head_dim or head_dim
-        self.k = [torch.zeros(size, head_num, head_dim, dtype=dtype, device=device) for _ in range(layer_num)]
-        self.v = [torch.zeros(size, head_num, v_head_dim, dtype=dtype, device=device) for _ in range(layer_num)]
-
-    def set_kv_buffer(self, layer_id, loc, k, v):
-        self.k[layer_id][loc] = k.view(self.k[layer_id][loc].shape).to(self.k[layer_id].dtype)
-        self.v[layer_id][loc] = v.view(self.v[layer_id][loc].shape).to(self.v[layer_id].dtype)
-
-    def get_key_buffer(self, layer_id):
-        return self.k[layer_id]
-
-    def get_value_buffer(self, layer_id):
-        return self.v[layer_id]
 
 
 class Scenario:
@@ -237,7 +253,8 @@ class Scenario:
 
     H, HKV, D, DV = 4, 2, 16, 16
 
-    def __init__(self, device, dtype=torch.float32, logit_cap=0.0, window=-1, num_kv_splits=3):
+    def __init__(self, device, dtype=torch.float32, logit_cap=0.0, window=-1, num_kv_splits=3,
+                 kv_cache_dtype=None, k_scale=1.0, v_scale=1.0):
         self.device, self.dtype = device, dtype
         gen = torch.Generator().manual_seed(11)
         self.layer = SimpleNamespace(layer_id=1, num_heads=self.H, num_kv_heads=self.HKV, head_dim=self.D,
@@ -247,17 +264,26 @@ class Scenario:
                                        head_dim=self.D, v_head_dim=self.DV)
         self.runner = SimpleNamespace(device=device, model_config=model_config, tp_size=1)
         self.backend = TritonAttnBackend(self.runner, num_kv_splits=num_kv_splits)
-        self.pool = StandInKVPool(96, dtype, self.HKV, self.D, 2, device, self.DV)
+        self.pool = MHAKVPool(95, dtype, self.HKV, self.D, 2, device, v_head_dim=self.DV,
+                              kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
         self.req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(6, 48, dtype=torch.int32, device=device))
         self.free_slots = (torch.randperm(95, generator=gen) + 1).tolist()
         lengths = {"a": 30, "b": 23, "c": 21}
         self.q = {r: randn((n, self.H, self.D), dtype, gen, device) for r, n in lengths.items()}
-        self.k = {r: randn((n, self.HKV, self.D), dtype, gen, device) for r, n in lengths.items()}
-        self.v = {r: randn((n, self.HKV, self.DV), dtype, gen, device) for r, n in lengths.items()}
+        self.k = {r: self._cacheable(randn((n, self.HKV, self.D), dtype, gen, device), k_scale)
+                  for r, n in lengths.items()}
+        self.v = {r: self._cacheable(randn((n, self.HKV, self.DV), dtype, gen, device), v_scale)
+                  for r, n in lengths.items()}
         # "c" shares its first 12 tokens (and their KV slots) with "a"
         self.k["c"][:12], self.v["c"][:12] = self.k["a"][:12], self.v["a"][:12]
         self.row = {"a": 4, "b": 0, "c": 2}
         self.filled = {r: 0 for r in lengths}
+
+    def _cacheable(self, x, scale):
+        """Values an fp8 cache stores exactly (x / scale rounds to itself), so the reference needs no rounding."""
+        if not self.pool.is_fp8:
+            return x
+        return ((x / scale).to(self.pool.cache_dtype).to(x.dtype) * scale).to(x.dtype)
 
     def _batch(self, mode, chunks):
         """chunks: [(request, new_tokens)]; allocates slots and fills req_to_token like the scheduler."""
@@ -322,12 +348,19 @@ class Scenario:
         # the pool now holds every token's K/V at the slot req_to_token names
         for r in ("a", "b", "c"):
             slots = self.req_to_token_pool.req_to_token[self.row[r], :self.filled[r]].long()
-            assert torch.equal(self.pool.get_key_buffer(1)[slots], self.k[r][:self.filled[r]])
+            cached = self.pool.get_key_buffer(1)[slots].to(self.dtype)
+            if self.pool.is_fp8:
+                cached = cached * self.pool.k_scale
+            assert torch.equal(cached, self.k[r][:self.filled[r]])
 
 
 @pytest.mark.parametrize("cap,window", [(0.0, -1), (0.8, 9)])
 def test_backend_extend_then_decode(cap, window):
     Scenario(DEVICE, logit_cap=cap, window=window).run_all()
+
+
+def test_backend_fp8_pool_with_scales():
+    Scenario(DEVICE, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=0.25).run_all()
 
 
 def test_backend_graph_metadata_uses_static_scratch():
@@ -392,6 +425,15 @@ def test_gpu_variants(name):
     common = dict(h=h, h_kv=h_kv, d=d, dv=dv, dtype=torch.bfloat16, kv_dtype=kv_dtype, logit_cap=cap, window=window)
     assert run_extend_case(prefix_lens=[0, 1800, 300], extend_lens=[1500, 400, 1], **common) <= 1e-2
     assert run_decode_case(seq_lens=[1, 2500, 700, 33], num_kv_splits=16, **common) <= 1e-2
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_fp32_and_fp16_llama_shapes():
+    # fp32 tiles need twice the shared memory of bf16 ones: the launcher falls back to smaller configs
+    for dtype in (torch.float32, torch.float16):
+        assert run_extend_case(**LLAMA3_8B, prefix_lens=[300, 0], extend_lens=[200, 333], dtype=dtype) <= 1e-2
+        assert run_decode_case(**LLAMA3_8B, seq_lens=[1, 900], num_kv_splits=16, dtype=dtype) <= 1e-2
 
 
 @pytest.mark.gpu

@@ -18,17 +18,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 __all__ = ["extend_attention_fwd"]
-
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
 def _mm(a, b, DOT_DTYPE: tl.constexpr):
-    """a @ b in DOT_DTYPE with an fp32 result; fp32 operands use exact (non-tf32) products."""
+    """a @ b in DOT_DTYPE with an fp32 result. fp32 uses three tf32 products (about fp32 accuracy on
+    tensor cores; an "ieee" dot of these tile sizes takes minutes to compile)."""
     if DOT_DTYPE == tl.float32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="tf32x3")
     else:
         return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
 
@@ -123,6 +123,8 @@ def _extend_fwd_kernel(
     block_start = cur_block_m * BLOCK_M
     if block_start >= ext_len:
         return
+    # the unmasked below-diagonal tiles need block_start to be a whole number of key tiles
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
     ext_start = tl.load(B_start_loc + cur_seq)
     prefix_len = tl.load(B_prefix_len + cur_seq)
     req_row = Req_to_token + tl.load(B_req_idx + cur_seq).to(tl.int64) * stride_req
@@ -242,20 +244,45 @@ def check_last_dim_contiguous(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tuple(t.stride())}")
 
 
-def _extend_launch_config(d: int, dv: int, device: torch.device) -> dict:
+def launch_first_fitting(kernel, grid, configs: list[dict], key: tuple, *args, **kwargs) -> dict:
+    """Launch `kernel` with the first of `configs` (block sizes, num_warps, num_stages) that fits the
+    GPU's shared memory; remembers the choice under `key`. `grid` is a callable of the config."""
+    first = _FITTING_CONFIG.get(key, 0)
+    for i in range(first, len(configs)):
+        cfg = configs[i]
+        try:
+            kernel[grid(cfg)](*args, **kwargs, **cfg)
+        except OutOfResources:
+            if i == len(configs) - 1:
+                raise
+            continue
+        _FITTING_CONFIG[key] = i
+        return cfg
+    raise AssertionError("unreachable")
+
+
+_FITTING_CONFIG: dict[tuple, int] = {}
+
+
+def _cfg(block_m, block_n, num_warps, num_stages):
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def _extend_launch_configs(d: int, dv: int, device: torch.device) -> list[dict]:
+    """Preferred first; later entries need less shared memory (fp32 or split head dims)."""
     if device.type != "cuda":
         # interpreter: small tiles so tiny test shapes still cross several tiles
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+        return [_cfg(16, 16, 4, 1)]
     # measured on an H200 (bf16, Llama-3-8B and Gemma-2 head shapes, with and without cached prefixes)
     widest = max(d, dv)
     if widest <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+        return [_cfg(128, 64, 4, 3), _cfg(64, 64, 4, 2), _cfg(32, 32, 4, 1)]
     if widest <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+        return [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 2), _cfg(32, 32, 4, 1)]
     if widest <= 256:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)
+        return [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(32, 32, 4, 1)]
     # MLA-style 576/512: a [BLOCK_M, 512] fp32 accumulator must stay in registers
-    return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=2)
+    return [_cfg(32, 32, 8, 2), _cfg(32, 32, 4, 1), _cfg(16, 16, 4, 1)]
 
 
 def extend_attention_fwd(
@@ -296,11 +323,10 @@ def extend_attention_fwd(
         return
 
     block_d, block_dpe = split_head_dim(d)
-    cfg = _extend_launch_config(d, dv, q_extend.device)
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    assert block_m % block_n == 0  # the unmasked below-diagonal tiles rely on it
-    grid = (batch, h, triton.cdiv(max_len_extend, block_m))
-    _extend_fwd_kernel[grid](
+    configs = _extend_launch_configs(d, dv, q_extend.device)
+    key = ("extend", q_extend.device, q_extend.dtype, k_extend.dtype, k_buffer.dtype, d, dv)
+    launch_first_fitting(
+        _extend_fwd_kernel, lambda cfg: (batch, h, triton.cdiv(max_len_extend, cfg["BLOCK_M"])), configs, key,
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token,
         req_pool_indices, extend_start_loc, extend_seq_lens, prefix_lens,
         float(sm_scale), float(logit_cap), int(sliding_window), float(k_scale), float(v_scale),
@@ -309,8 +335,6 @@ def extend_attention_fwd(
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         KV_GROUP=h // h_kv, D=d, DV=dv,
         BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        BLOCK_M=block_m, BLOCK_N=block_n,
         USE_CAP=logit_cap > 0, USE_WINDOW=sliding_window > 0, V_SCALED=v_scale != 1.0,
         DOT_DTYPE=dot_dtype(q_extend),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
