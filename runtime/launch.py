@@ -25,14 +25,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     server_args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        launch_server(server_args)
+        return launch_server(server_args)
     except SchedulerStartError as e:
         print(f"braid: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # e.g. the port is taken
         print(f"braid: cannot serve on {server_args.host}:{server_args.port}: {e}", file=sys.stderr)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

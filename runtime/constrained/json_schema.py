@@ -11,6 +11,15 @@ from .fsm import GrammarError
 _UNBOUNDED_DIGIT_RUNS = (("(0|[1-9][0-9]*)", "(0|[1-9][0-9]{0,18})"), (r"(\.[0-9]+)", r"(\.[0-9]{1,16})"),
                          ("[+-][0-9]+)", "[+-][0-9]{1,3})"))
 
+# A free-form JSON object ({"type": "object"}, or response_format json_object): outlines-core's regex for it takes
+# longer than any sane timeout to index, so use one that admits objects nested two levels deep (compiles in ~2 s).
+_STR = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt])*"'
+_NUM = r"-?(0|[1-9][0-9]{0,18})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,3})?"
+_SCALAR = f"({_STR}|{_NUM}|true|false|null)"
+_VALUE_DEPTH2 = rf"({_SCALAR}|\[({_SCALAR}(,{_SCALAR})*)?\]|\{{({_STR}:{_SCALAR}(,{_STR}:{_SCALAR})*)?\}})"
+GENERIC_OBJECT_REGEX = rf"\{{({_STR}:{_VALUE_DEPTH2}(,{_STR}:{_VALUE_DEPTH2})*)?\}}"
+_ANNOTATION_KEYS = {"type", "title", "description", "$schema"}
+
 # Characters with a meaning in Rust's regex syntax and in interegular's (Python-like) one.
 _REGEX_META = set("\\.^$|?*+()[]{}-&~#")
 
@@ -20,6 +29,9 @@ def json_schema_to_regex(schema, whitespace_pattern: str | None = None) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
     text = schema_to_json_text(schema)
+    parsed = json.loads(text)
+    if parsed.get("type") == "object" and set(parsed) <= _ANNOTATION_KEYS:
+        return GENERIC_OBJECT_REGEX
     try:
         regex = build_regex_from_schema(text, "" if whitespace_pattern is None else whitespace_pattern)
     except (ValueError, TypeError) as exc:

@@ -72,10 +72,8 @@ class IncrementalDetokenizer:
         return delta
 
     def finish(self, finish_reason: Optional[dict]) -> str:
-        matched = (finish_reason or {}).get("matched")
+        """Flush the rest. Callers leave a matched stop token out of the ids they feed in."""
         ids = self.ids
-        if isinstance(matched, int) and ids and ids[-1] == matched:
-            ids = ids[:-1]  # the stop token itself is not part of the text
         self.decoded = self._decode(ids).rstrip(_REPLACEMENT) if ids else ""
         visible = self._visible(final=True)
         delta = visible[self.emitted:]
@@ -105,7 +103,11 @@ class OutputAccumulator:
     def add(self, out: ReqOutput) -> str:
         """Apply one output; returns the new text."""
         self.output_ids[out.output_ids_offset:] = out.new_token_ids
-        delta = self.detok.update(out.output_ids_offset, out.new_token_ids)
+        new_ids = out.new_token_ids
+        matched = (out.finish_reason or {}).get("matched") if out.finished else None
+        if isinstance(matched, int) and new_ids and new_ids[-1] == matched:
+            new_ids = new_ids[:-1]  # a stop token's own text never reaches the output
+        delta = self.detok.update(out.output_ids_offset, new_ids)
         if out.finished:
             delta += self.detok.finish(out.finish_reason)
             self.finished = True

@@ -8,6 +8,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 from typing import Any, Optional
 
 from aiohttp import web
@@ -62,7 +63,7 @@ async def error_middleware(request: web.Request, handler):
     except Exception as e:
         logger.exception("unhandled error on %s %s", request.method, request.path)
         request.app[TM_KEY].metrics.http_errors.inc()
-        return error_response(from_exception(e) if isinstance(e, ValueError) else APIError(f"internal error: {e}", 500))
+        return error_response(from_exception(e))
 
 
 def auth_middleware(api_key: str):
@@ -278,40 +279,56 @@ def create_app(tm: TokenizerManager) -> web.Application:
     return app
 
 
-async def serve(server_args, ready_callback=None) -> None:
-    """Start the scheduler, serve HTTP until SIGINT/SIGTERM, then drain and stop."""
-    tm = TokenizerManager(server_args)
-    await tm.start()
-    runner = web.AppRunner(create_app(tm), handler_cancellation=True, shutdown_timeout=5.0,
-                           access_log=logging.getLogger("aiohttp.access") if server_args.log_requests else None)
-    await runner.setup()
-    try:
-        site = web.TCPSite(runner, server_args.host, server_args.port)
-        await site.start()
-    except BaseException:
-        await runner.cleanup()
-        await tm.close()
-        raise
-    stop = asyncio.Event()
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+
+
+async def serve(server_args) -> int:
+    """Start the scheduler, serve HTTP until SIGINT/SIGTERM, then drain and stop. Returns the exit code
+    (1 when the scheduler process died under the server)."""
     loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    logger.info("braid server ready on http://%s:%d (model %s, context %d)", server_args.host, server_args.port,
-                server_args.model_name, tm.context_len)
-    if ready_callback is not None:
-        ready_callback()
+    _check_port_free(server_args.host, server_args.port)  # before minutes of model loading, not after
+    tm = TokenizerManager(server_args)
+    runner: Optional[web.AppRunner] = None
+    stop_wait = asyncio.ensure_future(stop.wait())
     try:
-        await stop.wait()
+        start = asyncio.ensure_future(tm.start())
+        await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():  # signalled while the model loads
+            start.cancel()
+            await asyncio.gather(start, return_exceptions=True)
+            return 0
+        start.result()
+        runner = web.AppRunner(create_app(tm), handler_cancellation=True, shutdown_timeout=5.0,
+                               access_log=logging.getLogger("aiohttp.access") if server_args.log_requests else None)
+        await runner.setup()
+        await web.TCPSite(runner, server_args.host, server_args.port).start()
+        logger.info("braid server ready on http://%s:%d (model %s, context %d)", server_args.host, server_args.port,
+                    server_args.model_name, tm.context_len)
+        dead_wait = asyncio.ensure_future(tm.dead_event.wait())
+        await asyncio.wait({stop_wait, dead_wait}, return_when=asyncio.FIRST_COMPLETED)
+        dead_wait.cancel()
+        if tm.dead:
+            logger.error("exiting: %s", tm.dead)
+            return 1
         logger.info("shutting down")
         await tm.shutdown(server_args.shutdown_timeout_s)
+        return 0
     finally:
+        stop_wait.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await runner.cleanup()
+        if runner is not None:
+            await runner.cleanup()
         await tm.close()
 
 
-def launch_server(server_args) -> None:
+def launch_server(server_args) -> int:
     logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
                         format="[server %(asctime)s] %(levelname)s %(message)s")
-    asyncio.run(serve(server_args))
+    return asyncio.run(serve(server_args))

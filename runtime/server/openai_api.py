@@ -70,6 +70,7 @@ class OpenAIServing:
     def __init__(self, tm: TokenizerManager):
         self.tm = tm
         self._token_text: dict[int, str] = {}
+        self._started = time.time()
 
     @property
     def model_name(self) -> str:
@@ -86,8 +87,6 @@ class OpenAIServing:
                                             "owned_by": "braid", "root": self.tm.server_args.model_path,
                                             "max_model_len": self.tm.context_len}]}
 
-    _started = time.time()
-
     # ---- helpers -------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
         t = self._token_text.get(token_id)
@@ -100,7 +99,7 @@ class OpenAIServing:
     def _sampling_params(self, req, prompt_len: int, prompt_param: str) -> SamplingParams:
         overrides = openai_sampling_overrides(req)
         if "max_new_tokens" not in overrides:
-            overrides["max_new_tokens"] = max(self.tm.context_len - prompt_len, 0)
+            overrides["max_new_tokens"] = self.tm.max_new_tokens_default(prompt_len)
         sp = build_sampling_params(overrides, self.tm.vocab_size)
         max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         self.tm.check_length(prompt_len, sp.max_new_tokens, prompt_param, max_param)

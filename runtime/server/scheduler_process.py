@@ -151,12 +151,15 @@ def _plain_stats(stats: dict) -> dict:
 def _model_info(scheduler, server_args) -> dict:
     tok = getattr(scheduler, "tokenizer", None)
     info = {"model_path": server_args.model_path}
-    for name in ("is_generation", "model_type", "architecture", "max_running_requests", "max_total_tokens"):
+    for name in ("is_generation", "model_type", "architecture"):
         v = getattr(scheduler, name, None)
         if isinstance(v, (str, int, float, bool)):
             info[name] = v
     if tok is not None:
         info["eos_token_id"] = getattr(tok, "eos_token_id", None)
+    kv_total = scheduler.get_stats().get("kv_total_tokens")
+    if isinstance(kv_total, int):
+        info["kv_total_tokens"] = kv_total
     return info
 
 
@@ -200,6 +203,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: let the server drain first
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = json.loads(sys.stdin.read())
+    if os.getppid() != config.get("parent_pid", os.getppid()):
+        sys.exit(1)  # the parent died before the death signal was armed
     sys.exit(run(config))
 
 

@@ -86,8 +86,9 @@ class ChoiceUpdate:
 
 class RequestHandle:
     def __init__(self, manager: "TokenizerManager", rid: str, prompt_ids: list[int], sampling_params: SamplingParams,
-                 return_logprob: bool, top_logprobs_num: int):
+                 return_logprob: bool, top_logprobs_num: int, stream: bool):
         self.manager = manager
+        self.stream = stream
         self.rid = rid
         self.prompt_ids = prompt_ids
         self.sampling_params = sampling_params
@@ -136,19 +137,13 @@ class RequestHandle:
             if update is not None:
                 yield update
 
-    async def first_update(self) -> Optional[ChoiceUpdate]:
-        """The first update (or None when finished without one); errors surface here, before any byte is sent."""
-        async for update in self.updates():
-            return update
-        return None
-
     def _apply(self, out: M.Output) -> Optional[ChoiceUpdate]:
         c = self.choice(out.index)
         if c.finished:
             return None
         now = time.perf_counter()
         metrics = self.manager.metrics
-        if out.new_token_ids:
+        if out.new_token_ids and self.stream:  # non-streamed requests report all tokens at once: no latencies
             if self._last_token_time is None:
                 metrics.observe_first_token(now - self._arrival)
             else:
@@ -226,6 +221,7 @@ class TokenizerManager:
         self.handles: dict[str, RequestHandle] = {}
         self.proc = None
         self.dead: Optional[str] = None  # why the scheduler is gone, once it is
+        self.dead_event = asyncio.Event()
         self.draining = False
         self._ctx: Optional[zmq.asyncio.Context] = None
         self._send = None
@@ -250,6 +246,7 @@ class TokenizerManager:
         self._ctx = zmq.asyncio.Context(1)
         self._send = self._ctx.socket(zmq.PUSH)
         self._send.setsockopt(zmq.LINGER, 0)
+        self._send.setsockopt(zmq.SNDHWM, 0)  # never block on a busy scheduler; sends fail only with no peer
         self._send.bind(to_addr)
         self._recv = self._ctx.socket(zmq.PULL)
         self._recv.setsockopt(zmq.LINGER, 0)
@@ -291,7 +288,7 @@ class TokenizerManager:
             except asyncio.TimeoutError:
                 logger.warning("aborting %d request(s) still running after %.0fs", len(self.handles), timeout_s)
                 for handle in list(self.handles.values()):
-                    await self._send_msg(M.AbortReq(handle.rid))
+                    await self._send_quietly(M.AbortReq(handle.rid))
                     handle.abort_locally("server shutting down")
                 # give the handlers a moment to write their final chunks
                 try:
@@ -306,8 +303,8 @@ class TokenizerManager:
         self._tasks = []
         if self.proc is not None and self.proc.poll() is None:
             try:
-                await self._send.send(M.encode(M.ShutdownReq()))
-            except Exception:
+                await self._send.send(M.encode(M.ShutdownReq()), zmq.NOBLOCK)
+            except zmq.ZMQError:
                 pass
             for _ in range(50):
                 if self.proc.poll() is not None:
@@ -347,6 +344,14 @@ class TokenizerManager:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def max_new_tokens_default(self, prompt_len: int) -> int:
+        """What a request without max_tokens may generate: the rest of the context (and of the KV pool)."""
+        room = self.context_len
+        kv_total = self.model_info.get("kv_total_tokens")
+        if isinstance(kv_total, int):
+            room = min(room, kv_total)
+        return max(room - prompt_len, 0)
+
     def check_length(self, prompt_len: int, max_new_tokens: int, prompt_param: str, max_param: str) -> None:
         if prompt_len >= self.context_len:
             raise bad_request(f"The prompt is {prompt_len} tokens, the model's context is {self.context_len} tokens",
@@ -372,12 +377,18 @@ class TokenizerManager:
             raise bad_request(f"a request with rid {rid!r} is already running", param="rid")
         if return_logprob and logprob_start_len >= len(input_ids):
             raise bad_request(f"logprob_start_len must be < the prompt length ({len(input_ids)})", param="logprob_start_len")
-        handle = RequestHandle(self, rid, input_ids, sampling_params, return_logprob, top_logprobs_num)
+        handle = RequestHandle(self, rid, input_ids, sampling_params, return_logprob, top_logprobs_num, stream)
         self.handles[rid] = handle
         self._idle.clear()
-        await self._send_msg(M.GenerateReq(rid=rid, input_ids=input_ids, sampling_params=sampling_params.to_dict(),
-                                           return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                           top_logprobs_num=top_logprobs_num, stream=stream, image_data=image_data))
+        try:
+            await self._send_msg(M.GenerateReq(rid=rid, input_ids=input_ids, sampling_params=sampling_params.to_dict(),
+                                               return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                                               top_logprobs_num=top_logprobs_num, stream=stream, image_data=image_data))
+        except APIError:
+            self.handles.pop(rid, None)
+            if not self.handles:
+                self._idle.set()
+            raise
         return handle
 
     async def release(self, handle: RequestHandle) -> None:
@@ -390,7 +401,7 @@ class TokenizerManager:
         if not handle.finished:
             self.metrics.requests_aborted.inc()
             if not self.dead:
-                await self._send_msg(M.AbortReq(handle.rid))
+                await self._send_quietly(M.AbortReq(handle.rid))
         if not self.handles:
             self._idle.set()
 
@@ -422,8 +433,19 @@ class TokenizerManager:
         finally:
             self._pending.pop(req_id, None)
 
+    async def _send_quietly(self, msg) -> None:
+        """For clean-up paths: a scheduler that is gone has nothing left to abort."""
+        try:
+            await self._send_msg(msg)
+        except APIError:
+            pass
+
     async def _send_msg(self, msg) -> None:
-        await self._send.send(M.encode(msg), copy=False)
+        try:
+            # NOBLOCK: a PUSH socket with no connected peer would wait forever
+            await self._send.send(M.encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise unavailable("the scheduler process is not connected") from None
 
     # ---- receiving --------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -462,6 +484,7 @@ class TokenizerManager:
         if self.dead:
             return
         self.dead = reason
+        self.dead_event.set()
         logger.error(reason)
         for handle in list(self.handles.values()):
             handle.queue.put_nowait(internal(reason))

@@ -85,6 +85,7 @@ def test_stop_strings_tokens_and_lengths(engine):
     t = engine.generate("Count: 1, 2, 3, 4, 5, 6, 7, 8, 9,", {**_greedy(30), "stop_token_ids": [stop_tok]})
     assert t["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
     assert t["output_ids"] == g["output_ids"][: g["output_ids"].index(stop_tok) + 1]
+    assert t["text"] == engine.tokenizer.decode(t["output_ids"][:-1])  # the stop token's text is not output
     # min_new_tokens keeps EOS away; plain greedy chat stops at EOS early
     chat = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
     short = engine.generate(chat, {"temperature": 0, "max_new_tokens": 64})

@@ -1,0 +1,166 @@
+"""Request validation and conversion to SamplingParams (no model, no server)."""
+
+import json
+
+import pytest
+
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.errors import APIError, from_exception
+from braid.runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    build_sampling_params,
+    chat_logprob_options,
+    check_chat_supported,
+    check_completion_supported,
+    completion_logprob_options,
+    openai_sampling_overrides,
+    parse_generate,
+    parse_openai,
+    sse_event,
+)
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def chat(**body):
+    return parse_openai(ChatCompletionRequest, {"model": "m", "messages": MSGS, **body})
+
+
+def chat_sp(**body) -> SamplingParams:
+    return build_sampling_params(openai_sampling_overrides(chat(**body)), vocab_size=100)
+
+
+def status_param(fn):
+    with pytest.raises(APIError) as ei:
+        fn()
+    return ei.value.status, ei.value.param
+
+
+def test_chat_fields_map_to_sampling_params():
+    sp = chat_sp(max_tokens=7, temperature=0.5, top_p=0.9, n=2, stop="END", seed=3, presence_penalty=0.1,
+                 frequency_penalty=0.2, top_k=5, min_p=0.05, repetition_penalty=1.1, ignore_eos=True,
+                 stop_token_ids=[1, 2], min_tokens=2)
+    assert (sp.max_new_tokens, sp.min_new_tokens, sp.temperature, sp.top_p, sp.n) == (7, 2, 0.5, 0.9, 2)
+    assert sp.stop == ["END"] and sp.seed == 3 and sp.top_k == 5 and sp.min_p == 0.05
+    assert sp.repetition_penalty == 1.1 and sp.ignore_eos and sp.stop_token_ids == [1, 2]
+    assert (sp.presence_penalty, sp.frequency_penalty) == (0.1, 0.2)
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert chat_sp(max_tokens=5, max_completion_tokens=9).max_new_tokens == 9
+    assert chat_sp().max_new_tokens == SamplingParams().max_new_tokens  # the server fills the context default
+
+
+def test_unset_fields_keep_defaults():
+    sp = chat_sp(temperature=None)
+    assert sp.temperature == SamplingParams().temperature
+
+
+def test_response_format_json_schema_and_json_object():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    sp = chat_sp(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert json.loads(sp.json_schema) == schema
+    assert json.loads(chat_sp(response_format={"type": "json_object"}).json_schema) == {"type": "object"}
+    assert chat_sp(response_format={"type": "text"}).json_schema is None
+    assert chat_sp(regex="[0-9]+").regex == "[0-9]+"
+    assert json.loads(chat_sp(json_schema=schema).json_schema) == schema
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": 0}, "top_k"),
+    ({"n": 0}, "n"),
+    ({"n": 1000}, "n"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_completion_tokens": "x"}, "max_completion_tokens"),
+    ({"stop_token_ids": [100]}, "stop_token_ids"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"regex": "a", "json_schema": {"type": "object"}}, "regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+])
+def test_bad_sampling_values_name_the_parameter(body, param):
+    assert status_param(lambda: chat_sp(**body)) == (400, param)
+
+
+def test_schema_errors():
+    assert status_param(lambda: parse_openai(ChatCompletionRequest, [1, 2]))[0] == 400
+    assert status_param(lambda: parse_openai(ChatCompletionRequest, {"model": "m"})) == (400, "messages")
+    assert status_param(lambda: parse_openai(ChatCompletionRequest, {"messages": []})) == (400, "messages")
+    assert status_param(lambda: parse_openai(ChatCompletionRequest, {"messages": [{"content": "x"}]})) == (400, "messages.0.role")
+    assert status_param(lambda: parse_openai(CompletionRequest, {"prompt": 3})) == (400, "prompt")
+
+
+def test_logprob_limits():
+    assert chat_logprob_options(chat(logprobs=True, top_logprobs=20)) == (True, 20)
+    assert chat_logprob_options(chat()) == (False, 0)
+    assert status_param(lambda: chat_logprob_options(chat(logprobs=True, top_logprobs=21))) == (400, "top_logprobs")
+    assert status_param(lambda: chat_logprob_options(chat(top_logprobs=2))) == (400, "top_logprobs")
+    comp = lambda **b: parse_openai(CompletionRequest, {"prompt": "x", **b})
+    assert completion_logprob_options(comp(logprobs=0)) == (True, 0)
+    assert completion_logprob_options(comp()) == (False, 0)
+    assert status_param(lambda: completion_logprob_options(comp(logprobs=21))) == (400, "logprobs")
+
+
+def test_unsupported_features_are_rejected():
+    assert status_param(lambda: check_chat_supported(chat(tools=[{"type": "function"}]))) == (400, "tools")
+    check_chat_supported(chat(tools=None))
+    comp = parse_openai(CompletionRequest, {"prompt": "x", "suffix": "y"})
+    assert status_param(lambda: check_completion_supported(comp)) == (400, "suffix")
+    comp = parse_openai(CompletionRequest, {"prompt": "x", "best_of": 3, "n": 2})
+    assert status_param(lambda: check_completion_supported(comp)) == (400, "best_of")
+
+
+def test_completion_default_max_tokens_is_openais():
+    req = parse_openai(CompletionRequest, {"prompt": "x"})
+    assert openai_sampling_overrides(req)["max_new_tokens"] == 16
+
+
+def test_parse_generate_single_batch_and_ids():
+    g = parse_generate({"text": "a", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert g.prompts == ["a"] and not g.is_batch and g.sampling_params[0].max_new_tokens == 3
+    g = parse_generate({"text": ["a", "b"], "rid": ["r1", "r2"], "stream": True})
+    assert g.is_batch and g.rids == ["r1", "r2"] and g.stream and len(g.sampling_params) == 2
+    g = parse_generate({"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 2}, {"n": 2}]}, vocab_size=10)
+    assert g.prompts == [[1, 2], [3]] and g.sampling_params[1].n == 2
+    g = parse_generate({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3,
+                        "image_data": "data:image/png;base64,AAAA"})
+    assert g.prompts == [[5, 6]] and g.return_logprob and g.top_logprobs_num == 3
+    assert g.image_data == ["data:image/png;base64,AAAA"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({}, "text"),
+    ({"text": "a", "input_ids": [1]}, "text"),
+    ({"text": 5}, "text"),
+    ({"input_ids": [1, 99]}, "input_ids"),
+    ({"input_ids": []}, "input_ids"),
+    ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": -2}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": "x"}, "sampling_params"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"text": "a", "stream": "yes"}, "stream"),
+    ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
+    ({"text": "a", "temperature": 0}, "temperature"),
+])
+def test_parse_generate_errors(body, param):
+    assert status_param(lambda: parse_generate(body, vocab_size=50)) == (400, param)
+
+
+def test_error_objects():
+    err = APIError("nope", 404, param="model", code="model_not_found")
+    assert err.to_dict() == {"error": {"message": "nope", "type": "not_found_error", "param": "model",
+                                       "code": "model_not_found"}}
+    from braid.runtime.sampling_params import SamplingParamsError
+
+    mapped = from_exception(SamplingParamsError("top_p: bad", "top_p"))
+    assert (mapped.status, mapped.param, mapped.type) == (400, "top_p", "invalid_request_error")
+    assert from_exception(RuntimeError("boom")).status == 500
+
+
+def test_sse_event_format():
+    assert sse_event({"text": "é"}) == 'data: {"text": "é"}\n\n'.encode()
