@@ -8,6 +8,13 @@ from torch import nn
 class SiluAndMul(nn.Module):
     # x: [T, 2 * I] -> [T, I]
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from braid.runtime.layers import triton_fused
+
+            return triton_fused.silu_and_mul(x)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -18,5 +25,12 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.approximate in ("tanh", "none"):
+            from braid.runtime.layers import triton_fused
+
+            return triton_fused.gelu_and_mul(x, self.approximate)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up

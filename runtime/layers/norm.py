@@ -16,6 +16,16 @@ class RMSNorm(nn.Module):
         self.add_unit_offset = add_unit_offset  # Gemma stores weight - 1
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if x.is_cuda and (residual is None or residual.dtype == x.dtype):
+            from braid.runtime.layers import triton_fused
+
+            if residual is None:
+                return triton_fused.rmsnorm(x, self.weight, self.eps, self.add_unit_offset)
+            return triton_fused.fused_add_rmsnorm(x, residual, self.weight, self.eps, self.add_unit_offset)
+        return self.forward_native(x, residual)
+
+    def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        """The PyTorch reference (CPU path)."""
         if residual is not None:
             x = x + residual
             residual = x

@@ -52,6 +52,20 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, H*D]; k: [T, Hkv*D]
+        if q.is_cuda:
+            # one fused launch that rotates q and k in place (they are views into the qkv output)
+            from braid.runtime.layers import triton_fused
+
+            if self.cos_sin_cache is None:
+                raise RuntimeError("RotaryEmbedding.build_cache must run before forward")
+            q, k = triton_fused.apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim, self.rotary_dim,
+                                             self.is_neox_style, inplace=True)
+            tokens = positions.shape[0]
+            return q.reshape(tokens, -1), k.reshape(tokens, -1)
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """The PyTorch reference (CPU path); returns new tensors."""
         cs = self.cos_sin_cache.index_select(0, positions)
         cos, sin = cs.chunk(2, dim=-1)  # [T, rd/2]
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
