@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 _INIT_NEW_TOKEN_RATIO = 0.7
 _MIN_NEW_TOKEN_RATIO = 0.1
 _NEW_TOKEN_RATIO_DECAY = 0.001
+# a waiting request whose next this-many uncached tokens equal those of a request in the batch waits one round
+_IN_BATCH_PREFIX_MIN = 32
 
 
 class RequestError(ValueError):
@@ -263,6 +265,8 @@ class Scheduler:
             if self.req_to_token_pool.available_size() == 0:
                 break
             prefix_len = len(req.prefix_indices)
+            if self._shares_prefix_with_batch(req, admitted):
+                continue  # computing it now would duplicate a prefix this batch computes; next round it is cached
             extend = len(req.fill_ids) - prefix_len
             decode_need = int((req.sampling_params.max_new_tokens - len(req.output_ids)) * self.new_token_ratio)
             take = min(extend, token_budget)
@@ -296,6 +300,16 @@ class Scheduler:
             ids = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in ids]
         return batch
+
+    def _shares_prefix_with_batch(self, req: Req, admitted: list[Req]) -> bool:
+        if self.tree_cache.disabled or not admitted:
+            return False
+        start = len(req.prefix_indices)
+        probe = req.fill_ids[start:start + _IN_BATCH_PREFIX_MIN]
+        if len(probe) < _IN_BATCH_PREFIX_MIN:
+            return False
+        return any(other.fill_ids[start:start + _IN_BATCH_PREFIX_MIN] == probe
+                   and other.fill_ids[:start] == req.fill_ids[:start] for other in admitted)
 
     @staticmethod
     def _set_extend_len(req: Req, remaining: int, token_budget: int) -> None:
@@ -357,6 +371,8 @@ class Scheduler:
             elif req.sampling_params.max_new_tokens == 0:
                 self._finish(req, FinishReason("length"))  # prefill only (cache warm-up, prompt logprobs)
             else:
+                # publish the prompt's KV now, so requests arriving while this one decodes share it
+                self.tree_cache.cache_unfinished_req(req)
                 sample_reqs.append(req)
                 sample_rows.append(i)
         if sample_reqs:

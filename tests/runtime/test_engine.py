@@ -44,6 +44,17 @@ def test_prefix_reuse_computes_shared_part_once(engine):
     assert computed >= prompt_tokens - 3 * shared_len - 3
     assert after["kv_used_tokens"] == 0
 
+    # submitted together: the scheduler defers the ones that would recompute a prefix already in the batch
+    engine.flush_cache()
+    other = SHARED.replace("Sun", "Moon")
+    before = engine.get_stats()
+    together = engine.generate([other + q for q in questions], _greedy(4))
+    after = engine.get_stats()
+    computed = after["num_computed_prompt_tokens_total"] - before["num_computed_prompt_tokens_total"]
+    other_len = len(tok.encode(other))
+    assert computed <= sum(len(tok.encode(other + q)) for q in questions) - 3 * (other_len - 2)
+    assert sum(r["meta_info"]["cached_tokens"] for r in together) >= 3 * (other_len - 2)
+
 
 def test_seed_reproducible_and_top_k1_is_greedy(engine):
     sp = {"temperature": 1.0, "max_new_tokens": 12, "seed": 1234, "ignore_eos": True}
