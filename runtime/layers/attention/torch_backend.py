@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from braid.runtime.layers.attention.base import AttentionBackend
 
@@ -25,9 +26,15 @@ class TorchAttnBackend(AttentionBackend):
                                               v.view(-1, layer.num_kv_heads, layer.v_head_dim) if v is not None else None)
 
     def _kv(self, layer, fb, slots: torch.Tensor, dtype):
+        # slots: [...] -> k, v: [..., Hkv, D]; index_select is several times faster than advanced indexing on CPU
         pool = fb.token_to_kv_pool
-        k = pool.get_key_buffer(layer.layer_id)[slots].to(dtype)
-        v = pool.get_value_buffer(layer.layer_id)[slots].to(dtype)
+        flat = slots.reshape(-1)
+        k = pool.get_key_buffer(layer.layer_id).index_select(0, flat)
+        v = pool.get_value_buffer(layer.layer_id).index_select(0, flat)
+        k = k.view(*slots.shape, *k.shape[1:]).to(dtype)
+        v = v.view(*slots.shape, *v.shape[1:]).to(dtype)
+        if getattr(pool, "is_fp8", False):
+            k, v = k * pool.k_scale, v * pool.v_scale
         return k, v
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
@@ -67,14 +74,19 @@ class TorchAttnBackend(AttentionBackend):
         max_len = max(fb.seq_lens_cpu)
         # slots: [B, L]; entries past seq_len are masked below
         slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()
-        kk, vv = self._kv(layer, fb, slots, torch.float32)  # [B, L, Hkv, D]
-        qh = q.view(B, Hkv, group, D).float()
-        scores = torch.einsum("bhgd,blhd->bhgl", qh, kk) * layer.scaling
         k_pos = torch.arange(max_len, device=q.device).view(1, 1, 1, max_len)
         seq = fb.seq_lens.view(B, 1, 1, 1).to(k_pos.dtype)
         mask = k_pos < seq
         if layer.sliding_window > 0:
             mask &= k_pos >= seq - layer.sliding_window
+        if layer.logit_cap <= 0:
+            kk, vv = self._kv(layer, fb, slots, q.dtype)  # [B, L, Hkv, D]
+            out = F.scaled_dot_product_attention(q.view(B, H, 1, D), kk.transpose(1, 2), vv.transpose(1, 2),
+                                                 attn_mask=mask, scale=layer.scaling, enable_gqa=group > 1)
+            return out.reshape(B, H * Dv)
+        kk, vv = self._kv(layer, fb, slots, torch.float32)  # [B, L, Hkv, D]
+        qh = q.view(B, Hkv, group, D).float()
+        scores = torch.einsum("bhgd,blhd->bhgl", qh, kk) * layer.scaling
         probs = _scores_to_probs(scores, mask, layer.logit_cap)
         out = torch.einsum("bhgl,blhd->bhgd", probs, vv)
         return out.reshape(B, H * Dv).to(q.dtype)
