@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Union
 
 from braid.backends.base import CAP_IMAGE
 from braid.backends.native import NativeApiBackend

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from braid.runtime.config import ServerArgs
-from braid.runtime.core import ForwardBatch, ForwardMode
+from braid.runtime.core import ForwardBatch
 from braid.runtime.layers.attention.registry import default_backend, get_backend_class
 from braid.runtime.loader import load_model, load_model_config
 from braid.runtime.mem_cache.pools import MHAKVPool, MLAKVPool, ReqToTokenPool

@@ -21,7 +21,6 @@ from braid.runtime.loader.tokenizer import get_tokenizer
 from braid.runtime.mem_cache.chunk_cache import ChunkCache
 from braid.runtime.mem_cache.radix_cache import RadixCache
 from braid.runtime.model_executor.model_runner import ModelRunner
-from braid.runtime.sampling_params import SamplingParamsError
 from braid.runtime.scheduler.policy import order_waiting
 
 logger = logging.getLogger(__name__)

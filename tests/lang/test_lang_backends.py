@@ -2,7 +2,6 @@
 logprob arithmetic, SSE streaming, errors, Runtime's process handling, and the shared program suite."""
 
 import asyncio
-import json
 import os
 import stat
 import sys

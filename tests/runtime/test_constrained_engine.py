@@ -7,7 +7,6 @@ import jsonschema
 import pytest
 
 from braid.runtime import Engine
-from braid.runtime.constrained import GrammarError
 
 N = 200
 REGEXES = {
