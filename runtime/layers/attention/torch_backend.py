@@ -52,15 +52,22 @@ class TorchAttnBackend(AttentionBackend):
             total = prefix + n
             slots = req_to_token[fb.req_pool_indices[i], :total].long()
             kk, vv = self._kv(layer, fb, slots, q.dtype)  # [total, Hkv, D]
+            q_pos = torch.arange(prefix, total, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(total, device=q.device).unsqueeze(0)
+            mask = k_pos <= q_pos  # [n, total]
+            if layer.sliding_window > 0:
+                mask &= k_pos > q_pos - layer.sliding_window
+            if layer.logit_cap <= 0:
+                o = F.scaled_dot_product_attention(qh[start:start + n].transpose(0, 1), kk.transpose(0, 1),
+                                                   vv.transpose(0, 1), attn_mask=mask, scale=layer.scaling,
+                                                   enable_gqa=group > 1)  # [H, n, Dv]
+                out[start:start + n] = o.transpose(0, 1).reshape(n, H * Dv)
+                start += n
+                continue
             qi = qh[start:start + n].float().transpose(0, 1)  # [H, n, D]
             kk = kk.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, total, D]
             vv = vv.float().repeat_interleave(group, dim=1).transpose(0, 1)
             scores = torch.matmul(qi, kk.transpose(1, 2)) * layer.scaling  # [H, n, total]
-            q_pos = torch.arange(prefix, total, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(total, device=q.device).unsqueeze(0)
-            mask = k_pos <= q_pos
-            if layer.sliding_window > 0:
-                mask &= k_pos > q_pos - layer.sliding_window
             probs = _scores_to_probs(scores, mask, layer.logit_cap)
             out[start:start + n] = torch.matmul(probs, vv).transpose(0, 1).reshape(n, H * Dv).to(q.dtype)
             start += n
