@@ -78,6 +78,21 @@ def _sse_payloads(line: bytes) -> Optional[str]:
     return line[5:].strip().decode("utf-8", errors="replace")
 
 
+async def _sse_events(resp, out: "RequestFuncOutput"):
+    """The JSON objects of an SSE response up to `data: [DONE]`; an error object ends it with out.error set."""
+    async for line in resp.content:
+        payload = _sse_payloads(line)
+        if payload is None:
+            continue
+        if payload == "[DONE]":
+            return
+        data = json.loads(payload)
+        if (msg := _error_message(data)) is not None:
+            out.error = msg
+            return
+        yield data
+
+
 class _Recorder:
     """Timestamps of token-carrying chunks for one request."""
 
@@ -115,22 +130,15 @@ async def _native_request(session, url: str, body: dict, out: RequestFuncOutput,
             _native_final(out, data)
             return
         seen_tokens, final = 0, None
-        async for line in resp.content:
-            payload = _sse_payloads(line)
-            if payload is None:
-                continue
-            if payload == "[DONE]":
-                break
-            data = json.loads(payload)
-            if (msg := _error_message(data)) is not None:
-                out.error = msg
-                return
+        async for data in _sse_events(resp, out):
             meta = data.get("meta_info", {})
             completion = int(meta.get("completion_tokens", seen_tokens + 1))
             if completion > seen_tokens or data.get("text"):
                 rec.chunk(max(completion - seen_tokens, 0))
                 seen_tokens = max(seen_tokens, completion)
             final = data
+        if out.error:
+            return
         if final is None:
             out.error = "the stream ended without a chunk"
             return
@@ -163,22 +171,15 @@ async def _openai_request(session, url: str, body: dict, out: RequestFuncOutput,
             out.success = True
             return
         pieces = []
-        async for line in resp.content:
-            payload = _sse_payloads(line)
-            if payload is None:
-                continue
-            if payload == "[DONE]":
-                break
-            data = json.loads(payload)
-            if (msg := _error_message(data)) is not None:
-                out.error = msg
-                return
+        async for data in _sse_events(resp, out):
             choices = data.get("choices") or []
             if choices and (text := choices[0].get("text")):
                 pieces.append(text)
                 rec.chunk(1)  # one token per chunk; the usage chunk corrects the total
             if data.get("usage"):
                 _openai_usage(out, data["usage"])
+        if out.error:
+            return
         out.generated_text = "".join(pieces)
         out.success = True
 
