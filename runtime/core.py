@@ -75,8 +75,6 @@ class Req:
     jump_forward_tokens: int = 0  # completion tokens appended by jump-forward (not sampled)
     # torch.Generator for seeded sampling
     generator: Optional[torch.Generator] = None
-    # computed-through-model counters
-    num_computed_prompt_tokens: int = 0
 
     # ---- logprobs (filled by the scheduler) ----
     output_token_logprobs: list = field(default_factory=list)  # [(logprob, token_id)]

@@ -6,6 +6,7 @@ when decode runs out of KV) -> ModelRunner.forward -> sample -> update requests 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -124,9 +125,8 @@ class Scheduler:
                 self._enqueue(c)
             return
         # prefill the prompt once; the n samples then share its KV through the radix cache
-        parent = Req(rid=req.rid, index=-1, input_ids=list(req.input_ids), sampling_params=sp.merged(n=1, max_new_tokens=0,
-                     min_new_tokens=0, regex=None, json_schema=None), is_internal=True)
-        parent.sampling_params.regex = parent.sampling_params.json_schema = None
+        prefill_only = dataclasses.replace(sp, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None)
+        parent = Req(rid=req.rid, index=-1, input_ids=list(req.input_ids), sampling_params=prefill_only, is_internal=True)
         self.pending_children[id(parent)] = children
         self._enqueue(parent)
 
