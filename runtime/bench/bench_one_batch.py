@@ -46,6 +46,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class StepClock:
+    """Per-step latencies without a host sync per step.
+
+    On CUDA each mark records an event in the stream, read after the loop: a step's interval is its span on the
+    GPU's timeline, including any gap while the host was still launching it. On CPU, marks read the wall clock.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_s(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
 @dataclass
 class BatchRun:
     output_ids: list[list[int]]  # [B][output_len]
@@ -114,9 +140,10 @@ class StaticBatchRunner:
             _sync(dev)
             prefill = time.perf_counter() - t0
 
-            decode = []
+            # No host sync inside the loop: the host launches step i+1 while the GPU still runs step i.
+            clock = StepClock(dev)
+            clock.mark()
             for step in range(1, output_len):
-                t0 = time.perf_counter()
                 loc = self.kv_pool.alloc(B)
                 allocated.append(loc)
                 positions = lens_t + (step - 1)  # position of the token fed in: the previous output
@@ -128,8 +155,8 @@ class StaticBatchRunner:
                 )
                 next_ids = torch.argmax(self.runner.forward(fb).next_token_logits, dim=-1)
                 out[:, step] = next_ids
-                _sync(dev)
-                decode.append(time.perf_counter() - t0)
+                clock.mark()
+            decode = clock.intervals_s()
             return BatchRun(out.tolist(), prefill, decode)
         finally:
             if allocated:
@@ -207,7 +234,8 @@ class HFReference:
         kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                   attention_mask=torch.ones_like(ids), pad_token_id=0, eos_token_id=None)
         if self.cache_impl:
-            kw["cache_implementation"] = self.cache_impl
+            # eager HF: a static cache would otherwise make generate torch.compile the model on its own
+            kw.update(cache_implementation=self.cache_impl, disable_compile=True)
         _sync(self.device)
         t0 = time.perf_counter()
         out = self.model.generate(ids, **kw)
@@ -215,6 +243,7 @@ class HFReference:
         return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
 
     def latency_test(self, prompts: list[list[int]], output_len: int) -> dict:
+        """HF's prefill and per-decode-step latency; output_len may be shorter than braid's run (HF is slow)."""
         self.generate(prompts, min(output_len, 2))  # warm-up (static cache allocation, kernels)
         prefill, _ = self.generate(prompts, 1)
         total, _ = self.generate(prompts, output_len)
@@ -227,7 +256,11 @@ def _add_hf_ratios(result: dict, hf: dict) -> None:
     result["prefill_throughput_ratio_vs_hf"] = hf["hf_prefill_latency_s"] / result["prefill_latency_s"]
     med = result["median_decode_latency_s"]
     result["decode_throughput_ratio_vs_hf"] = hf["hf_median_decode_latency_s"] / med if med > 0 else 0.0
-    result["total_throughput_ratio_vs_hf"] = hf["hf_total_latency_s"] / result["total_latency_s"]
+    hf_step = hf["hf_median_decode_latency_s"]
+    result["hf_decode_throughput"] = result["batch_size"] / hf_step if hf_step > 0 else 0.0
+    # HF's total for braid's output length (its run may have been shorter): prefill + steps x per-step latency
+    hf_total = hf["hf_prefill_latency_s"] + hf["hf_median_decode_latency_s"] * (result["output_len"] - 1)
+    result["total_throughput_ratio_vs_hf"] = hf_total / result["total_latency_s"]
 
 
 # ---------------------------------------------------------------------------------------------- correctness
@@ -267,6 +300,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--result-filename", default=None, help="append one JSON line per run")
     g.add_argument("--correctness-test", action="store_true", help="also print greedy continuations of real prompts")
     g.add_argument("--compare-hf", action="store_true", help="time HF transformers generate on the same batches")
+    g.add_argument("--hf-output-len", type=int, default=None,
+                   help="tokens HF generates per run (default: --output-len); its per-step decode latency is "
+                        "(total - prefill) / (tokens - 1), so a shorter run measures the same rate")
     g.add_argument("--skip-warmup", action="store_true")
     return p
 
@@ -297,7 +333,7 @@ def print_table(results: list[dict]) -> None:
             ("decode ms (median)", "median_decode_latency_s", "ms"), ("decode tok/s", "decode_throughput", ".1f"),
             ("total s", "total_latency_s", ".3f"), ("total tok/s", "overall_throughput", ".1f")]
     if results and "hf_total_latency_s" in results[0]:
-        cols += [("prefill x HF", "prefill_throughput_ratio_vs_hf", ".2f"),
+        cols += [("HF decode tok/s", "hf_decode_throughput", ".1f"), ("prefill x HF", "prefill_throughput_ratio_vs_hf", ".2f"),
                  ("decode x HF", "decode_throughput_ratio_vs_hf", ".2f"),
                  ("total x HF", "total_throughput_ratio_vs_hf", ".2f")]
 
@@ -337,8 +373,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
             for out_len in args.output_len:
                 result, _ = latency_test(sb, bs, in_len, out_len, args.seed, args.run_name)
                 if hf is not None:
+                    hf_len = min(out_len, args.hf_output_len) if args.hf_output_len else out_len
                     _add_hf_ratios(result, hf.latency_test(random_prompts(runner.vocab_size, bs, in_len, args.seed),
-                                                           out_len))
+                                                           max(hf_len, 2)))
                 result.update(setup)
                 runs.append(result)
                 if args.result_filename:

@@ -23,4 +23,12 @@ class RadixAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb, save_kv_cache: bool = True) -> torch.Tensor:
         # q: [T, H*D], k: [T, Hkv*D], v: [T, Hkv*Dv] -> [T, H*Dv]
+        if torch.compiler.is_compiling():
+            return _attend_outside_compile(self, q, k, v, fb, save_kv_cache)
         return fb.attn_backend.forward(q, k, v, self, fb, save_kv_cache)
+
+
+@torch.compiler.disable
+def _attend_outside_compile(layer: RadixAttention, q, k, v, fb, save_kv_cache: bool) -> torch.Tensor:
+    # torch.compile fuses the model's other ops; attention stays the backend's own kernels (and its Python metadata)
+    return fb.attn_backend.forward(q, k, v, layer, fb, save_kv_cache)

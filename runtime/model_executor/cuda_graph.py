@@ -36,6 +36,8 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.num_replays = 0  # decode steps served by a graph
+        self.num_padded_replays = 0  # of those, steps that ran a larger captured size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -54,7 +56,8 @@ class CudaGraphRunner:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         limit = self.runner.server_args.torch_compile_max_bs
         self.batch_sizes_compiled = {b for b in self.batch_sizes if b <= limit}
-        self.compiled = torch.compile(self.model.forward, mode="max-autotune-no-cudagraphs", dynamic=False)
+        # graphs are captured on top, so inductor must not add its own; one specialization per captured batch size
+        self.compiled = torch.compile(self.model.forward, dynamic=False)
 
     def _static_batch(self, bs: int) -> ForwardBatch:
         fb = ForwardBatch(
@@ -100,7 +103,9 @@ class CudaGraphRunner:
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         bs = fb.batch_size
         padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+        self.num_replays += 1
         if padded != bs:
+            self.num_padded_replays += 1
             self.seq_lens[bs:padded].fill_(1)
             self.req_pool_indices[bs:padded].zero_()
             self.out_cache_loc[bs:padded].zero_()
