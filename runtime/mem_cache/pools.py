@@ -224,6 +224,10 @@ class KVPool(ABC):
         """Bytes held by the KV buffers."""
 
 
+# one Triton launch for a layer's K and V writes on CUDA (two indexed copies otherwise); a switch for A/B timing
+FUSED_KV_STORE = True
+
+
 def _view_as_cache(buffers: list[torch.Tensor], pool: KVPool) -> list[torch.Tensor]:
     return [b.view(pool.cache_dtype) for b in buffers] if pool.is_fp8 else buffers
 
@@ -263,6 +267,11 @@ class MHAKVPool(KVPool):
         if cache_v is None:
             raise ValueError("MHAKVPool.set_kv_buffer needs cache_v")
         # cache_k: [T, head_num, head_dim] or [T, head_num * head_dim]; same for cache_v with v_head_dim
+        if self.device.type == "cuda" and not self.is_fp8 and FUSED_KV_STORE:
+            from braid.runtime.layers import triton_fused
+
+            if triton_fused.store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v):
+                return
         cache_k = cache_k.reshape(-1, self.head_num, self.head_dim)
         cache_v = cache_v.reshape(-1, self.head_num, self.v_head_dim)
         self.k_buffer[layer_id][loc] = self._to_store(cache_k, self.k_scale)

@@ -352,3 +352,50 @@ def test_gpu_cuda_graph_replay_of_a_decode_step():
         torch.cuda.synchronize()
         for out, ref in zip(outputs, expected):
             assert rel_err(out, ref) < 1e-2, trial
+
+
+# ---------------------------------------------------------------------------------------------- KV store, GEMV
+def test_store_kv_writes_strided_rows_at_their_slots():
+    from braid.runtime.layers import triton_fused
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    T, hkv, d, dv, slots = 5, 2, 8, 4, 20
+    qkv = torch.randn(T, 16 + hkv * d + hkv * dv, generator=gen).to(dev)
+    k, v = qkv[:, 16:16 + hkv * d], qkv[:, 16 + hkv * d:]  # strided slices, as the model hands them over
+    k_cache = torch.full((slots, hkv, d), float("nan"), device=dev)
+    v_cache = torch.full((slots, hkv, dv), float("nan"), device=dev)
+    loc = torch.tensor([7, 1, 19, 4, 12], device=dev)
+    assert triton_fused.store_kv(k_cache, v_cache, loc, k.view(T, hkv, d), v)
+    assert torch.equal(k_cache[loc], k.reshape(T, hkv, d)) and torch.equal(v_cache[loc], v.reshape(T, hkv, dv))
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert torch.isnan(k_cache[untouched.to(dev)]).all() and torch.isnan(v_cache[untouched.to(dev)]).all()
+    # a dtype mismatch is declined (the pool then falls back to indexed assignment), nothing written
+    assert not triton_fused.store_kv(k_cache, v_cache, loc, k.half(), v)
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 200), (5, 1)])
+def test_gemv_matches_matmul(n, k):
+    from braid.runtime.layers.triton_gemv import gemv
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).to(dev)
+    w = torch.randn(n, k, generator=gen).to(dev)
+    ref = x.double() @ w.double().T
+    out = gemv(x, w)
+    assert out.shape == (1, n) and out.dtype == x.dtype
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
+def test_gpu_gemv_llama3_8b_shapes(n, k):
+    from braid.runtime.layers.triton_gemv import gemv
+
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    ref = x.double() @ w.double().T
+    assert ((gemv(x, w).double() - ref).norm() / ref.norm()).item() < 1e-2
