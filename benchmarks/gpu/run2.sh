@@ -1,9 +1,9 @@
-# Device call 2 (carry .whl .gpu/b .gpu/tok, right after call 1 while .gpu/a is still there): SmolLM2 engine
+# Device call 2 (carry .whl .gpu/b .gpu/tok, right after a call that copied .gpu/a/part_aa to /tmp on the warm machine): SmolLM2 engine
 cd .gpu/src 2>/dev/null && ln -sfn ../../.whl .whl && mkdir -p .gpu && for d in a b tok; do ln -sfn ../../$d .gpu/$d; done
 # checks (Triton + CUDA graphs vs torch), then bench_serving on a Llama-3-8B-shaped server beside HF batch generation.
 set -o pipefail
 source benchmarks/gpu/setup.sh
-cat .gpu/a/part_aa .gpu/b/part_ab > /tmp/smollm2.gguf && echo "$(cat .gpu/tok/smollm2.sha256)  /tmp/smollm2.gguf" | sha256sum -c
+cat /tmp/part_aa .gpu/b/part_ab > /tmp/smollm2.gguf && echo "$(cat .gpu/tok/smollm2.sha256)  /tmp/smollm2.gguf" | sha256sum -c
 export BRAID_SMOLLM2_GGUF=/tmp/smollm2.gguf
 timeout 220 python3 -m pytest tests/models/test_gpu_engine.py -q -s -p no:cacheprovider 2>&1 | grep -v Warning | tail -25 | tee $OUT/gpu_engine.log
 CFG=benchmarks/configs/llama3-8b.json
