@@ -29,12 +29,8 @@ class Engine:
     """`Engine(model_path="smollm2", **server_args)`; `generate(...)` takes one prompt or a list."""
 
     def __init__(self, model_path: str = "smollm2", **kwargs):
-        from braid.runtime.scheduler.scheduler import Scheduler
-
         self.server_args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         logging.basicConfig(level=self.server_args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        self.scheduler = Scheduler(self.server_args)
-        self.tokenizer = self.scheduler.tokenizer
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list = []
@@ -42,8 +38,20 @@ class Engine:
         self._closed = False
         self._error: Optional[BaseException] = None
         self._counter = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="braid-scheduler", daemon=True)
+        # The scheduler (model load included) is built on the thread that runs it: every torch op then runs on
+        # one thread. On CPU this matters: each thread that runs parallel ops gets its own OpenMP team, and
+        # with more team threads than cores OpenMP stops spinning between parallel regions, so every small op
+        # of the forward pass pays thread wake-ups (decode steps ~1.4x slower).
+        self.scheduler = None
+        built: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, args=(built,), name="braid-scheduler", daemon=True)
         self._thread.start()
+        kind, value = built.get()
+        if kind == "error":
+            self._thread.join()
+            raise value
+        self.scheduler = value
+        self.tokenizer = self.scheduler.tokenizer
 
     # ---- context manager ----
     def __enter__(self):
@@ -53,8 +61,18 @@ class Engine:
         self.shutdown()
 
     # ---- the scheduler thread ----
-    def _loop(self) -> None:
-        sched = self.scheduler
+    def _run(self, built: "queue.Queue") -> None:
+        from braid.runtime.scheduler.scheduler import Scheduler
+
+        try:
+            sched = Scheduler(self.server_args)
+        except BaseException as e:  # noqa: BLE001 - re-raised by __init__
+            built.put(("error", e))
+            return
+        built.put(("ok", sched))
+        self._loop(sched)
+
+    def _loop(self, sched) -> None:
         while True:
             with self._wake:
                 while not self._inbox and not sched.has_work() and not self._closed:
@@ -188,6 +206,6 @@ class Engine:
             self._wake.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
-        gb = self.scheduler._grammar_backend
+        gb = self.scheduler._grammar_backend if self.scheduler is not None else None
         if gb is not None:
             gb.shutdown()

@@ -4,6 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from braid.runtime.layers import cpu_gemm
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
@@ -22,9 +24,18 @@ class LMHead(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.logit_softcap = logit_softcap
+        self._packed = None
+
+    def prepack_weights(self) -> None:
+        """After loading (and tying): a oneDNN-packed copy of the weight for CPU matmuls (no-op elsewhere)."""
+        self._packed = cpu_gemm.PackedLinearWeight.pack(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
+        if self._packed is None:
+            logits = F.linear(hidden, self.weight)
+        else:
+            logits = cpu_gemm.linear(hidden, self.weight, None, self._packed)
+        logits = logits.float()
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from braid.runtime.distributed import parallel_state as ps
+from braid.runtime.layers import cpu_gemm
 
 
 class Linear(nn.Module):
@@ -17,9 +19,19 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self._packed: Optional[cpu_gemm.PackedLinearWeight] = None
+
+    def prepack_weights(self) -> None:
+        """After loading: a oneDNN-packed copy of the weight for CPU matmuls (no-op elsewhere)."""
+        self._packed = cpu_gemm.PackedLinearWeight.pack(self.weight)
+
+    def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self._packed is None:
+            return F.linear(x, self.weight, bias)
+        return cpu_gemm.linear(x, self.weight, bias, self._packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -50,7 +62,7 @@ class RowParallelLinear(Linear):
         return loaded.narrow(1, ps.tp_rank() * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self._matmul(x)
         if self.tp_size > 1:
             out = ps.all_reduce(out)
         if self.bias is not None:

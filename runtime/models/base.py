@@ -62,3 +62,10 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if hasattr(m, "build_cache"):
                 m.build_cache(device)
+        self.prepack_weights()
+
+    def prepack_weights(self) -> None:
+        """Re-lay-out matmul weights for the device's fast path (CPU: oneDNN); call again after changing weights."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "prepack_weights"):
+                m.prepack_weights()

@@ -73,27 +73,53 @@ class TorchAttnBackend(AttentionBackend):
             start += n
         return out
 
+    # ---- decode ----
+    def init_forward_metadata(self, fb) -> None:
+        # decode: the KV slot table and key positions are the same for every layer; build them once per batch
+        fb.attn_metadata = _DecodeMetadata(fb) if fb.forward_mode.is_decode() else None
+
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True):
         self._save(layer, fb, k, v, save_kv_cache)
         H, D, Dv, Hkv = layer.num_heads, layer.head_dim, layer.v_head_dim, layer.num_kv_heads
         group = H // Hkv
         B = q.shape[0]
-        max_len = max(fb.seq_lens_cpu)
-        # slots: [B, L]; entries past seq_len are masked below
-        slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_len].long()
-        k_pos = torch.arange(max_len, device=q.device).view(1, 1, 1, max_len)
-        seq = fb.seq_lens.view(B, 1, 1, 1).to(k_pos.dtype)
-        mask = k_pos < seq
-        if layer.sliding_window > 0:
-            mask &= k_pos >= seq - layer.sliding_window
+        meta = fb.attn_metadata
+        if not isinstance(meta, _DecodeMetadata) or meta.batch_size != B:
+            meta = fb.attn_metadata = _DecodeMetadata(fb)
         if layer.logit_cap <= 0:
-            kk, vv = self._kv(layer, fb, slots, q.dtype)  # [B, L, Hkv, D]
+            kk, vv = self._kv(layer, fb, meta.slots, q.dtype)  # [B, L, Hkv, D]
             out = F.scaled_dot_product_attention(q.view(B, H, 1, D), kk.transpose(1, 2), vv.transpose(1, 2),
-                                                 attn_mask=mask, scale=layer.scaling, enable_gqa=group > 1)
+                                                 attn_mask=meta.mask(layer.sliding_window), scale=layer.scaling,
+                                                 enable_gqa=group > 1)
             return out.reshape(B, H * Dv)
-        kk, vv = self._kv(layer, fb, slots, torch.float32)  # [B, L, Hkv, D]
+        mask = meta.mask(layer.sliding_window)
+        kk, vv = self._kv(layer, fb, meta.slots, torch.float32)  # [B, L, Hkv, D]
         qh = q.view(B, Hkv, group, D).float()
         scores = torch.einsum("bhgd,blhd->bhgl", qh, kk) * layer.scaling
         probs = _scores_to_probs(scores, mask, layer.logit_cap)
         out = torch.einsum("bhgl,blhd->bhgd", probs, vv)
         return out.reshape(B, H * Dv).to(q.dtype)
+
+
+class _DecodeMetadata:
+    """Per decode batch: KV slots [B, L] (L = longest sequence) and the valid-key masks per sliding window."""
+
+    def __init__(self, fb):
+        B = fb.batch_size
+        self.batch_size = B
+        self.max_len = max(fb.seq_lens_cpu)
+        # entries past each seq_len are masked out
+        self.slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :self.max_len].long()
+        self._k_pos = torch.arange(self.max_len, device=self.slots.device).view(1, 1, 1, self.max_len)
+        self._seq = fb.seq_lens.view(B, 1, 1, 1).to(self._k_pos.dtype)
+        self._masks: dict = {}
+
+    def mask(self, sliding_window: int) -> torch.Tensor:
+        """[B, 1, 1, L] bool, True where the key is attended."""
+        m = self._masks.get(sliding_window)
+        if m is None:
+            m = self._k_pos < self._seq
+            if sliding_window > 0:
+                m &= self._k_pos >= self._seq - sliding_window
+            self._masks[sliding_window] = m
+        return m

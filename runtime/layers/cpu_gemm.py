@@ -1,0 +1,98 @@
+"""Prepacked (oneDNN) weights for CPU matmuls: `y = x @ W.T (+ b)` without re-laying-out W on every call.
+
+On CPU, `F.linear` goes through the BLAS library, which (depending on the CPU) can be several times slower
+than oneDNN with a weight already reordered into oneDNN's blocked layout, especially for the small-M
+matmuls of batched decode. `PackedLinearWeight.pack(weight)` reorders once after loading; `linear(x)` then
+serves any number of rows M. Everything else (CUDA, dtypes oneDNN does not pack here, a torch build without
+the ops, a weight that changed after packing) falls back to `F.linear` with the dense weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# the M the blocked layout is chosen for; the packed weight serves any M
+_PACK_BATCH_HINT = 32
+_PACKABLE_DTYPES = (torch.float32,)
+_ENV_DISABLE = "BRAID_DISABLE_CPU_PREPACK"
+
+_available: Optional[bool] = None
+
+
+def prepack_available() -> bool:
+    """Whether this torch build has oneDNN and the linear prepack ops (checked once)."""
+    global _available
+    if _available is None:
+        ok = False
+        try:
+            ops = torch.ops.mkldnn
+            ok = (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+                  and hasattr(ops, "_linear_pointwise"))
+        except (AttributeError, RuntimeError):
+            ok = False
+        _available = ok
+    return _available
+
+
+def prepack_enabled() -> bool:
+    return prepack_available() and os.environ.get(_ENV_DISABLE, "0") in ("", "0", "false", "False")
+
+
+class PackedLinearWeight:
+    """A oneDNN-reordered copy of a dense [out, in] weight, tied to the dense tensor it was made from."""
+
+    __slots__ = ("packed", "source", "out_features", "in_features")
+
+    def __init__(self, packed: torch.Tensor, source: torch.Tensor):
+        self.packed = packed
+        self.source = source  # the dense weight; the packed copy is used only while the module still holds it
+        self.out_features, self.in_features = source.shape
+
+    @classmethod
+    def pack(cls, weight: Optional[torch.Tensor]) -> Optional["PackedLinearWeight"]:
+        """The packed weight, or None where packing does not apply or fails (callers then use F.linear)."""
+        if (weight is None or not prepack_enabled() or weight.is_meta or weight.device.type != "cpu"
+                or weight.dtype not in _PACKABLE_DTYPES or weight.dim() != 2 or weight.numel() == 0):
+            return None
+        try:
+            with torch.inference_mode():
+                dense = weight.detach()
+                if not dense.is_contiguous():
+                    dense = dense.contiguous()
+                packed = torch.ops.mkldnn._reorder_linear_weight(dense, _PACK_BATCH_HINT)
+                # check the op actually runs (and agrees) before relying on it
+                probe = torch.linspace(-1.0, 1.0, 3 * dense.shape[1], dtype=dense.dtype).view(3, -1)
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+                want = F.linear(probe, dense)
+                tol = 1e-4 * (1.0 + want.abs().max().item())
+                if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=tol):
+                    logger.warning("oneDNN prepacked linear disagrees with F.linear; using F.linear")
+                    return None
+        except (RuntimeError, TypeError, AttributeError) as e:  # op missing or unsupported in this build
+            logger.debug("oneDNN linear prepack unavailable (%s); using F.linear", e)
+            return None
+        return cls(packed, weight)
+
+    def usable_for(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (weight is self.source and x.device.type == "cpu" and x.dtype == weight.dtype
+                and x.shape[-1] == self.in_features and not (torch.is_grad_enabled() and x.requires_grad))
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.numel() == 0:
+            return F.linear(x, self.source, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+           packed: Optional[PackedLinearWeight]) -> torch.Tensor:
+    """F.linear(x, weight, bias), through the packed copy when there is a valid one for this input."""
+    if packed is not None and packed.usable_for(x, weight):
+        return packed(x, bias)
+    return F.linear(x, weight, bias)

@@ -1,0 +1,125 @@
+"""The oneDNN-prepacked CPU linear path: used after prepack, numerically F.linear, clean fallbacks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from braid.runtime.layers import cpu_gemm
+from braid.runtime.layers.embedding import LMHead
+from braid.runtime.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.prepack_available(), reason="torch build without oneDNN linear prepack")
+
+MS = [1, 2, 3, 7, 17, 32, 33, 100, 257]
+
+
+def _filled(module, seed=0, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        module.weight = torch.nn.Parameter(torch.randn(module.weight.shape, generator=g) * 0.05, requires_grad=False)
+        if bias:
+            module.bias = torch.nn.Parameter(torch.randn(module.bias.shape, generator=g), requires_grad=False)
+    return module
+
+
+def _count_packed_calls(monkeypatch):
+    calls = []
+    real = cpu_gemm.PackedLinearWeight.__call__
+
+    def spy(self, x, bias=None):
+        calls.append(tuple(x.shape))
+        return real(self, x, bias)
+
+    monkeypatch.setattr(cpu_gemm.PackedLinearWeight, "__call__", spy)
+    return calls
+
+
+@pytest.mark.parametrize("in_f,out_f,bias", [(576, 960, False), (77, 131, True), (1536, 576, False)])
+def test_packed_linear_is_used_and_matches_f_linear(monkeypatch, in_f, out_f, bias):
+    lin = _filled(Linear(in_f, out_f, bias=bias), bias=bias)
+    lin.prepack_weights()
+    assert lin._packed is not None
+    calls = _count_packed_calls(monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for m in MS:
+            x = torch.randn(m, in_f, generator=g)
+            got = lin(x)
+            want = F.linear(x, lin.weight, lin.bias)
+            ref = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+            assert got.shape == want.shape == (m, out_f)
+            # as close to the exact result as the BLAS path is (both are fp32 sums of in_f products)
+            scale = 1.0 + ref.abs().max().item()
+            assert (got.double() - ref).abs().max().item() <= 2e-6 * scale * max(1.0, in_f / 256)
+            assert (got - want).abs().max().item() <= 2e-6 * scale * max(1.0, in_f / 256)
+    assert len(calls) == len(MS)
+
+
+def test_row_parallel_and_column_parallel_use_the_packed_path(monkeypatch):
+    col = _filled(ColumnParallelLinear(64, [48, 16]))
+    row = _filled(RowParallelLinear(64, 40, bias=True), bias=True)
+    for m in (col, row):
+        m.prepack_weights()
+    calls = _count_packed_calls(monkeypatch)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(col(x), F.linear(x, col.weight), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row(x), F.linear(x, row.weight) + row.bias, rtol=1e-5, atol=1e-5)
+    assert len(calls) == 2
+
+
+def test_lm_head_packed_with_tied_weight(monkeypatch):
+    head = _filled(LMHead(1000, 64))
+    head.prepack_weights()
+    calls = _count_packed_calls(monkeypatch)
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        out = head(x)
+    torch.testing.assert_close(out, F.linear(x, head.weight), rtol=1e-5, atol=1e-5)
+    assert out.dtype == torch.float32 and len(calls) == 1
+
+
+def test_fallbacks(monkeypatch):
+    lin = _filled(Linear(32, 16))
+    lin.prepack_weights()
+    calls = _count_packed_calls(monkeypatch)
+    x = torch.randn(4, 32)
+    # a weight replaced after packing: the stale packed copy is not used
+    lin.weight = torch.nn.Parameter(torch.randn(16, 32), requires_grad=False)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
+    # an input that needs autograd goes through F.linear
+    lin.prepack_weights()
+    xg = torch.randn(2, 32, requires_grad=True)
+    lin(xg).sum().backward()
+    assert xg.grad is not None
+    assert calls == []
+    # an empty batch
+    assert lin(torch.randn(0, 32)).shape == (0, 16)
+    # dtypes that are not packed, and a disabled switch
+    half = _filled(Linear(32, 16)).to(torch.bfloat16)
+    half.prepack_weights()
+    assert half._packed is None
+    monkeypatch.setenv("BRAID_DISABLE_CPU_PREPACK", "1")
+    lin.prepack_weights()
+    assert lin._packed is None
+
+
+def test_missing_ops_fall_back(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_available", False)
+    lin = _filled(Linear(32, 16))
+    lin.prepack_weights()
+    assert lin._packed is None
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
+
+
+def test_loaded_model_layers_are_prepacked():
+    from braid.runtime.config import ServerArgs
+    from braid.runtime.model_executor.model_runner import ModelRunner
+
+    runner = ModelRunner(ServerArgs.from_kwargs(model_path="smollm2", load_format="dummy", max_total_tokens=256,
+                                                log_level="warning"))
+    model = runner.model
+    packed = [m for m in model.modules() if m is not model and hasattr(m, "prepack_weights")]
+    assert packed and all(m._packed is not None for m in packed)
+    assert model.lm_head._packed.source is model.lm_head.weight
