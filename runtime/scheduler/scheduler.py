@@ -2,6 +2,13 @@
 
 One iteration (`step`): admit grammar-ready requests -> pick a batch (extend first, else decode, retracting
 when decode runs out of KV) -> ModelRunner.forward -> sample -> update requests -> outputs.
+
+Overlapped decode (CUDA, unless --disable-overlap-schedule): consecutive decode steps are chained on the device.
+Step N+1 is launched with step N's sampled ids still on the GPU, and only then does the host wait for step N's
+ids (a pinned copy behind an event) and do its bookkeeping (finish checks, stop strings, outputs) while the GPU
+runs N+1. A request that finishes at step N has already been fed to N+1: that one extra token is dropped.
+Batches with grammars, penalties, logprobs or pending min_new_tokens, and any step with an extend to run,
+take the plain synchronous path.
 """
 
 from __future__ import annotations
@@ -33,6 +40,16 @@ _NEW_TOKEN_RATIO_DECAY = 0.001
 _IN_BATCH_PREFIX_MIN = 32
 
 
+@dataclasses.dataclass
+class _DecodeInFlight:
+    """A launched decode step whose sampled ids the host has not read yet."""
+
+    reqs: list[Req]
+    next_ids: torch.Tensor  # [B] int64 on the device: the next step's input ids
+    host_ids: torch.Tensor  # [B] int64, pinned: filled by an async copy of next_ids
+    ready: Optional[torch.cuda.Event]  # recorded after that copy
+
+
 class RequestError(ValueError):
     """Bad input in a request (prompt too long, ...). `param` names the field."""
 
@@ -44,6 +61,10 @@ class RequestError(ValueError):
 class Scheduler:
     def __init__(self, server_args: ServerArgs):
         self.server_args = server_args
+        if torch.device(server_args.resolved_device).type == "cpu":
+            from braid.runtime.layers.cpu_tuning import tune_malloc_for_cpu_inference
+
+            tune_malloc_for_cpu_inference()
         self.runner = ModelRunner(server_args)
         self.tokenizer = get_tokenizer(server_args)
         self.device = self.runner.device
@@ -59,6 +80,8 @@ class Scheduler:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = eos
         self._grammar_backend = None
+        self.overlap = self.device.type == "cuda" and not server_args.disable_overlap_schedule
+        self.decode_in_flight: Optional[_DecodeInFlight] = None
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -69,7 +92,8 @@ class Scheduler:
         self.new_token_ratio = _INIT_NEW_TOKEN_RATIO
         self.stats = dict(num_prompt_tokens_total=0, num_computed_prompt_tokens_total=0, num_cached_tokens_total=0,
                           num_generated_tokens_total=0, num_forward_extend=0, num_forward_decode=0,
-                          num_retractions=0, num_requests_total=0, num_tokens_through_model_total=0)
+                          num_retractions=0, num_requests_total=0, num_tokens_through_model_total=0,
+                          num_decode_overlapped=0)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -152,15 +176,17 @@ class Scheduler:
             for child in [c for c in children if c.rid == rid]:
                 child.finished_reason = reason
         # requests holding KV are released at the start of the next step, outside any forward pass
-        for req in list(self.running) + list(self.resume_queue):
+        in_flight = self.decode_in_flight.reqs if self.decode_in_flight is not None else []
+        for req in list(self.running) + list(self.resume_queue) + in_flight:
             if req.rid == rid and not req.finished:
                 req.finished_reason = reason
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.grammar_queue or self.resume_queue or self.outputs)
+        return bool(self.waiting or self.running or self.grammar_queue or self.resume_queue or self.outputs
+                    or self.decode_in_flight is not None)
 
     def flush_cache(self) -> bool:
-        if self.waiting or self.running or self.resume_queue or self.grammar_queue:
+        if self.waiting or self.running or self.resume_queue or self.grammar_queue or self.decode_in_flight:
             return False
         self.tree_cache.reset()
         return True
@@ -171,7 +197,8 @@ class Scheduler:
     def get_stats(self) -> dict:
         s = dict(self.stats)
         s.update(
-            num_running_reqs=len(self.running) + len(self.resume_queue),
+            num_running_reqs=len(self.running) + len(self.resume_queue) + (
+                len(self.decode_in_flight.reqs) if self.decode_in_flight is not None else 0),
             num_waiting_reqs=len(self.waiting) + len(self.grammar_queue),
             kv_total_tokens=self.kv_pool.size,
             kv_free_tokens=self.kv_pool.available_size(),
@@ -186,11 +213,21 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         self._poll_grammars()
         self._release_aborted()
+        if self.decode_in_flight is not None:
+            if self._chain_decode():
+                out, self.outputs = self.outputs, []
+                return out
+            self._commit_in_flight()
         batch = self._get_extend_batch()
         if batch:
             self._run_extend(batch)
         elif self.running:
-            self._run_decode()
+            self._retract_if_needed()
+            if self.overlap and self._can_overlap(self.running, 0):
+                batch, self.running = self.running, []
+                self.decode_in_flight = self._launch_decode(batch, None)
+            else:
+                self._run_decode()
         out, self.outputs = self.outputs, []
         return out
 
@@ -406,6 +443,12 @@ class Scheduler:
         batch = self.running
         if not batch:
             return
+        logits = self._forward_decode(batch, None)
+        self.running = []
+        self._sample_and_update(batch, logits)
+
+    def _forward_decode(self, batch: list[Req], input_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """One decode forward of `batch` (input_ids [B] on the device, or each request's last token) -> logits [B, V]."""
         B = len(batch)
         out_loc = self._alloc_kv(B)
         dev = self.device
@@ -413,9 +456,10 @@ class Scheduler:
         req_idx = torch.tensor([r.req_pool_idx for r in batch], dtype=torch.int64, device=dev)
         positions = torch.tensor([s - 1 for s in seq_lens_cpu], dtype=torch.int64, device=dev)
         self.req_to_token_pool.req_to_token[req_idx, positions] = out_loc.to(torch.int32)
+        if input_ids is None:
+            input_ids = torch.tensor([r.fill_ids[-1] for r in batch], dtype=torch.int64, device=dev)
         fb = ForwardBatch(
-            forward_mode=ForwardMode.DECODE, batch_size=B,
-            input_ids=torch.tensor([r.fill_ids[-1] for r in batch], dtype=torch.int64, device=dev),
+            forward_mode=ForwardMode.DECODE, batch_size=B, input_ids=input_ids,
             positions=positions, req_pool_indices=req_idx,
             seq_lens=torch.tensor(seq_lens_cpu, dtype=torch.int32, device=dev),
             out_cache_loc=out_loc, seq_lens_cpu=seq_lens_cpu,
@@ -425,9 +469,70 @@ class Scheduler:
         logits = self.runner.forward(fb)
         for r in batch:
             r.kv_committed_len += 1
-        self.running = []
-        self._sample_and_update(batch, logits.next_token_logits)
         self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
+        return logits.next_token_logits
+
+    # ------------------------------------------------------------------ overlapped decode
+    def _can_overlap(self, batch: list[Req], tokens_in_flight: int) -> bool:
+        """True when sampling these requests needs nothing the host learns from the step before
+        (each has `tokens_in_flight` sampled tokens not yet in output_ids)."""
+        for r in batch:
+            sp = r.sampling_params
+            if (r.grammar is not None or r.return_logprob or sp.frequency_penalty or sp.presence_penalty
+                    or sp.repetition_penalty != 1.0 or len(r.output_ids) + tokens_in_flight < sp.min_new_tokens):
+                return False
+        return True
+
+    def _will_finish_by_length(self, r: Req) -> bool:
+        # with the token in flight it has len(output_ids) + 1 outputs
+        return len(r.output_ids) + 1 >= r.sampling_params.max_new_tokens or r.seqlen + 1 >= self.context_len
+
+    def _launch_decode(self, batch: list[Req], input_ids: Optional[torch.Tensor]) -> _DecodeInFlight:
+        logits = self._forward_decode(batch, input_ids)
+        info = SamplingBatchInfo.build(batch, self.vocab_size, self.device)
+        next_ids = self.sampler(logits, info)
+        host_ids = torch.empty(len(batch), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        host_ids.copy_(next_ids, non_blocking=True)
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        return _DecodeInFlight(batch, next_ids, host_ids, ready)
+
+    def _chain_decode(self) -> bool:
+        """Launch the next decode step behind the one in flight, then commit the one in flight. False: not possible."""
+        prev = self.decode_in_flight
+        admissible = (self.waiting and len(prev.reqs) < self.server_args.max_running_requests
+                      and self.req_to_token_pool.available_size() > 0)
+        if self.resume_queue or admissible:
+            return False  # an extend may be due: settle the step in flight first
+        keep = [i for i, r in enumerate(prev.reqs) if not r.finished and not self._will_finish_by_length(r)]
+        batch = [prev.reqs[i] for i in keep]
+        if not batch or not self._can_overlap(batch, 1) or self._available_kv() < len(batch):
+            return False
+        ids = prev.next_ids
+        if len(keep) != len(prev.reqs):
+            ids = ids.index_select(0, torch.tensor(keep, dtype=torch.int64, device=self.device))
+        self.decode_in_flight = self._launch_decode(batch, ids)
+        self.stats["num_decode_overlapped"] += 1
+        self._commit(prev)
+        self.running = []  # the survivors are in the step now in flight
+        return True
+
+    def _commit_in_flight(self) -> None:
+        prev, self.decode_in_flight = self.decode_in_flight, None
+        self._commit(prev)
+
+    def _commit(self, step: _DecodeInFlight) -> None:
+        """Read a launched step's ids and update its requests (those finished meanwhile drop their token)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        for req, tok in zip(step.reqs, step.host_ids.tolist()):
+            if req.finished:
+                if req.req_pool_idx is not None:  # aborted while in flight: release it now
+                    self._finish(req, req.finished_reason)
+                continue
+            self._append_token(req, tok, None)
 
     def _retract_if_needed(self) -> None:
         while self.running and self._available_kv() < len(self.running):
@@ -461,15 +566,18 @@ class Scheduler:
                 n = reqs[i].top_logprobs_num
                 lp_rows[i] = (lp[j], list(zip(top_v[j][:n], top_i[j][:n])) if n and top_v is not None else None)
         for i, (req, tok) in enumerate(zip(reqs, next_ids.tolist())):
-            req.output_ids.append(tok)
-            req.fill_ids.append(tok)
-            self.stats["num_generated_tokens_total"] += 1
-            if req.first_token_time is None:
-                req.first_token_time = time.time()
-            if i in lp_rows:
-                req.output_token_logprobs.append((lp_rows[i][0], tok))
-                req.output_top_logprobs.append(lp_rows[i][1])
-            self._after_token(req, tok)
+            self._append_token(req, tok, lp_rows.get(i))
+
+    def _append_token(self, req: Req, tok: int, logprobs: Optional[tuple]) -> None:
+        req.output_ids.append(tok)
+        req.fill_ids.append(tok)
+        self.stats["num_generated_tokens_total"] += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.time()
+        if logprobs is not None:
+            req.output_token_logprobs.append((logprobs[0], tok))
+            req.output_top_logprobs.append(logprobs[1])
+        self._after_token(req, tok)
 
     def _vocab_mask(self, reqs: list[Req]) -> Optional[torch.Tensor]:
         grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
