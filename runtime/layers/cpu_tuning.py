@@ -22,8 +22,9 @@ logger = logging.getLogger(__name__)
 # glibc mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-# blocks up to this size come from the heap (and are reused) instead of a private mmap each
-_MMAP_THRESHOLD = 64 << 20
+# blocks up to this size come from the heap (and are reused) instead of a private mmap each: a decode step's
+# activations are far smaller; long-lived big buffers (KV pool layers, large weights) stay mmaps, returned on free
+_MMAP_THRESHOLD = 16 << 20
 # free memory at the top of a heap is returned to the OS only beyond this much
 _TRIM_THRESHOLD = 1 << 30
 
