@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
+import sys
 import logging
 import queue
 import threading
@@ -15,6 +17,11 @@ from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.detokenizer import OutputAccumulator
 
 logger = logging.getLogger(__name__)
+
+
+def torch_cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 class _Pending:
@@ -195,10 +202,15 @@ class Engine:
             self._wake.notify()
 
     def flush_cache(self) -> bool:
-        return self._call(self.scheduler.flush_cache)
+        return self._call(self._live_scheduler().flush_cache)
 
     def get_stats(self) -> dict:
-        return self._call(self.scheduler.get_stats)
+        return self._call(self._live_scheduler().get_stats)
+
+    def _live_scheduler(self):
+        if self.scheduler is None:
+            raise RuntimeError("the engine has been shut down")
+        return self.scheduler
 
     def shutdown(self) -> None:
         with self._wake:
@@ -206,6 +218,15 @@ class Engine:
             self._wake.notify()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
-        gb = self.scheduler._grammar_backend if self.scheduler is not None else None
+        sched, self.scheduler = self.scheduler, None
+        gb = sched._grammar_backend if sched is not None else None
         if gb is not None:
             gb.shutdown()
+        if sched is not None and not self._thread.is_alive():
+            # the model, KV pool and radix tree hold reference cycles: free their memory now, not at the next gc
+            del sched
+            gc.collect()
+            if torch_cuda_initialized():
+                import torch
+
+                torch.cuda.empty_cache()
