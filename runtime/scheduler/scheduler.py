@@ -222,11 +222,11 @@ class Scheduler:
         if batch:
             self._run_extend(batch)
         elif self.running:
-            self._retract_if_needed()
-            if self.overlap and self._can_overlap(self.running, 0):
+            self._retract_if_needed()  # may send every running request back to the queue
+            if self.running and self.overlap and self._can_overlap(self.running, 0):
                 batch, self.running = self.running, []
                 self.decode_in_flight = self._launch_decode(batch, None)
-            else:
+            elif self.running:
                 self._run_decode()
         out, self.outputs = self.outputs, []
         return out
@@ -439,10 +439,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ decode
     def _run_decode(self) -> None:
-        self._retract_if_needed()
         batch = self.running
-        if not batch:
-            return
         logits = self._forward_decode(batch, None)
         self.running = []
         self._sample_and_update(batch, logits)
@@ -491,10 +488,11 @@ class Scheduler:
         logits = self._forward_decode(batch, input_ids)
         info = SamplingBatchInfo.build(batch, self.vocab_size, self.device)
         next_ids = self.sampler(logits, info)
-        host_ids = torch.empty(len(batch), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        on_cuda = self.device.type == "cuda"
+        host_ids = torch.empty(len(batch), dtype=torch.int64, pin_memory=on_cuda)
         host_ids.copy_(next_ids, non_blocking=True)
         ready = None
-        if self.device.type == "cuda":
+        if on_cuda:
             ready = torch.cuda.Event()
             ready.record()
         return _DecodeInFlight(batch, next_ids, host_ids, ready)
