@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import gc
 import itertools
-import sys
 import logging
 import queue
 import threading
 import uuid
 from typing import Iterator, Optional, Union
+
+import torch
 
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import Req
@@ -17,11 +18,6 @@ from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.detokenizer import OutputAccumulator
 
 logger = logging.getLogger(__name__)
-
-
-def torch_cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
 
 
 class _Pending:
@@ -226,7 +222,5 @@ class Engine:
             # the model, KV pool and radix tree hold reference cycles: free their memory now, not at the next gc
             del sched
             gc.collect()
-            if torch_cuda_initialized():
-                import torch
-
+            if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
