@@ -13,8 +13,7 @@ import torch.nn.functional as torch_F
 
 from braid.runtime.bench.bench_one_batch import StaticBatchRunner, latency_test
 from braid.runtime.config import ServerArgs
-from braid.runtime.layers import embedding as embedding_mod
-from braid.runtime.layers import linear as linear_mod
+from braid.runtime.layers import cpu_gemm
 from braid.runtime.layers.triton_gemv import gemv, supports
 from braid.runtime.mem_cache import pools
 from braid.runtime.model_executor.cuda_graph import CudaGraphRunner
@@ -24,7 +23,8 @@ ROOFLINE_GB = 15.0
 
 
 class GemvShim:
-    """Stands in for torch.nn.functional inside the linear/embedding modules: batch-1 GEMMs go to the Triton GEMV."""
+    """Stands in for torch.nn.functional inside cpu_gemm (every Linear and the LMHead call it; on CUDA it runs
+    F.linear): batch-1 GEMMs go to the Triton GEMV."""
 
     def __getattr__(self, name):
         return getattr(torch_F, name)
@@ -87,7 +87,7 @@ def main():
     for name, fused, use_gemv in variants:
         pools.FUSED_KV_STORE = fused
         shim = GemvShim() if use_gemv else torch_F
-        linear_mod.F = embedding_mod.F = shim
+        cpu_gemm.F = shim
         meds = []
         try:
             runner.cuda_graph_runner = CudaGraphRunner(runner)  # re-capture with this variant's kernels
@@ -105,7 +105,7 @@ def main():
 
     best = min(results, key=lambda r: r[1])
     pools.FUSED_KV_STORE = best[0] != "indexed KV writes"
-    linear_mod.F = embedding_mod.F = GemvShim() if "gemv" in best[0] else torch_F
+    cpu_gemm.F = GemvShim() if "gemv" in best[0] else torch_F
     runner.cuda_graph_runner = CudaGraphRunner(runner)
     from torch.profiler import ProfilerActivity, profile
 

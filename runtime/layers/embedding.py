@@ -31,11 +31,7 @@ class LMHead(nn.Module):
         self._packed = cpu_gemm.PackedLinearWeight.pack(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._packed is None:
-            logits = F.linear(hidden, self.weight)
-        else:
-            logits = cpu_gemm.linear(hidden, self.weight, None, self._packed)
-        logits = logits.float()
+        logits = cpu_gemm.linear(hidden, self.weight, None, self._packed).float()
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

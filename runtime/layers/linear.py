@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from braid.runtime.distributed import parallel_state as ps
@@ -26,8 +25,6 @@ class Linear(nn.Module):
         self._packed = cpu_gemm.PackedLinearWeight.pack(self.weight)
 
     def _matmul(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self._packed is None:
-            return F.linear(x, self.weight, bias)
         return cpu_gemm.linear(x, self.weight, bias, self._packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
