@@ -9,10 +9,10 @@ Starts `python -m braid.launch_server` twice (the second with --disable-radix-ca
 from __future__ import annotations
 
 import argparse
-import json
 
 import braid
 from braid.runtime.bench import bench_serving
+from braid.runtime.bench.results import append_jsonl
 
 
 def run(disable_radix: bool, args) -> dict:
@@ -59,8 +59,7 @@ def main(argv=None) -> dict:
     print(f"radix on / off output throughput: {ratio:.2f}x")
     summary = {"radix_on": {k: on.get(k) for k in keys}, "radix_off": {k: off.get(k) for k in keys}, "ratio": ratio}
     if args.output_file:
-        with open(args.output_file, "a") as f:
-            f.write(json.dumps(summary) + "\n")
+        append_jsonl(args.output_file, summary)
     return summary
 
 

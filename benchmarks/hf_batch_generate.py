@@ -21,6 +21,7 @@ import time
 import torch
 
 from braid.runtime.bench.datasets import add_dataset_args, get_dataset
+from braid.runtime.bench.results import append_jsonl
 from braid.runtime.loader.tokenizer import load_tokenizer
 
 
@@ -88,8 +89,7 @@ def main(argv=None) -> dict:
     print(f"HF batch generation: {len(requests)} prompts in batches of {args.batch_size}: {out_tokens} output tokens "
           f"in {seconds:.1f} s = {result['output_throughput']:.1f} output tok/s")
     if args.output_file:
-        with open(args.output_file, "a") as f:
-            f.write(json.dumps(result) + "\n")
+        append_jsonl(args.output_file, result)
     return result
 
 

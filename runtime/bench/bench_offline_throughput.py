@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import time
 
+from braid.runtime.bench.results import append_jsonl
 from braid.runtime.config import ServerArgs
 
 _TOPICS = ["the ocean", "a robot", "ancient Rome", "a small bakery", "the moon landing", "a lost cat", "quantum physics",
@@ -129,8 +129,7 @@ def main(argv=None) -> dict:
         print(f"braid / HF output throughput: {result['ratio_vs_hf']:.2f}x best-of-{args.repeats}, "
               f"{result['median_ratio_vs_hf']:.2f}x median")
     if args.result_file:
-        with open(args.result_file, "a") as f:
-            f.write(json.dumps(result) + "\n")
+        append_jsonl(args.result_file, result)
     return result
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import sys
@@ -21,6 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from braid.runtime.bench.results import append_jsonl
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import ForwardBatch, ForwardMode
 
@@ -254,12 +254,11 @@ class HFReference:
 def _add_hf_ratios(result: dict, hf: dict) -> None:
     result.update(hf)
     result["prefill_throughput_ratio_vs_hf"] = hf["hf_prefill_latency_s"] / result["prefill_latency_s"]
-    med = result["median_decode_latency_s"]
-    result["decode_throughput_ratio_vs_hf"] = hf["hf_median_decode_latency_s"] / med if med > 0 else 0.0
-    hf_step = hf["hf_median_decode_latency_s"]
+    med, hf_step = result["median_decode_latency_s"], hf["hf_median_decode_latency_s"]
+    result["decode_throughput_ratio_vs_hf"] = hf_step / med if med > 0 else 0.0
     result["hf_decode_throughput"] = result["batch_size"] / hf_step if hf_step > 0 else 0.0
     # HF's total for braid's output length (its run may have been shorter): prefill + steps x per-step latency
-    hf_total = hf["hf_prefill_latency_s"] + hf["hf_median_decode_latency_s"] * (result["output_len"] - 1)
+    hf_total = hf["hf_prefill_latency_s"] + hf_step * (result["output_len"] - 1)
     result["total_throughput_ratio_vs_hf"] = hf_total / result["total_latency_s"]
 
 
@@ -379,8 +378,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 result.update(setup)
                 runs.append(result)
                 if args.result_filename:
-                    with open(args.result_filename, "a") as f:
-                        f.write(json.dumps(result) + "\n")
+                    append_jsonl(args.result_filename, result)
                 if sb.kv_pool.available_size() != sb.kv_pool.size:
                     raise RuntimeError("KV slots leaked by a benchmark run")
     print_table(runs)

@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from braid.runtime.bench.datasets import BenchRequest, DatasetError, add_dataset_args, get_dataset
+from braid.runtime.bench.results import append_jsonl
 
 __all__ = ["RequestFuncOutput", "BenchmarkError", "build_parser", "parse_args", "run_benchmark", "main"]
 
@@ -495,8 +496,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
     print_table(result)
     if args.output_file:
         line = {**result, **details} if args.output_details else result
-        with open(args.output_file, "a") as f:
-            f.write(json.dumps(line, default=str) + "\n")
+        append_jsonl(args.output_file, line)
     if args.plot:
         plot_results(args.plot, outputs, duration)
     result["details"] = details
