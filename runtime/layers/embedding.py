@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.runtime.layers import cpu_gemm
+from braid.runtime.layers import cpu_gemm, triton_gemv
 
 
 class VocabEmbedding(nn.Module):
@@ -31,7 +31,10 @@ class LMHead(nn.Module):
         self._packed = cpu_gemm.PackedLinearWeight.pack(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = cpu_gemm.linear(hidden, self.weight, None, self._packed).float()
+        if triton_gemv.decode_gemv_applies(hidden, self.weight):
+            logits = triton_gemv.gemv(hidden, self.weight)[0].float()
+        else:
+            logits = cpu_gemm.linear(hidden, self.weight, None, self._packed).float()
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

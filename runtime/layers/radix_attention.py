@@ -6,6 +6,10 @@ import torch
 from torch import nn
 
 
+# decode: rotary and the KV write in one launch where the pool allows it; a switch for A/B timing
+FUSE_ROTARY_KV_STORE = True
+
+
 class RadixAttention(nn.Module):
     """Attention over the paged KV cache; the actual work is the batch's attention backend's."""
 
@@ -21,14 +25,30 @@ class RadixAttention(nn.Module):
         self.logit_cap = logit_cap or 0.0
         self.v_head_dim = v_head_dim or head_dim
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb, save_kv_cache: bool = True) -> torch.Tensor:
-        # q: [T, H*D], k: [T, Hkv*D], v: [T, Hkv*Dv] -> [T, H*Dv]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb, save_kv_cache: bool = True,
+                rotary=None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q: [T, H*D], k: [T, Hkv*D], v: [T, Hkv*Dv] -> [T, H*Dv].
+
+        rotary (a RotaryEmbedding) with positions [T]: q and k are not rotated yet; rotation happens here,
+        in decode in the same launch as the KV write where the pool allows it."""
         if torch.compiler.is_compiling():
-            return _attend_outside_compile(self, q, k, v, fb, save_kv_cache)
-        return fb.attn_backend.forward(q, k, v, self, fb, save_kv_cache)
+            return _attend_outside_compile(self, q, k, v, fb, save_kv_cache, rotary, positions)
+        return _attend(self, q, k, v, fb, save_kv_cache, rotary, positions)
+
+
+def _attend(layer: RadixAttention, q, k, v, fb, save_kv_cache: bool, rotary, positions) -> torch.Tensor:
+    if rotary is not None:
+        # decode only: there every backend reads the keys from the pool (extend kernels take the new ones from k)
+        if (save_kv_cache and FUSE_ROTARY_KV_STORE and fb.forward_mode.is_decode()
+                and rotary.rotate_and_store_kv(positions, q, k, v, fb.token_to_kv_pool, layer.layer_id,
+                                               fb.out_cache_loc)):
+            save_kv_cache = False  # written; k itself stays unrotated
+        else:
+            q, k = rotary(positions, q, k)
+    return fb.attn_backend.forward(q, k, v, layer, fb, save_kv_cache)
 
 
 @torch.compiler.disable
-def _attend_outside_compile(layer: RadixAttention, q, k, v, fb, save_kv_cache: bool) -> torch.Tensor:
+def _attend_outside_compile(layer: RadixAttention, q, k, v, fb, save_kv_cache: bool, rotary, positions):
     # torch.compile fuses the model's other ops; attention stays the backend's own kernels (and its Python metadata)
-    return fb.attn_backend.forward(q, k, v, layer, fb, save_kv_cache)
+    return _attend(layer, q, k, v, fb, save_kv_cache, rotary, positions)

@@ -20,6 +20,7 @@ __all__ = [
     "silu_and_mul",
     "gelu_and_mul",
     "apply_rotary",
+    "apply_rotary_and_store_kv",
     "store_kv",
 ]
 
@@ -272,11 +273,22 @@ def _rotary_kernel(
     pos_ptr, cache_ptr, q_ptr, k_ptr, q_out_ptr, k_out_ptr,
     q_stride, q_head_stride, k_stride, k_head_stride,
     q_out_stride, q_out_head_stride, k_out_stride, k_out_head_stride, cache_stride,
+    loc_ptr, v_ptr, v_cache_ptr, v_stride, v_cache_stride,
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr, COPY_REST: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_REST: tl.constexpr,
+    STORE_KV: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    # STORE_KV: k_out is the layer's K cache and the rotated key goes to its slot loc[row]; v[row] is copied
+    # to v_cache[loc[row]] (one launch for rotary and the KV write)
+    k_out_row = row
+    if STORE_KV:
+        k_out_row = tl.load(loc_ptr + row).to(tl.int64)
+        offs_v = tl.arange(0, BLOCK_V)
+        mask_v = offs_v < V_WIDTH
+        v_row = tl.load(v_ptr + row * v_stride + offs_v, mask=mask_v)
+        tl.store(v_cache_ptr + k_out_row * v_cache_stride + offs_v, v_row, mask=mask_v)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     pairs = tl.arange(0, BLOCK_P)
     pair_mask = pairs < ROT_DIM // 2
@@ -293,7 +305,7 @@ def _rotary_kernel(
     rest_mask = rest_cols < HEAD_DIM
     _rotate_heads(q_ptr + row * q_stride, q_out_ptr + row * q_out_stride, q_head_stride, q_out_head_stride,
                   cos, sin, off1, off2, pair_mask, rest_cols, rest_mask, NUM_Q_HEADS, BLOCK_H, COPY_REST)
-    _rotate_heads(k_ptr + row * k_stride, k_out_ptr + row * k_out_stride, k_head_stride, k_out_head_stride,
+    _rotate_heads(k_ptr + row * k_stride, k_out_ptr + k_out_row * k_out_stride, k_head_stride, k_out_head_stride,
                   cos, sin, off1, off2, pair_mask, rest_cols, rest_mask, NUM_K_HEADS, BLOCK_H, COPY_REST)
 
 
@@ -311,17 +323,8 @@ def _heads_view(x: torch.Tensor, name: str, tokens: int, head_dim: int) -> torch
     return x3
 
 
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 head_dim: int, rotary_dim: Optional[int] = None, is_neox_style: bool = True,
-                 inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions: [T]; q: [T, H*D] or [T, H, D]; k likewise with Hkv heads;
-    cos_sin_cache: [max_pos, rotary_dim] (cos half, then sin half).
-
-    Rotates the first rotary_dim dims of every head of q and k in one launch; rows and heads may be
-    strided (slices of a fused qkv output). With inplace=True q and k are overwritten and returned;
-    otherwise new contiguous tensors of the same shapes are returned. Positions are not range-checked
-    (that would need a host sync).
-    """
+def _check_rotary_inputs(positions, q, k, cos_sin_cache, head_dim, rotary_dim):
+    """-> (rotary_dim, tokens, q as [T, H, D], k as [T, Hkv, D])."""
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
         raise FusedKernelInputError(f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
@@ -335,6 +338,47 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
     for name, t in (("k", k), ("positions", positions), ("cos_sin_cache", cos_sin_cache)):
         if t.device != q.device:
             raise FusedKernelInputError(f"{name} is on {t.device}, q on {q.device}")
+    return rotary_dim, tokens, q3, k3
+
+
+def _launch_rotary(positions, cos_sin_cache, q3, k3, q_out3, k_out3, head_dim, rotary_dim, is_neox_style,
+                   copy_rest, store=None):
+    """store: None, or (loc [T], v [T, V_WIDTH] rows, v_cache [S, V_WIDTH] rows) when k_out3 is the K cache."""
+    num_q_heads, num_k_heads = q3.shape[1], k3.shape[1]
+    block_p = triton.next_power_of_2(rotary_dim // 2)
+    block_h = max(1, min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), ROTARY_TILE_ELEMS // block_p))
+    block_rest = triton.next_power_of_2(head_dim - rotary_dim) if copy_rest else 1
+    if store is None:
+        loc, v_rows, v_cache_rows, v_width = positions, q3, q3, 1
+        v_stride = v_cache_stride = 0
+    else:
+        loc, v_rows, v_cache_rows = store
+        v_width, v_stride, v_cache_stride = v_cache_rows.shape[1], v_rows.stride(0), v_cache_rows.stride(0)
+    _rotary_kernel[(positions.shape[0],)](
+        positions, cos_sin_cache, q3, k3, q_out3, k_out3,
+        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
+        q_out3.stride(0), q_out3.stride(1), k_out3.stride(0), k_out3.stride(1), cos_sin_cache.stride(0),
+        loc, v_rows, v_cache_rows, v_stride, v_cache_stride,
+        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim, ROT_DIM=rotary_dim,
+        IS_NEOX=bool(is_neox_style), COPY_REST=copy_rest,
+        BLOCK_P=block_p, BLOCK_H=block_h, BLOCK_REST=block_rest,
+        STORE_KV=store is not None, V_WIDTH=v_width, BLOCK_V=triton.next_power_of_2(v_width),
+        num_warps=4,
+    )
+
+
+def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 head_dim: int, rotary_dim: Optional[int] = None, is_neox_style: bool = True,
+                 inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: [T]; q: [T, H*D] or [T, H, D]; k likewise with Hkv heads;
+    cos_sin_cache: [max_pos, rotary_dim] (cos half, then sin half).
+
+    Rotates the first rotary_dim dims of every head of q and k in one launch; rows and heads may be
+    strided (slices of a fused qkv output). With inplace=True q and k are overwritten and returned;
+    otherwise new contiguous tensors of the same shapes are returned. Positions are not range-checked
+    (that would need a host sync).
+    """
+    rotary_dim, tokens, q3, k3 = _check_rotary_inputs(positions, q, k, cos_sin_cache, head_dim, rotary_dim)
     if inplace:
         q_out, k_out = q, k
     else:
@@ -342,22 +386,33 @@ def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_
         k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if tokens == 0:
         return q_out, k_out
-    q_out3, k_out3 = q_out.view(q3.shape), k_out.view(k3.shape)
-    num_q_heads, num_k_heads = q3.shape[1], k3.shape[1]
-    block_p = triton.next_power_of_2(rotary_dim // 2)
-    block_h = max(1, min(triton.next_power_of_2(max(num_q_heads, num_k_heads)), ROTARY_TILE_ELEMS // block_p))
-    copy_rest = not inplace and rotary_dim < head_dim
-    block_rest = triton.next_power_of_2(head_dim - rotary_dim) if copy_rest else 1
-    _rotary_kernel[(tokens,)](
-        positions, cos_sin_cache, q3, k3, q_out3, k_out3,
-        q3.stride(0), q3.stride(1), k3.stride(0), k3.stride(1),
-        q_out3.stride(0), q_out3.stride(1), k_out3.stride(0), k_out3.stride(1), cos_sin_cache.stride(0),
-        NUM_Q_HEADS=num_q_heads, NUM_K_HEADS=num_k_heads, HEAD_DIM=head_dim, ROT_DIM=rotary_dim,
-        IS_NEOX=bool(is_neox_style), COPY_REST=copy_rest,
-        BLOCK_P=block_p, BLOCK_H=block_h, BLOCK_REST=block_rest,
-        num_warps=4,
-    )
+    _launch_rotary(positions, cos_sin_cache, q3, k3, q_out.view(q3.shape), k_out.view(k3.shape), head_dim,
+                   rotary_dim, is_neox_style, copy_rest=not inplace and rotary_dim < head_dim)
     return q_out, k_out
+
+
+def apply_rotary_and_store_kv(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cos_sin_cache: torch.Tensor, head_dim: int, rotary_dim: Optional[int],
+                              is_neox_style: bool, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              loc: torch.Tensor) -> bool:
+    """One launch for a layer's rotary and KV write: q is rotated in place; the rotated k goes to
+    k_cache[loc[t]] (k itself is left as it was) and v[t] to v_cache[loc[t]].
+
+    k_cache: [S, Hkv, D], v_cache: [S, Hkv, Dv] contiguous; v: [T, Hkv*Dv] or [T, Hkv, Dv] with unit stride
+    inside a row. Returns False (doing nothing) when the layouts or dtypes do not allow it, so the caller
+    can rotate and store separately."""
+    rotary_dim, tokens, q3, k3 = _check_rotary_inputs(positions, q, k, cos_sin_cache, head_dim, rotary_dim)
+    v_width = v_cache[0].numel()
+    v_rows = _token_rows(v, tokens, v_width)
+    if (v_rows is None or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or k_cache.dim() != 3 or k_cache.shape[1:] != k3.shape[1:]
+            or loc.dim() != 1 or loc.shape[0] != tokens):
+        return False
+    if tokens:
+        _launch_rotary(positions, cos_sin_cache, q3, k3, q3, k_cache, head_dim, rotary_dim, is_neox_style,
+                       copy_rest=rotary_dim < head_dim,
+                       store=(loc, v.as_strided((tokens, v_width), (v_rows, 1)), v_cache.view(-1, v_width)))
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- KV store

@@ -223,6 +223,11 @@ class KVPool(ABC):
     def mem_usage_bytes(self) -> int:
         """Bytes held by the KV buffers."""
 
+    def direct_write_buffers(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(k_buffer, v_buffer) of a layer when a fused kernel may write KV rows into them itself (a CUDA
+        cache stored in the model dtype), else None: then writes must go through set_kv_buffer."""
+        return None
+
 
 # one Triton launch for a layer's K and V writes on CUDA (two indexed copies otherwise); a switch for A/B timing
 FUSED_KV_STORE = True
@@ -279,6 +284,11 @@ class MHAKVPool(KVPool):
 
     def mem_usage_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
+
+    def direct_write_buffers(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        if self.device.type == "cuda" and not self.is_fp8 and FUSED_KV_STORE:
+            return self.k_buffer[layer_id], self.v_buffer[layer_id]
+        return None
 
 
 class MLAKVPool(KVPool):

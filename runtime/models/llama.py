@@ -8,7 +8,7 @@ from torch import nn
 from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.activation import SiluAndMul
 from braid.runtime.layers.embedding import LMHead, VocabEmbedding
-from braid.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from braid.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, norm_linear_act
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.radix_attention import RadixAttention
 from braid.runtime.layers.rotary import get_rope
@@ -51,10 +51,12 @@ class LlamaAttention(nn.Module):
                                    scaling=self.head_dim ** -0.5, sliding_window=sliding or -1)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden), fb)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb) -> torch.Tensor:
+        # qkv: [T, (H + 2 Hkv) * D], the qkv_proj output -> [T, hidden]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, fb))
+        return self.o_proj(self.attn(q, k, v, fb, rotary=self.rotary_emb, positions=positions))
 
 
 class LlamaMLP(nn.Module):
@@ -78,14 +80,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
     def forward(self, positions, hidden, residual, fb):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, fb)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        # each norm travels with the projection after it (one launch at decode batch 1, see norm_linear_act)
+        qkv, residual = norm_linear_act(self.self_attn.qkv_proj, hidden, self.input_layernorm, residual)
+        hidden = self.self_attn.attend(positions, qkv, fb)
+        hidden, residual = norm_linear_act(self.mlp.gate_up_proj, hidden, self.post_attention_layernorm, residual,
+                                           self.mlp.act)
+        return self.mlp.down_proj(hidden), residual
 
 
 class LlamaModel(nn.Module):

@@ -375,27 +375,31 @@ def test_store_kv_writes_strided_rows_at_their_slots():
     assert not triton_fused.store_kv(k_cache, v_cache, loc, k.half(), v)
 
 
-@pytest.mark.parametrize("n,k", [(48, 64), (37, 200), (5, 1)])
-def test_gemv_matches_matmul(n, k):
-    from braid.runtime.layers.triton_gemv import gemv
+@pytest.mark.parametrize("rotary_dim,neox", [(8, True), (4, True), (8, False)])
+def test_rotary_and_store_kv_matches_rotary_then_store(rotary_dim, neox):
+    from braid.runtime.layers import triton_fused
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(n + k)
-    x = torch.randn(1, k, generator=gen).to(dev)
-    w = torch.randn(n, k, generator=gen).to(dev)
-    ref = x.double() @ w.double().T
-    out = gemv(x, w)
-    assert out.shape == (1, n) and out.dtype == x.dtype
-    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)])
-def test_gpu_gemv_llama3_8b_shapes(n, k):
-    from braid.runtime.layers.triton_gemv import gemv
-
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    ref = x.double() @ w.double().T
-    assert ((gemv(x, w).double() - ref).norm() / ref.norm()).item() < 1e-2
+    gen = torch.Generator().manual_seed(rotary_dim)
+    T, h, hkv, d, slots = 4, 4, 2, 8, 16
+    qkv = torch.randn(T, (h + 2 * hkv) * d, generator=gen).to(dev)
+    q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    rope = make_rope(d, rotary_dim, 64, neox, device=dev)
+    positions = torch.tensor([3, 0, 17, 63], device=dev)
+    want_q, want_k = rope.forward_native(positions, q.clone(), k.clone())
+    k_before = k.clone()
+    k_cache = torch.full((slots, hkv, d), float("nan"), device=dev)
+    v_cache = torch.full((slots, hkv, d), float("nan"), device=dev)
+    loc = torch.tensor([9, 2, 15, 0], device=dev)
+    assert triton_fused.apply_rotary_and_store_kv(positions, q, k, v, rope.cos_sin_cache, d, rotary_dim, neox,
+                                                  k_cache, v_cache, loc)
+    assert rel_err(q, want_q) < 1e-5  # q rotated in place
+    assert torch.equal(k, k_before)  # k itself untouched; its rotation went to the cache
+    assert rel_err(k_cache[loc].reshape(T, -1), want_k) < 1e-5
+    assert torch.equal(v_cache[loc].reshape(T, -1), v)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert torch.isnan(k_cache[untouched.to(dev)]).all() and torch.isnan(v_cache[untouched.to(dev)]).all()
+    # a cache of another dtype is declined, nothing written
+    assert not triton_fused.apply_rotary_and_store_kv(positions, q, k, v, rope.cos_sin_cache, d, rotary_dim, neox,
+                                                      k_cache.half(), v_cache.half(), loc)
