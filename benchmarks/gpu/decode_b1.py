@@ -1,8 +1,9 @@
 """Batch-1 decode of Llama-3-8B-shaped dummy weights on the GPU: where the step's time goes, and A/B variants.
 
-Prints (1) the GEMM floor: the step's weight GEMMs alone in one CUDA graph, cuBLAS vs braid's Triton GEMV;
-(2) bench_one_batch's median decode step (128 in / 512 out) for: indexed KV writes (two copies per layer),
-the fused KV store, and the fused store + Triton GEMV at batch 1; (3) the kernels of one graphed step.
+Prints (1) the GEMM floor: the step's weight GEMMs alone in one CUDA graph, cuBLAS vs braid's Triton GEMV
+(autotuned, and the best of a config sweep per shape); (2) bench_one_batch's median decode step (128 in / 512
+out) for: cuBLAS with rotary and the KV write apart, rotary fused with the KV write, and that plus the Triton
+GEMV with the norms and SiLU-and-mul fused in; (3) the kernels of one graphed step.
 Run on the device: python3 benchmarks/gpu/decode_b1.py
 """
 import sys
@@ -13,27 +14,14 @@ import torch.nn.functional as torch_F
 
 from braid.runtime.bench.bench_one_batch import StaticBatchRunner, latency_test
 from braid.runtime.config import ServerArgs
-from braid.runtime.layers import cpu_gemm
-from braid.runtime.layers.triton_gemv import gemv, supports
-from braid.runtime.mem_cache import pools
+from braid.runtime.layers import radix_attention, triton_gemv
 from braid.runtime.model_executor.cuda_graph import CudaGraphRunner
 from braid.runtime.model_executor.model_runner import ModelRunner
 
 ROOFLINE_GB = 15.0
-
-
-class GemvShim:
-    """Stands in for torch.nn.functional inside cpu_gemm (every Linear and the LMHead call it; on CUDA it runs
-    F.linear): batch-1 GEMMs go to the Triton GEMV."""
-
-    def __getattr__(self, name):
-        return getattr(torch_F, name)
-
-    @staticmethod
-    def linear(x, w, b=None):
-        if b is None and x.is_cuda and supports(x, w):
-            return gemv(x, w)
-        return torch_F.linear(x, w, b)
+SWEEP = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+         for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048) for w in (4, 8) for st in (1, 3)
+         if bn * bk <= 16384]
 
 
 def graph_time_us(fn, iters=50):
@@ -61,33 +49,50 @@ def main():
                       dtype="bfloat16", max_total_tokens=8192, cuda_graph_max_bs=4, log_level="warning")
     runner = ModelRunner(args)
     model = runner.model
-    weights = []
+    by_shape = {}
     for layer in model.model.layers:
-        weights += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
-                    layer.mlp.down_proj.weight]
-    weights.append(model.lm_head.weight)
+        for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
+                  layer.mlp.down_proj.weight):
+            by_shape.setdefault(tuple(w.shape), []).append(w)
+    by_shape[tuple(model.lm_head.weight.shape)] = [model.lm_head.weight]
+    weights = [w for ws in by_shape.values() for w in ws]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     xs = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in weights}
     rows = []
-    for name, lin in (("cuBLAS F.linear", torch_F.linear), ("Triton gemv", lambda x, w: gemv(x, w))):
-        try:
-            us = graph_time_us(lambda: [lin(xs[w.shape[1]], w) for w in weights])
-        except Exception as e:  # noqa: BLE001 - report and go on with the other measurements
-            print(f"{name} failed: {e!r}"[:400])
-            continue
+    for name, lin in (("cuBLAS F.linear", torch_F.linear), ("Triton gemv", lambda x, w: triton_gemv.gemv(x, w)[0])):
+        us = graph_time_us(lambda: [lin(xs[w.shape[1]], w) for w in weights])
         rows.append((name, us, nbytes / us / 1e6))
+    # per shape: cuBLAS, autotuned gemv, the sweep's best
+    print("per shape (all layers' weights of that shape in one graph):")
+    best_total = 0.0
+    for shape, ws in by_shape.items():
+        x = xs[shape[1]]
+        b = sum(w.numel() * 2 for w in ws)
+        cub = graph_time_us(lambda: [torch_F.linear(x, w) for w in ws])
+        auto = graph_time_us(lambda: [triton_gemv.gemv(x, w)[0] for w in ws])
+        best = (float("inf"), None)
+        for cfg in SWEEP:
+            try:
+                us = graph_time_us(lambda: [triton_gemv.gemv(x, w, config=cfg)[0] for w in ws], iters=10)
+            except Exception as e:  # noqa: BLE001 - a config that does not fit: skip it
+                print(f"  {shape} {cfg} failed: {e!r}"[:200])
+                continue
+            best = min(best, (us, cfg), key=lambda t: t[0])
+        best_total += min(best[0], auto, cub)
+        print(f"  {str(shape):16s} cuBLAS {b / cub / 1e6:5.2f} TB/s  gemv(auto) {b / auto / 1e6:5.2f}  "
+              f"sweep best {b / best[0] / 1e6:5.2f} TB/s {best[1]}", flush=True)
+    rows.append(("best of each shape", best_total, nbytes / best_total / 1e6))
     print(f"GEMM floor of one step ({nbytes / 1e9:.2f} GB of weights):")
     for name, us, tbs in rows:
         print(f"  {name:18s} {us:8.1f} us  {tbs:5.2f} TB/s")
 
     sb = StaticBatchRunner(runner)
-    variants = [("indexed KV writes", False, False), ("fused KV store", True, False),
-                ("fused KV store + gemv", True, True)]
+    variants = [("cuBLAS, rotary + KV apart", False, False), ("rotary fused with KV write", True, False),
+                ("+ fused Triton GEMV", True, True)]
     results = []
-    for name, fused, use_gemv in variants:
-        pools.FUSED_KV_STORE = fused
-        shim = GemvShim() if use_gemv else torch_F
-        cpu_gemm.F = shim
+    for name, fuse_rope, use_gemv in variants:
+        radix_attention.FUSE_ROTARY_KV_STORE = fuse_rope
+        triton_gemv.ENABLED = use_gemv
         meds = []
         try:
             runner.cuda_graph_runner = CudaGraphRunner(runner)  # re-capture with this variant's kernels
@@ -100,26 +105,22 @@ def main():
             continue
         med = min(meds)
         results.append((name, med))
-        print(f"{name:24s} median decode step {med * 1e3:.3f} ms (runs {', '.join(f'{m * 1e3:.3f}' for m in meds)})",
+        print(f"{name:28s} median decode step {med * 1e3:.3f} ms (runs {', '.join(f'{m * 1e3:.3f}' for m in meds)})",
               flush=True)
 
-    best = min(results, key=lambda r: r[1])
-    pools.FUSED_KV_STORE = best[0] != "indexed KV writes"
-    cpu_gemm.F = GemvShim() if "gemv" in best[0] else torch_F
-    runner.cuda_graph_runner = CudaGraphRunner(runner)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         sb.run([list(range(1, 129))], 21)
     steps = 20
-    print(f"\nkernels of a decode step ({best[0]}), per step over {steps} steps + 1 prefill:")
+    print(f"\nkernels of a decode step ({results[-1][0] if results else '?'}), per step over {steps} steps + 1 prefill:")
     evs = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:14]
     for e in evs:
         print(f"  {e.device_time_total / steps:9.1f} us  x{e.count / steps:6.1f}  {e.key[:90]}")
 
-    print("\nvariant                   step ms  tok/s  of 285 roofline")
+    print("\nvariant                      step ms  tok/s  of 285 roofline")
     for name, med in results:
-        print(f"{name:24s} {med * 1e3:8.3f} {1 / med:6.1f}  {1 / med / (4.28e12 / (ROOFLINE_GB * 1e9)):6.1%}")
+        print(f"{name:28s} {med * 1e3:8.3f} {1 / med:6.1f}  {1 / med / (4.28e12 / (ROOFLINE_GB * 1e9)):6.1%}")
     return 0
 
 
