@@ -4,6 +4,7 @@
 cd .gpu/src 2>/dev/null && ln -sfn ../../.whl .whl && mkdir -p .gpu && for d in a b tok; do ln -sfn ../../$d .gpu/$d; done
 set -o pipefail
 source benchmarks/gpu/setup.sh
+[ -f /tmp/gemv_env ] && source /tmp/gemv_env && echo "BRAID_GEMV_FUSE_NORM=$BRAID_GEMV_FUSE_NORM"
 cat /tmp/part_aa .gpu/b/part_ab > /tmp/smollm2.gguf && echo "$(cat .gpu/tok/smollm2.sha256)  /tmp/smollm2.gguf" | sha256sum -c
 export BRAID_SMOLLM2_GGUF=/tmp/smollm2.gguf
 timeout 200 python3 -m pytest tests/models/test_gpu_engine.py -q -s -p no:cacheprovider 2>&1 | grep -v Warning | tail -25 | tee $OUT/gpu_engine.log

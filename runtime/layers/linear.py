@@ -81,6 +81,9 @@ def norm_linear_act(linear: Linear, x: torch.Tensor, norm=None, residual: Option
     fusable = ((act is None or silu) and not isinstance(linear, RowParallelLinear)
                and (norm is None or (isinstance(norm, RMSNorm) and (residual is None or residual.dtype == x.dtype))))
     if fusable and triton_gemv.decode_gemv_applies(x, linear.weight, linear.bias):
+        if norm is not None and not triton_gemv.FUSE_NORM:
+            x, residual_out = (norm(x), x) if residual is None else norm(x, residual)
+            return triton_gemv.gemv(x, linear.weight, silu_mul=silu)[0], residual_out
         return triton_gemv.gemv(x, linear.weight, norm_weight=None if norm is None else norm.weight,
                                 residual=residual, eps=norm.eps if norm is not None else 1e-6,
                                 unit_offset=bool(getattr(norm, "add_unit_offset", False)), silu_mul=silu)

@@ -25,21 +25,24 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gemv", "supports", "decode_gemv_applies", "ENABLED"]
+__all__ = ["gemv", "supports", "decode_gemv_applies", "ENABLED", "FUSE_NORM"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# batch-1 bf16/fp16 matmuls on CUDA go through this kernel; a switch for A/B timing
+# batch-1 bf16/fp16 matmuls on CUDA go through this kernel; switches for A/B timing. FUSE_NORM: the RMSNorm
+# before a projection runs inside the GEMV (every program then re-reads x and the residual from L2)
 ENABLED = True
+FUSE_NORM = os.environ.get("BRAID_GEMV_FUSE_NORM", "0") == "1"
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _configs():
     if _INTERPRET:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=1)]
+    # the best of a 44-config sweep per Llama-3-8B shape on an H200 (benchmarks/gpu/decode_b1.py), and neighbours
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bn, bk, w, st in ((4, 1024, 4, 1), (8, 1024, 4, 1), (8, 512, 4, 2), (16, 512, 4, 1),
-                                  (16, 1024, 8, 1), (4, 2048, 8, 1), (2, 2048, 4, 1), (8, 2048, 8, 1))]
+            for bn, bk, w, st in ((4, 2048, 4, 1), (4, 2048, 4, 3), (2, 1024, 4, 3), (4, 1024, 4, 3),
+                                  (2, 2048, 4, 3), (8, 1024, 4, 1))]
 
 
 @triton.jit
