@@ -3,5 +3,5 @@ cd .gpu/src 2>/dev/null && ln -sfn ../../.whl .whl && mkdir -p .gpu && for d in 
 set -o pipefail
 cp ../a/part_aa /tmp/ 2>/dev/null || cp .gpu/a/part_aa /tmp/
 source benchmarks/gpu/setup.sh
-timeout 150 python3 -m pytest tests/kernels/test_gemv.py -q -m gpu -p no:cacheprovider 2>&1 | tail -8 | tee $OUT/kernels.log
+timeout 150 python3 -m pytest tests/kernels/test_gemv.py "tests/kernels/test_fused_kernels.py::test_rotary_and_store_kv_matches_rotary_then_store" -q -p no:cacheprovider 2>&1 | tail -8 | tee $OUT/kernels.log
 timeout 380 python3 benchmarks/gpu/decode_b1.py 2>&1 | grep -v Warning | tee $OUT/decode_b1.log
