@@ -1,10 +1,11 @@
 """Batch-1 decode of Llama-3-8B-shaped dummy weights on the GPU: where the step's time goes, and A/B variants.
 
 Prints (1) the GEMM floor: the step's weight GEMMs alone in one CUDA graph, cuBLAS vs braid's Triton GEMV
-(autotuned, and the best of a config sweep per shape); (2) bench_one_batch's median decode step (128 in / 512
-out) for: cuBLAS with rotary and the KV write apart, rotary fused with the KV write, and that plus the Triton
-GEMV with the norms and SiLU-and-mul fused in; (3) the kernels of one graphed step.
-Run on the device: python3 benchmarks/gpu/decode_b1.py
+(autotuned, with and without programmatic dependent launch; with --sweep also the best of a config sweep per
+shape); (2) bench_one_batch's median decode step (128 in / 512 out) for: cuBLAS, the Triton GEMV with
+SiLU-and-mul fused, that with PDL on the decode kernels, and that with the norms fused into the GEMV too;
+(3) the kernels of one graphed step. Writes the faster settings to /tmp/gemv_env for later calls.
+Run on the device: python3 benchmarks/gpu/decode_b1.py [--sweep]
 """
 import sys
 import time
@@ -14,7 +15,7 @@ import torch.nn.functional as torch_F
 
 from braid.runtime.bench.bench_one_batch import StaticBatchRunner, latency_test
 from braid.runtime.config import ServerArgs
-from braid.runtime.layers import radix_attention, triton_gemv
+from braid.runtime.layers import pdl, radix_attention, triton_gemv
 from braid.runtime.model_executor.cuda_graph import CudaGraphRunner
 from braid.runtime.model_executor.model_runner import ModelRunner
 
@@ -59,9 +60,13 @@ def main():
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     xs = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in weights}
     rows = []
-    for name, lin in (("cuBLAS F.linear", torch_F.linear), ("Triton gemv", lambda x, w: triton_gemv.gemv(x, w)[0])):
+    gemv = lambda x, w: triton_gemv.gemv(x, w)[0]  # noqa: E731
+    for name, lin, use_pdl in (("cuBLAS F.linear", torch_F.linear, False), ("Triton gemv", gemv, False),
+                               ("Triton gemv + PDL", gemv, True)):
+        pdl.ENABLED = use_pdl
         us = graph_time_us(lambda: [lin(xs[w.shape[1]], w) for w in weights])
         rows.append((name, us, nbytes / us / 1e6))
+    pdl.ENABLED = False
     # per shape: cuBLAS, autotuned gemv, the sweep's best
     print("per shape (all layers' weights of that shape in one graph):")
     best_total = 0.0
@@ -71,29 +76,34 @@ def main():
         cub = graph_time_us(lambda: [torch_F.linear(x, w) for w in ws])
         auto = graph_time_us(lambda: [triton_gemv.gemv(x, w)[0] for w in ws])
         best = (float("inf"), None)
-        for cfg in SWEEP:
+        for cfg in SWEEP if "--sweep" in sys.argv else []:
             try:
                 us = graph_time_us(lambda: [triton_gemv.gemv(x, w, config=cfg)[0] for w in ws], iters=10)
             except Exception as e:  # noqa: BLE001 - a config that does not fit: skip it
                 print(f"  {shape} {cfg} failed: {e!r}"[:200])
                 continue
             best = min(best, (us, cfg), key=lambda t: t[0])
-        best_total += min(best[0], auto, cub)
+        pdl.ENABLED = True
+        auto_pdl = graph_time_us(lambda: [triton_gemv.gemv(x, w)[0] for w in ws])
+        pdl.ENABLED = False
+        best_total += min(best[0], auto, cub, auto_pdl)
         print(f"  {str(shape):16s} cuBLAS {b / cub / 1e6:5.2f} TB/s  gemv(auto) {b / auto / 1e6:5.2f}  "
-              f"sweep best {b / best[0] / 1e6:5.2f} TB/s {best[1]}", flush=True)
+              f"+PDL {b / auto_pdl / 1e6:5.2f}  sweep best {b / best[0] / 1e6:5.2f} TB/s {best[1]}", flush=True)
     rows.append(("best of each shape", best_total, nbytes / best_total / 1e6))
     print(f"GEMM floor of one step ({nbytes / 1e9:.2f} GB of weights):")
     for name, us, tbs in rows:
         print(f"  {name:18s} {us:8.1f} us  {tbs:5.2f} TB/s")
 
     sb = StaticBatchRunner(runner)
-    variants = [("cuBLAS, rotary + KV apart", False, False, False), ("rotary fused with KV write", True, False, False),
-                ("+ Triton GEMV (SiLU fused)", True, True, False), ("+ Triton GEMV (norm, SiLU fused)", True, True, True)]
+    # name, Triton GEMV, norm fused into it, PDL (rotary is fused with the KV write in all)
+    variants = [("cuBLAS", False, False, False), ("Triton GEMV (SiLU fused)", True, False, False),
+                ("+ PDL", True, False, True), ("+ PDL, norm fused into GEMV", True, True, True)]
     results = []
-    for name, fuse_rope, use_gemv, fuse_norm in variants:
-        radix_attention.FUSE_ROTARY_KV_STORE = fuse_rope
+    radix_attention.FUSE_ROTARY_KV_STORE = True
+    for name, use_gemv, fuse_norm, use_pdl in variants:
         triton_gemv.ENABLED = use_gemv
         triton_gemv.FUSE_NORM = fuse_norm
+        pdl.ENABLED = use_pdl
         meds = []
         try:
             runner.cuda_graph_runner = CudaGraphRunner(runner)  # re-capture with this variant's kernels
@@ -110,9 +120,9 @@ def main():
               flush=True)
 
     best = min(results, key=lambda r: r[1])
-    triton_gemv.FUSE_NORM = "norm, SiLU" in best[0]
+    _, triton_gemv.ENABLED, triton_gemv.FUSE_NORM, pdl.ENABLED = next(v for v in variants if v[0] == best[0])
     with open("/tmp/gemv_env", "w") as f:  # the next device call's benchmarks take the faster variant
-        f.write(f"export BRAID_GEMV_FUSE_NORM={int(triton_gemv.FUSE_NORM)}\n")
+        f.write(f"export BRAID_GEMV_FUSE_NORM={int(triton_gemv.FUSE_NORM)} BRAID_PDL={int(pdl.ENABLED)}\n")
     runner.cuda_graph_runner = CudaGraphRunner(runner)
     from torch.profiler import ProfilerActivity, profile
 

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.runtime.layers import pdl
+
 __all__ = [
     "rmsnorm",
     "fused_add_rmsnorm",
@@ -60,7 +62,9 @@ def _rmsnorm_kernel(
     x_stride, res_stride, out_stride, res_out_stride,
     N, eps,
     BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     res_row = res_ptr + row * res_stride
@@ -133,7 +137,7 @@ def _launch_rmsnorm(x2, res2, weight, out2, res_out2, eps, add_unit_offset):
         x2.stride(0), res2.stride(0) if has_res else 0, out2.stride(0), res_out2.stride(0) if has_res else 0,
         n, float(eps),
         BLOCK_N=block, ONE_TILE=one_tile, HAS_RESIDUAL=has_res, UNIT_OFFSET=bool(add_unit_offset),
-        num_warps=_num_warps(block),
+        num_warps=_num_warps(block), **pdl.launch_options(x2.device),
     )
 
 
@@ -277,8 +281,9 @@ def _rotary_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr,
     IS_NEOX: tl.constexpr, COPY_REST: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_REST: tl.constexpr,
-    STORE_KV: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_V: tl.constexpr,
+    STORE_KV: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     # STORE_KV: k_out is the layer's K cache and the rotated key goes to its slot loc[row]; v[row] is copied
     # to v_cache[loc[row]] (one launch for rotary and the KV write)
@@ -363,7 +368,7 @@ def _launch_rotary(positions, cos_sin_cache, q3, k3, q_out3, k_out3, head_dim, r
         IS_NEOX=bool(is_neox_style), COPY_REST=copy_rest,
         BLOCK_P=block_p, BLOCK_H=block_h, BLOCK_REST=block_rest,
         STORE_KV=store is not None, V_WIDTH=v_width, BLOCK_V=triton.next_power_of_2(v_width),
-        num_warps=4,
+        num_warps=4, **pdl.launch_options(q3.device),
     )
 
 

@@ -12,6 +12,12 @@ cheaper than a launch) and program 0 writes the residual sum. With SiLU-and-mul 
 gate rows n and the up rows n + N of a [2N, K] weight and writes silu(gate) * up. Values are rounded to the
 activation dtype where the unfused path (norm.py, activation.py) rounds them.
 
+With programmatic dependent launch (PDL, Hopper and later; see pdl.py), a GEMV is launched while the
+kernel before it drains: every program loads its first weight chunk, which no earlier kernel writes, then
+waits (griddepcontrol.wait) for the previous kernel's results before touching x. The weight stream thus
+starts during the previous kernel's tail instead of after its completion and this launch's latency. Each
+GEMV also signals its dependents as soon as it starts, so the GEMV after it can do the same.
+
 Configs are autotuned per shape on first use, which the CUDA-graph runner's warm-up passes do before capture.
 Runs on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
@@ -24,6 +30,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+from braid.runtime.layers import pdl
 
 __all__ = ["gemv", "supports", "decode_gemv_applies", "ENABLED", "FUSE_NORM"]
 
@@ -73,9 +81,26 @@ def _activation_chunk(x_ptr, res_ptr, norm_w_ptr, kk, k_mask, rstd,
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, K, w_row_stride, eps,
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr, SILU_MUL: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK_K)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride
+    up_rows = w_rows + N.to(tl.int64) * w_row_stride  # SILU_MUL: the up half starts N rows further
+    # the first weight chunk: no earlier kernel writes W, so it streams before the wait for x
+    if EVEN_K:
+        w_mask0 = row_mask[:, None]
+    else:
+        w_mask0 = row_mask[:, None] & (cols < K)[None, :]
+    w0 = tl.load(w_rows + cols[None, :], mask=w_mask0, other=0.0, eviction_policy="evict_first")
+    u0 = w0
+    if SILU_MUL:
+        u0 = tl.load(up_rows + cols[None, :], mask=w_mask0, other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     rstd = 1.0
     if NORM:
         sum_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -91,13 +116,10 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, K, w_
             sum_sq += x * x
         rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps)
 
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride
-    up_rows = w_rows + N.to(tl.int64) * w_row_stride  # SILU_MUL: the up half starts N rows further
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    x0 = _activation_chunk(x_ptr, res_ptr, norm_w_ptr, cols, cols < K, rstd, NORM, HAS_RES, UNIT_OFFSET, EVEN_K)
+    acc = w0.to(tl.float32) * x0[None, :]
+    acc_up = u0.to(tl.float32) * x0[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + cols
         k_mask = kk < K
         x = _activation_chunk(x_ptr, res_ptr, norm_w_ptr, kk, k_mask, rstd, NORM, HAS_RES, UNIT_OFFSET, EVEN_K)
@@ -118,7 +140,7 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, K, w_
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
-_gemv_autotuned = triton.autotune(configs=_configs(), key=["N", "K", "NORM", "SILU_MUL"])(_gemv_kernel)
+_gemv_autotuned = triton.autotune(configs=_configs(), key=["N", "K", "NORM", "SILU_MUL", "USE_PDL"])(_gemv_kernel)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -160,7 +182,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: Optional[torch.T
     res_out = torch.empty_like(x) if has_res else x
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     args = (x, res, res_out, norm_weight if norm else x, weight, y, n, k, weight.stride(0), float(eps))
-    flags = dict(NORM=norm, HAS_RES=has_res, UNIT_OFFSET=bool(unit_offset), SILU_MUL=bool(silu_mul))
+    flags = dict(NORM=norm, HAS_RES=has_res, UNIT_OFFSET=bool(unit_offset), SILU_MUL=bool(silu_mul),
+                 **pdl.launch_options(x.device))
     if config is None:
         even_k = k % 2048 == 0 if not _INTERPRET else k % 64 == 0
         _gemv_autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, EVEN_K=even_k)

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.runtime.layers import pdl
 from braid.runtime.layers.attention.triton_ops.extend_attention import (
     _attend_tile,
     check_last_dim_contiguous,
@@ -54,7 +55,9 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous_kernel(USE_PDL)
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,7 +130,9 @@ def _decode_stage2_kernel(
     sliding_window, num_kv_splits,
     stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl.wait_for_previous_kernel(USE_PDL)
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
     seq_len = tl.load(B_seq_len + cur_batch)
@@ -231,12 +236,12 @@ def decode_attention_fwd(
         KV_GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
         BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv, BLOCK_H=_BLOCK_H,
         USE_CAP=logit_cap > 0, USE_WINDOW=use_window, DOT_DTYPE=dot_dt,
-        CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16,
+        CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16, **pdl.launch_options(q.device),
     )
     # stage 2 must split the keys exactly as stage 1 did: same BLOCK_N
     _decode_stage2_kernel[(b, h)](
         attn_logits, o, seq_lens, int(sliding_window), int(num_kv_splits),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), o.stride(0), o.stride(1),
         DV=dv, BLOCK_DV=block_dv, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=use_window,
-        num_warps=4 if dv <= 256 else 8, num_stages=2,
+        num_warps=4 if dv <= 256 else 8, num_stages=2, **pdl.launch_options(q.device),
     )

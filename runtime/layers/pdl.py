@@ -1,0 +1,57 @@
+"""Programmatic dependent launch (PDL) for the decode path's Triton kernels (Hopper and later).
+
+At batch 1 a decode step is ~290 small kernels in one CUDA graph; between two of them the GPU drains the first,
+flushes its writes and only then starts the second, a few microseconds each time. A kernel launched with the
+PDL attribute may start while the kernel before it is still running: its programs are scheduled as soon as
+every program of the previous kernel has signalled (griddepcontrol.launch_dependents) or exited, and they
+block in griddepcontrol.wait until that kernel has completed and its memory is visible.
+
+Contract for a kernel that takes `USE_PDL: tl.constexpr` and is launched with `**launch_options(device)`:
+before `gdc_wait()` it reads only memory that no kernel of the step writes (weights, caches of constants),
+and it writes nothing. `wait_for_previous_kernel()` at its very start is always safe. Because every such
+kernel waits for its predecessor to complete, completion stays ordered along the stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["ENABLED", "enabled", "launch_options", "wait_for_previous_kernel"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_HAS_GDC = hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
+
+# switch for A/B timing (env BRAID_PDL=0 turns it off)
+ENABLED = os.environ.get("BRAID_PDL", "1") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL: CUDA, compute capability 9.0+, a Triton that has it."""
+    if not ENABLED or _INTERPRET or not _HAS_GDC or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
+
+
+def launch_options(device: torch.device) -> dict:
+    """Keyword arguments for a kernel launch: USE_PDL for the kernel, launch_pdl for Triton's launcher."""
+    if enabled(device):
+        return dict(USE_PDL=True, launch_pdl=True)
+    return dict(USE_PDL=False)
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """Let the next kernel launch, then block until the previous one's writes are visible."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
