@@ -5,7 +5,7 @@ set -o pipefail
 source benchmarks/gpu/setup.sh
 cat /tmp/part_aa .gpu/b/part_ab > /tmp/smollm2.gguf && echo "$(cat .gpu/tok/smollm2.sha256)  /tmp/smollm2.gguf" | sha256sum -c
 export BRAID_SMOLLM2_GGUF=/tmp/smollm2.gguf
-timeout 220 python3 -m pytest tests/models/test_gpu_engine.py -q -s -p no:cacheprovider 2>&1 | grep -v Warning | tail -25 | tee $OUT/gpu_engine.log
+timeout 220 python3 -m pytest tests/models/test_gpu_engine.py -q -s -p no:cacheprovider 2>&1 | grep -v "Warning\|DEBUG" | tail -60 | tee $OUT/gpu_engine.log
 CFG=benchmarks/configs/llama3-8b.json
 DATA="--dataset-name random --num-prompts 1000 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5"
 python3 -m braid.launch_server --model-path llama3-8b-dummy --load-format dummy --model-config $CFG --tokenizer-path .gpu/tok \

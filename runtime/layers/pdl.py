@@ -39,6 +39,9 @@ def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA, compute capability 9.0+, a Triton that has it."""
     if not ENABLED or _INTERPRET or not _HAS_GDC or device.type != "cuda":
         return False
+    if torch.compiler.is_compiling():
+        # Inductor launches the kernels of a compiled region itself, without the launch attribute
+        return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= (9, 0)
 
 
