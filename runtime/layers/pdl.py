@@ -8,7 +8,8 @@ block in griddepcontrol.wait until that kernel has completed and its memory is v
 
 Contract for a kernel that takes `USE_PDL: tl.constexpr` and is launched with `**launch_options(device)`:
 before `gdc_wait()` it reads only memory that no kernel of the step writes (weights, caches of constants),
-and it writes nothing. `wait_for_previous_kernel()` at its very start is always safe. Because every such
+and it writes nothing. `wait_for_previous_kernel(USE_PDL)` at its very start is always safe (import it by name: torch.compile
+re-emits a kernel's source with the jit functions it calls by name, not through module attributes). Because every such
 kernel waits for its predecessor to complete, completion stays ordered along the stream.
 """
 
