@@ -7,10 +7,11 @@ every program of the previous kernel has signalled (griddepcontrol.launch_depend
 block in griddepcontrol.wait until that kernel has completed and its memory is visible.
 
 Contract for a kernel that takes `USE_PDL: tl.constexpr` and is launched with `**launch_options(device)`:
-before `gdc_wait()` it reads only memory that no kernel of the step writes (weights, caches of constants),
-and it writes nothing. `wait_for_previous_kernel(USE_PDL)` at its very start is always safe (import it by name: torch.compile
-re-emits a kernel's source with the jit functions it calls by name, not through module attributes). Because every such
-kernel waits for its predecessor to complete, completion stays ordered along the stream.
+before `wait_for_previous_kernel(USE_PDL)` it reads only memory that no kernel of the step writes (weights),
+and it writes nothing. `let_next_kernel_launch(USE_PDL)` then `wait_for_previous_kernel(USE_PDL)` at its very
+start is always safe. Import both by name: torch.compile re-emits a kernel's source together with the jit
+functions it calls by name, not through module attributes. Because every such kernel waits for its
+predecessor to complete, completion stays ordered along the stream.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ENABLED", "enabled", "launch_options", "wait_for_previous_kernel"]
+__all__ = ["ENABLED", "enabled", "launch_options", "let_next_kernel_launch", "wait_for_previous_kernel"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_GDC = hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
@@ -54,8 +55,14 @@ def launch_options(device: torch.device) -> dict:
 
 
 @triton.jit
-def wait_for_previous_kernel(USE_PDL: tl.constexpr):
-    """Let the next kernel launch, then block until the previous one's writes are visible."""
+def let_next_kernel_launch(USE_PDL: tl.constexpr):
+    """The next kernel (if launched with PDL) may start once every program here has passed this point."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def wait_for_previous_kernel(USE_PDL: tl.constexpr):
+    """Block until the previous kernel has completed and its writes are visible."""
+    if USE_PDL:
         tl.extra.cuda.gdc_wait()

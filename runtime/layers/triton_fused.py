@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
-from braid.runtime.layers.pdl import wait_for_previous_kernel
+from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
 __all__ = [
     "rmsnorm",
@@ -65,6 +65,7 @@ def _rmsnorm_kernel(
     BLOCK_N: tl.constexpr, ONE_TILE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
@@ -284,6 +285,7 @@ def _rotary_kernel(
     BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_REST: tl.constexpr,
     STORE_KV: tl.constexpr, V_WIDTH: tl.constexpr, BLOCK_V: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     # STORE_KV: k_out is the layer's K cache and the rotated key goes to its slot loc[row]; v[row] is copied

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
+from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
 __all__ = ["gemv", "supports", "decode_gemv_applies", "ENABLED", "FUSE_NORM"]
 
@@ -83,8 +84,7 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, K, w_
                  NORM: tl.constexpr, HAS_RES: tl.constexpr, UNIT_OFFSET: tl.constexpr, SILU_MUL: tl.constexpr,
                  EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+    let_next_kernel_launch(USE_PDL)
     cols = tl.arange(0, BLOCK_K)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -99,8 +99,7 @@ def _gemv_kernel(x_ptr, res_ptr, res_out_ptr, norm_w_ptr, w_ptr, y_ptr, N, K, w_
     u0 = w0
     if SILU_MUL:
         u0 = tl.load(up_rows + cols[None, :], mask=w_mask0, other=0.0, eviction_policy="evict_first")
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+    wait_for_previous_kernel(USE_PDL)
     rstd = 1.0
     if NORM:
         sum_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
-from braid.runtime.layers.pdl import wait_for_previous_kernel
+from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 from braid.runtime.layers.attention.triton_ops.extend_attention import (
     _attend_tile,
     check_last_dim_contiguous,
@@ -58,6 +58,7 @@ def _decode_stage1_kernel(
     USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -133,6 +134,7 @@ def _decode_stage2_kernel(
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
+    let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
