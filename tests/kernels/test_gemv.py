@@ -152,3 +152,21 @@ def test_gpu_pdl_chain_in_cuda_graph_matches_without_pdl():
             assert torch.equal(out, want)
     finally:
         pdl.ENABLED = saved
+
+
+def test_pdl_launch_options_only_where_the_gpu_has_it():
+    from braid.runtime.layers import pdl
+
+    assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}
+    saved = pdl.ENABLED
+    try:
+        pdl.ENABLED = False
+        assert not pdl.enabled(torch.device("cuda", 0))
+        if HAS_CUDA:
+            pdl.ENABLED = True
+            hopper = torch.cuda.get_device_capability() >= (9, 0)
+            assert pdl.enabled(torch.device("cuda")) == hopper
+            assert pdl.launch_options(torch.device("cuda")) == (
+                {"USE_PDL": True, "launch_pdl": True} if hopper else {"USE_PDL": False})
+    finally:
+        pdl.ENABLED = saved
