@@ -39,8 +39,8 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA, compute capability 9.0+, a Triton that has it."""
-    if not ENABLED or _INTERPRET or not _HAS_GDC or device.type != "cuda":
-        return False
+    if not ENABLED or _INTERPRET or not _HAS_GDC or device.type != "cuda" or torch.version.hip is not None:
+        return False  # (ROCm devices also report as "cuda", with capabilities that are no NVIDIA generation)
     if torch.compiler.is_compiling():
         # Inductor launches the kernels of a compiled region itself, without the launch attribute
         return False
