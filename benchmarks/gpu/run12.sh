@@ -1,10 +1,10 @@
 # Device call 7 of session 4 (carry .whl .gpu/tok): bench_serving (the run2.sh workload) with more requests decoding
-# at once than the default cap of 256: max_running_requests 512 and 1024, CUDA graphs up to batch 512.
+# at once than the default cap of 256: max_running_requests 1024, CUDA graphs up to batch 512.
 set -o pipefail
 source benchmarks/gpu/setup.sh
 CFG=benchmarks/configs/llama3-8b.json
 DATA="--dataset-name random --num-prompts 1000 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5"
-for MRR in 512 1024; do
+for MRR in 1024; do
   python3 -m braid.launch_server --model-path llama3-8b-dummy --load-format dummy --model-config $CFG --tokenizer-path .gpu/tok \
     --dtype bfloat16 --cuda-graph-max-bs 512 --max-running-requests $MRR --port 30000 --log-level warning > $OUT/server_$MRR.log 2>&1 &
   SERVER=$!
