@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 # the M the blocked layout is chosen for; the packed weight serves any M
 _PACK_BATCH_HINT = 32
+# below this many rows the BLAS GEMV beats the packed oneDNN call, whose fixed cost is 10-30 us (SmolLM2 layer
+# shapes on the 2-core EPYC, M = 1: 11-33 us vs 22-60 us; M = 4: oneDNN ahead, 24-151 us vs 35-236 us)
+_PACKED_MIN_ROWS = 3
 _PACKABLE_DTYPES = (torch.float32,)
 _ENV_DISABLE = "BRAID_DISABLE_CPU_PREPACK"
 
@@ -85,9 +88,13 @@ class PackedLinearWeight:
                 and x.shape[-1] == self.in_features and not (torch.is_grad_enabled() and x.requires_grad))
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if x.numel() == 0:
+        if x.numel() < _PACKED_MIN_ROWS * self.in_features:  # no rows, or a batch-1/2 decode step
             return F.linear(x, self.source, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return _onednn_linear(x, self.packed, bias)
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

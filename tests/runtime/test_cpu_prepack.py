@@ -123,3 +123,22 @@ def test_loaded_model_layers_are_prepacked():
     packed = [m for m in model.modules() if m is not model and hasattr(m, "prepack_weights")]
     assert packed and all(m._packed is not None for m in packed)
     assert model.lm_head._packed.source is model.lm_head.weight
+
+
+def test_one_or_two_rows_take_the_blas_gemv(monkeypatch):
+    """At M <= 2 (batch-1/2 decode) the BLAS GEMV beats oneDNN's packed call; from M = 3 the packed path runs."""
+    lin = _filled(Linear(576, 960))
+    lin.prepack_weights()
+    onednn_rows = []
+    real = cpu_gemm._onednn_linear
+
+    def spy(x, packed, bias):
+        onednn_rows.append(x.shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(cpu_gemm, "_onednn_linear", spy)
+    with torch.inference_mode():
+        for m in (1, 2, 3, 8):
+            x = torch.randn(m, 576)
+            torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+    assert onednn_rows == [3, 8]

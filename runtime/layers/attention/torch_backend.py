@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,17 @@ class TorchAttnBackend(AttentionBackend):
         v = pool.get_value_buffer(layer.layer_id).index_select(0, flat)
         k = k.view(*slots.shape, *k.shape[1:]).to(dtype)
         v = v.view(*slots.shape, *v.shape[1:]).to(dtype)
+        if getattr(pool, "is_fp8", False):
+            k, v = k * pool.k_scale, v * pool.v_scale
+        return k, v
+
+    def _decode_kv(self, layer, fb, meta: "_DecodeMetadata", dtype):
+        """k, v [B, L, Hkv, D]: views of the pool when the batch is one sequence in consecutive slots, else a gather."""
+        if meta.first_slot is None:
+            return self._kv(layer, fb, meta.slots, dtype)
+        pool = fb.token_to_kv_pool
+        k = pool.get_key_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0).to(dtype)
+        v = pool.get_value_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0).to(dtype)
         if getattr(pool, "is_fp8", False):
             k, v = k * pool.k_scale, v * pool.v_scale
         return k, v
@@ -87,13 +100,14 @@ class TorchAttnBackend(AttentionBackend):
         if not isinstance(meta, _DecodeMetadata) or meta.batch_size != B:
             meta = fb.attn_metadata = _DecodeMetadata(fb)
         if layer.logit_cap <= 0:
-            kk, vv = self._kv(layer, fb, meta.slots, q.dtype)  # [B, L, Hkv, D]
+            kk, vv = self._decode_kv(layer, fb, meta, q.dtype)  # [B, L, Hkv, D]
+            # one sequence without a window attends to all of its L keys: no mask needed
+            mask = None if B == 1 and layer.sliding_window <= 0 else meta.mask(layer.sliding_window)
             out = F.scaled_dot_product_attention(q.view(B, H, 1, D), kk.transpose(1, 2), vv.transpose(1, 2),
-                                                 attn_mask=meta.mask(layer.sliding_window), scale=layer.scaling,
-                                                 enable_gqa=group > 1)
+                                                 attn_mask=mask, scale=layer.scaling, enable_gqa=group > 1)
             return out.reshape(B, H * Dv)
         mask = meta.mask(layer.sliding_window)
-        kk, vv = self._kv(layer, fb, meta.slots, torch.float32)  # [B, L, Hkv, D]
+        kk, vv = self._decode_kv(layer, fb, meta, torch.float32)  # [B, L, Hkv, D]
         qh = q.view(B, Hkv, group, D).float()
         scores = torch.einsum("bhgd,blhd->bhgl", qh, kk) * layer.scaling
         probs = _scores_to_probs(scores, mask, layer.logit_cap)
@@ -113,6 +127,14 @@ class _DecodeMetadata:
         self._k_pos = torch.arange(self.max_len, device=self.slots.device).view(1, 1, 1, self.max_len)
         self._seq = fb.seq_lens.view(B, 1, 1, 1).to(self._k_pos.dtype)
         self._masks: dict = {}
+        # a lone sequence whose slots are one consecutive run (the ring allocator hands them out in order) is
+        # read through views of the pool instead of gathered per layer; checked on CPU only (no device sync)
+        self.first_slot: Optional[int] = None
+        if B == 1 and self.slots.device.type == "cpu" and self.max_len > 0:
+            run = self.slots[0]
+            first = int(run[0])
+            if int(run[-1]) - first == self.max_len - 1 and bool((run[1:] - run[:-1] == 1).all()):
+                self.first_slot = first
 
     def mask(self, sliding_window: int) -> torch.Tensor:
         """[B, 1, 1, L] bool, True where the key is attended."""
