@@ -71,13 +71,17 @@ class TorchAttnBackend(AttentionBackend):
             if layer.sliding_window > 0:
                 mask &= k_pos > q_pos - layer.sliding_window
             if layer.logit_cap <= 0:
-                # 4-D inputs: with 3-D ones SDPA on CPU falls back to its math path (6x slower at 1k tokens).
-                # Without a cached prefix or a window that cuts in, the mask is plain causal: is_causal is cheaper
-                causal = prefix == 0 and (layer.sliding_window <= 0 or layer.sliding_window >= n)
-                o = F.scaled_dot_product_attention(qh[start:start + n].transpose(0, 1)[None], kk.transpose(0, 1)[None],
-                                                   vv.transpose(0, 1)[None], attn_mask=None if causal else mask,
-                                                   is_causal=causal, scale=layer.scaling,
-                                                   enable_gqa=group > 1)[0]  # [H, n, Dv]
+                # on CPU, 4-D inputs: with 3-D ones SDPA falls back to its math path (6x slower at 1k tokens);
+                # without a cached prefix or a window that cuts in, the mask is plain causal and is_causal cheaper.
+                # On GPU the math path stays: this backend is the reference the fused kernels are checked against
+                fused = q.device.type == "cpu"
+                causal = fused and prefix == 0 and (layer.sliding_window <= 0 or layer.sliding_window >= n)
+                qi, ki, vi = (t.transpose(0, 1) for t in (qh[start:start + n], kk, vv))  # [H(kv), len, D]
+                if fused:
+                    qi, ki, vi = qi[None], ki[None], vi[None]
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=None if causal else mask, is_causal=causal,
+                                                   scale=layer.scaling, enable_gqa=group > 1)
+                o = o[0] if fused else o  # [H, n, Dv]
                 out[start:start + n] = o.transpose(0, 1).reshape(n, H * Dv)
                 start += n
                 continue
@@ -105,8 +109,10 @@ class TorchAttnBackend(AttentionBackend):
             meta = fb.attn_metadata = _DecodeMetadata(fb)
         if layer.logit_cap <= 0:
             kk, vv = self._decode_kv(layer, fb, meta, q.dtype)  # [B, L, Hkv, D]
-            # one sequence without a window attends to all of its L keys: no mask needed
-            mask = None if B == 1 and layer.sliding_window <= 0 else meta.mask(layer.sliding_window)
+            # one sequence without a window attends to all of its L keys: no mask needed (CPU only, so that on GPU
+            # the reference keeps the kernel choice the fused backends were checked against)
+            lone = B == 1 and layer.sliding_window <= 0 and q.device.type == "cpu"
+            mask = None if lone else meta.mask(layer.sliding_window)
             out = F.scaled_dot_product_attention(q.view(B, H, 1, D), kk.transpose(1, 2), vv.transpose(1, 2),
                                                  attn_mask=mask, scale=layer.scaling, enable_gqa=group > 1)
             return out.reshape(B, H * Dv)
