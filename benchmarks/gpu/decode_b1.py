@@ -87,8 +87,9 @@ def main():
         auto_pdl = graph_time_us(lambda: [triton_gemv.gemv(x, w)[0] for w in ws])
         pdl.ENABLED = False
         best_total += min(best[0], auto, cub, auto_pdl)
+        swept = f"  sweep best {b / best[0] / 1e6:5.2f} TB/s {best[1]}" if best[1] is not None else ""
         print(f"  {str(shape):16s} cuBLAS {b / cub / 1e6:5.2f} TB/s  gemv(auto) {b / auto / 1e6:5.2f}  "
-              f"+PDL {b / auto_pdl / 1e6:5.2f}  sweep best {b / best[0] / 1e6:5.2f} TB/s {best[1]}", flush=True)
+              f"+PDL {b / auto_pdl / 1e6:5.2f} TB/s{swept}", flush=True)
     rows.append(("best of each shape", best_total, nbytes / best_total / 1e6))
     print(f"GEMM floor of one step ({nbytes / 1e9:.2f} GB of weights):")
     for name, us, tbs in rows:

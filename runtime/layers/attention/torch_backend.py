@@ -33,22 +33,16 @@ class TorchAttnBackend(AttentionBackend):
         flat = slots.reshape(-1)
         k = pool.get_key_buffer(layer.layer_id).index_select(0, flat)
         v = pool.get_value_buffer(layer.layer_id).index_select(0, flat)
-        k = k.view(*slots.shape, *k.shape[1:]).to(dtype)
-        v = v.view(*slots.shape, *v.shape[1:]).to(dtype)
-        if getattr(pool, "is_fp8", False):
-            k, v = k * pool.k_scale, v * pool.v_scale
-        return k, v
+        return _dequantized(pool, k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:]), dtype)
 
     def _decode_kv(self, layer, fb, meta: "_DecodeMetadata", dtype):
         """k, v [B, L, Hkv, D]: views of the pool when the batch is one sequence in consecutive slots, else a gather."""
         if meta.first_slot is None:
             return self._kv(layer, fb, meta.slots, dtype)
         pool = fb.token_to_kv_pool
-        k = pool.get_key_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0).to(dtype)
-        v = pool.get_value_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0).to(dtype)
-        if getattr(pool, "is_fp8", False):
-            k, v = k * pool.k_scale, v * pool.v_scale
-        return k, v
+        k = pool.get_key_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0)
+        v = pool.get_value_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0)
+        return _dequantized(pool, k, v, dtype)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
         self._save(layer, fb, k, v, save_kv_cache)
@@ -65,21 +59,23 @@ class TorchAttnBackend(AttentionBackend):
             total = prefix + n
             slots = req_to_token[fb.req_pool_indices[i], :total].long()
             kk, vv = self._kv(layer, fb, slots, q.dtype)  # [total, Hkv, D]
-            q_pos = torch.arange(prefix, total, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(total, device=q.device).unsqueeze(0)
-            mask = k_pos <= q_pos  # [n, total]
-            if layer.sliding_window > 0:
-                mask &= k_pos > q_pos - layer.sliding_window
+            # on CPU, SDPA gets 4-D inputs: with 3-D ones it falls back to its math path (6x slower at 1k tokens);
+            # without a cached prefix or a window that cuts in, the mask is plain causal and is_causal cheaper.
+            # On GPU the math path stays: this backend is the reference the fused kernels are checked against
+            fused = q.device.type == "cpu" and layer.logit_cap <= 0
+            causal = fused and prefix == 0 and (layer.sliding_window <= 0 or layer.sliding_window >= n)
+            mask = None
+            if not causal:
+                q_pos = torch.arange(prefix, total, device=q.device).unsqueeze(1)
+                k_pos = torch.arange(total, device=q.device).unsqueeze(0)
+                mask = k_pos <= q_pos  # [n, total]
+                if layer.sliding_window > 0:
+                    mask &= k_pos > q_pos - layer.sliding_window
             if layer.logit_cap <= 0:
-                # on CPU, 4-D inputs: with 3-D ones SDPA falls back to its math path (6x slower at 1k tokens);
-                # without a cached prefix or a window that cuts in, the mask is plain causal and is_causal cheaper.
-                # On GPU the math path stays: this backend is the reference the fused kernels are checked against
-                fused = q.device.type == "cpu"
-                causal = fused and prefix == 0 and (layer.sliding_window <= 0 or layer.sliding_window >= n)
                 qi, ki, vi = (t.transpose(0, 1) for t in (qh[start:start + n], kk, vv))  # [H(kv), len, D]
                 if fused:
                     qi, ki, vi = qi[None], ki[None], vi[None]
-                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=None if causal else mask, is_causal=causal,
+                o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=causal,
                                                    scale=layer.scaling, enable_gqa=group > 1)
                 o = o[0] if fused else o  # [H, n, Dv]
                 out[start:start + n] = o.transpose(0, 1).reshape(n, H * Dv)
@@ -123,6 +119,14 @@ class TorchAttnBackend(AttentionBackend):
         probs = _scores_to_probs(scores, mask, layer.logit_cap)
         out = torch.einsum("bhgl,blhd->bhgd", probs, vv)
         return out.reshape(B, H * Dv).to(q.dtype)
+
+
+def _dequantized(pool, k: torch.Tensor, v: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool values as attention consumes them: in `dtype`, fp8 caches scaled back."""
+    k, v = k.to(dtype), v.to(dtype)
+    if getattr(pool, "is_fp8", False):
+        k, v = k * pool.k_scale, v * pool.v_scale
+    return k, v
 
 
 class _DecodeMetadata:
