@@ -49,7 +49,18 @@ class ServerArgs:
     cuda_graph_max_bs: int = _opt(160, "largest decode batch captured in a CUDA graph")
     enable_torch_compile: bool = _opt(False, "torch.compile the model's non-attention parts")
     torch_compile_max_bs: int = _opt(32, "largest batch compiled")
-    tp_size: int = _opt(1, "tensor-parallel degree")
+    disable_pdl: bool = _opt(False, "launch the decode path's Triton kernels without programmatic dependent launch "
+                                    "(Hopper and later; ignored elsewhere)")
+    disable_decode_gemv: bool = _opt(False, "batch-1 bf16/fp16 matmuls on CUDA through cuBLAS instead of braid's Triton GEMV")
+    disable_fused_kv_store: bool = _opt(False, "on CUDA, store K and V with two copies instead of one fused kernel")
+    disable_fused_rotary_kv_store: bool = _opt(False, "at decode, apply rotary and store K/V in separate launches")
+    disable_cpu_prepack: bool = _opt(False, "on CPU, multiply with the dense weights instead of oneDNN-prepacked copies")
+    disable_cpu_malloc_tuning: bool = _opt(False, "on CPU, keep glibc's default malloc thresholds "
+                                                  "(braid raises them so decode temporaries are reused)")
+
+    # ---- parallelism ----
+    tp_size: int = _opt(1, "tensor-parallel degree (not built yet: only 1)")
+    dp_size: int = _opt(1, "data-parallel degree (not built yet: only 1)")
 
     # ---- constrained decoding ----
     constrained_json_whitespace_pattern: Optional[str] = _opt(None, "regex for whitespace allowed in JSON output (default: compact)")
@@ -64,6 +75,7 @@ class ServerArgs:
     shutdown_timeout_s: float = _opt(10.0, "on SIGTERM, wait this long for in-flight requests")
     log_level: str = _opt("info", "logging level")
     log_requests: bool = _opt(False, "log every request")
+    stream_interval: int = _opt(1, "streamed requests get an update every this many tokens (and when they finish)")
 
     def __post_init__(self):
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
@@ -74,8 +86,14 @@ class ServerArgs:
             raise ValueError("max_total_tokens must be >= 16")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
-        if self.tp_size < 1:
-            raise ValueError("tp_size must be >= 1")
+        if self.tp_size != 1:
+            raise ValueError(f"tp_size={self.tp_size}: tensor parallelism is not built yet; braid runs one rank "
+                             "(--tp-size 1)")
+        if self.dp_size != 1:
+            raise ValueError(f"dp_size={self.dp_size}: data parallelism is not built yet; braid runs one scheduler "
+                             "(--dp-size 1)")
+        if self.stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
 
     # ---- derived ----
     @property
