@@ -9,9 +9,9 @@ class SiluAndMul(nn.Module):
     # x: [T, 2 * I] -> [T, I]
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from braid.runtime.layers import triton_fused
+            from braid.runtime.layers import activation_kernels
 
-            return triton_fused.silu_and_mul(x)
+            return activation_kernels.silu_and_mul(x)
         return self.forward_native(x)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
@@ -26,9 +26,9 @@ class GeluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.approximate in ("tanh", "none"):
-            from braid.runtime.layers import triton_fused
+            from braid.runtime.layers import activation_kernels
 
-            return triton_fused.gelu_and_mul(x, self.approximate)
+            return activation_kernels.gelu_and_mul(x, self.approximate)
         return self.forward_native(x)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if x.is_cuda and (residual is None or residual.dtype == x.dtype):
-            from braid.runtime.layers import triton_fused
+            from braid.runtime.layers import norm_kernels
 
             if residual is None:
-                return triton_fused.rmsnorm(x, self.weight, self.eps, self.add_unit_offset)
-            return triton_fused.fused_add_rmsnorm(x, residual, self.weight, self.eps, self.add_unit_offset)
+                return norm_kernels.rmsnorm(x, self.weight, self.eps, self.add_unit_offset)
+            return norm_kernels.fused_add_rmsnorm(x, residual, self.weight, self.eps, self.add_unit_offset)
         return self.forward_native(x, residual)
 
     def forward_native(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):

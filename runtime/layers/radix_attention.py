@@ -6,10 +6,6 @@ import torch
 from torch import nn
 
 
-# decode: rotary and the KV write in one launch where the pool allows it; a switch for A/B timing
-FUSE_ROTARY_KV_STORE = True
-
-
 class RadixAttention(nn.Module):
     """Attention over the paged KV cache; the actual work is the batch's attention backend's."""
 
@@ -30,7 +26,7 @@ class RadixAttention(nn.Module):
         """q: [T, H*D], k: [T, Hkv*D], v: [T, Hkv*Dv] -> [T, H*Dv].
 
         rotary (a RotaryEmbedding) with positions [T]: q and k are not rotated yet; rotation happens here,
-        in decode in the same launch as the KV write where the pool allows it."""
+        in decode through the pool's rotate_and_set_kv (one launch with the KV write where the pool can)."""
         if torch.compiler.is_compiling():
             return _attend_outside_compile(self, q, k, v, fb, save_kv_cache, rotary, positions)
         return _attend(self, q, k, v, fb, save_kv_cache, rotary, positions)
@@ -39,10 +35,9 @@ class RadixAttention(nn.Module):
 def _attend(layer: RadixAttention, q, k, v, fb, save_kv_cache: bool, rotary, positions) -> torch.Tensor:
     if rotary is not None:
         # decode only: there every backend reads the keys from the pool (extend kernels take the new ones from k)
-        if (save_kv_cache and FUSE_ROTARY_KV_STORE and fb.forward_mode.is_decode()
-                and rotary.rotate_and_store_kv(positions, q, k, v, fb.token_to_kv_pool, layer.layer_id,
-                                               fb.out_cache_loc)):
-            save_kv_cache = False  # written; k itself stays unrotated
+        if save_kv_cache and fb.forward_mode.is_decode():
+            q = fb.token_to_kv_pool.rotate_and_set_kv(layer.layer_id, fb.out_cache_loc, positions, q, k, v, rotary)
+            save_kv_cache = False
         else:
             q, k = rotary(positions, q, k)
     return fb.attn_backend.forward(q, k, v, layer, fb, save_kv_cache)

@@ -54,29 +54,15 @@ class RotaryEmbedding(nn.Module):
         # positions: [T]; q: [T, H*D]; k: [T, Hkv*D]
         if q.is_cuda:
             # one fused launch that rotates q and k in place (they are views into the qkv output)
-            from braid.runtime.layers import triton_fused
+            from braid.runtime.layers import rotary_kernels
 
             if self.cos_sin_cache is None:
                 raise RuntimeError("RotaryEmbedding.build_cache must run before forward")
-            q, k = triton_fused.apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim, self.rotary_dim,
-                                             self.is_neox_style, inplace=True)
+            q, k = rotary_kernels.apply_rotary(positions, q, k, self.cos_sin_cache, self.head_dim,
+                                               self.rotary_dim, self.is_neox_style, inplace=True)
             tokens = positions.shape[0]
             return q.reshape(tokens, -1), k.reshape(tokens, -1)
         return self.forward_native(positions, q, k)
-
-    def rotate_and_store_kv(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            pool, layer_id: int, loc: torch.Tensor) -> bool:
-        """Rotate q in place and write the rotated k and v to the pool's slots `loc`, in one launch, where the
-        pool allows direct writes (CUDA, model-dtype cache). False: nothing done, rotate and store separately."""
-        if not q.is_cuda or self.cos_sin_cache is None:
-            return False
-        buffers = pool.direct_write_buffers(layer_id)
-        if buffers is None:
-            return False
-        from braid.runtime.layers import triton_fused
-
-        return triton_fused.apply_rotary_and_store_kv(positions, q, k, v, self.cos_sin_cache, self.head_dim,
-                                                      self.rotary_dim, self.is_neox_style, *buffers, loc)
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """The PyTorch reference (CPU path); returns new tensors."""

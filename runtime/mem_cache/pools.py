@@ -1,58 +1,31 @@
 """Memory pools: request slots -> token slots (ReqToTokenPool) and token slots -> KV storage (KVPool).
 
 Page size 1: one KV slot holds one token of one request. Slot 0 of every KV buffer is never handed out;
-padded batches (CUDA graphs) write their dummy tokens there.
+padded batches (CUDA graphs) write their dummy tokens there. The KV pool is the only writer of KV.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from abc import ABC, abstractmethod
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
+
+from braid.runtime.layers import dtypes
 
 __all__ = [
     "ReqToTokenPool",
     "KVPool",
     "MHAKVPool",
     "MLAKVPool",
-    "resolve_kv_cache_dtype",
-    "mha_kv_bytes_per_token",
-    "mla_kv_bytes_per_token",
-    "kv_cache_bytes_per_token",
-    "max_tokens_for_budget",
 ]
 
 DeviceLike = Union[str, torch.device]
+ScaleLike = Union[float, Sequence[float]]  # one value for every layer, or one per layer
 
-_FP8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
-_KV_CACHE_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8_e5m2": torch.float8_e5m2,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e4m3fn": torch.float8_e4m3fn,
-}
-_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: Union[str, torch.dtype, None], dtype: torch.dtype) -> torch.dtype:
-    """The dtype KV values are kept in: `dtype` for None/"auto", else the named (possibly fp8) dtype."""
-    if kv_cache_dtype is None or kv_cache_dtype == "auto":
-        return dtype
-    if isinstance(kv_cache_dtype, torch.dtype):
-        resolved = kv_cache_dtype
-    elif isinstance(kv_cache_dtype, str) and kv_cache_dtype in _KV_CACHE_DTYPE_NAMES:
-        resolved = _KV_CACHE_DTYPE_NAMES[kv_cache_dtype]
-    else:
-        raise ValueError(
-            f"unsupported kv_cache_dtype {kv_cache_dtype!r}; expected 'auto' or one of {sorted(_KV_CACHE_DTYPE_NAMES)}"
-        )
-    if resolved not in _COMPUTE_DTYPES and resolved not in _FP8_DTYPES:
-        raise ValueError(f"unsupported kv_cache_dtype {resolved}")
-    return resolved
+_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def _outside_inference_mode(fn):
@@ -113,7 +86,12 @@ class ReqToTokenPool:
 
 
 class KVPool(ABC):
-    """Token-slot addressed KV storage for all layers.
+    """Token-slot addressed KV storage for all layers, and the only writer of it: `set_kv` and
+    `rotate_and_set_kv` are the code paths that write the buffers; readers get them from get_key_buffer /
+    get_value_buffer and must not write through them.
+
+    fp8 caches: e5m2 holds values as they are; e4m3 holds value / scale with a (k_scale, v_scale) per layer
+    (default 1.0, see set_kv_scales), quantized inside set_kv; readers multiply by kv_scales(layer_id).
 
     The free list is an int64 ring buffer on the pool's device: alloc copies n entries off its front,
     free writes the freed ones after its back. Both cost O(n) and no host synchronization.
@@ -122,20 +100,23 @@ class KVPool(ABC):
     @_outside_inference_mode
     def __init__(self, size: int, dtype: torch.dtype, layer_num: int, device: DeviceLike,
                  kv_cache_dtype: Union[str, torch.dtype, None] = None,
-                 k_scale: float = 1.0, v_scale: float = 1.0):
+                 k_scale: ScaleLike = 1.0, v_scale: ScaleLike = 1.0):
         _check_positive(size=size, layer_num=layer_num)
-        if dtype not in _COMPUTE_DTYPES:
-            raise ValueError(f"dtype must be one of {_COMPUTE_DTYPES}, got {dtype}")
+        if dtype not in dtypes.COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {dtypes.COMPUTE_DTYPES}, got {dtype}")
         self.size = size
         self.dtype = dtype  # what attention computes in; the cache itself holds cache_dtype
         self.layer_num = layer_num
         self.device = torch.device(device)
-        self.cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
-        self.is_fp8 = self.cache_dtype in _FP8_DTYPES
+        self.cache_dtype = dtypes.kv_cache_dtype(kv_cache_dtype, dtype)
+        self.is_fp8 = self.cache_dtype in dtypes.FP8_DTYPES
         # index_put on fp8 tensors is not implemented on every device: keep fp8 bytes as uint8.
         self.store_dtype = torch.uint8 if self.is_fp8 else self.cache_dtype
-        self.k_scale = float(k_scale)
-        self.v_scale = float(v_scale)
+        self._k_scales = [1.0] * layer_num
+        self._v_scales = [1.0] * layer_num
+        for layer_id, (ks, vs) in enumerate(zip(_per_layer("k_scale", k_scale, layer_num),
+                                                _per_layer("v_scale", v_scale, layer_num))):
+            self.set_kv_scales(layer_id, ks, vs)
         # Free slots live in a ring: _ring[_head : _head + _num_free] (mod size), set up by clear().
         self._ring: torch.Tensor
         self._head = 0
@@ -191,46 +172,98 @@ class KVPool(ABC):
         self._head = 0
         self._num_free = self.size
 
-    # ---- storage ----
-    def _to_store(self, x: torch.Tensor, scale: float) -> torch.Tensor:
-        if self.is_fp8:
+    # ---- fp8 scales ----
+    def kv_scales(self, layer_id: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of a layer: what its buffers hold times these is the stored value."""
+        return self._k_scales[layer_id], self._v_scales[layer_id]
+
+    def set_kv_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
+        """Scales for an fp8 e4m3 cache (other caches keep 1.0). Set them before any KV of the layer is stored
+        and before CUDA graphs are captured: the attention kernels take them as launch arguments."""
+        if not 0 <= layer_id < self.layer_num:
+            raise ValueError(f"layer {layer_id} is out of range [0, {self.layer_num})")
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+                raise ValueError(f"{name} must be a positive finite number, got {scale!r}")
+            if scale != 1.0 and self.cache_dtype != torch.float8_e4m3fn:
+                raise ValueError(f"KV scales apply to an fp8_e4m3 cache only; this pool stores {self.cache_dtype} "
+                                 f"(got {name}={scale} for layer {layer_id})")
+        self._k_scales[layer_id] = float(k_scale)
+        self._v_scales[layer_id] = float(v_scale)
+
+    def _quantized(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """x in the dtype the buffers store: cast, or for fp8 scaled (e4m3), saturated and viewed as bytes."""
+        if not self.is_fp8:
+            return x.to(self.store_dtype)
+        if self.cache_dtype == torch.float8_e4m3fn:
+            x = x.float()
             if scale != 1.0:
                 x = x / scale
-            return x.to(self.cache_dtype).view(torch.uint8)
-        return x.to(self.store_dtype)
+            # e4m3fn has no infinity: out-of-range values would become NaN on some devices
+            x = x.clamp(-_E4M3_MAX, _E4M3_MAX)
+        return x.to(self.cache_dtype).view(torch.uint8)
 
+    # ---- storage ----
     @abstractmethod
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """[size + 1, heads, dim] in cache_dtype (usually == dtype).
+        """[size + 1, heads, dim] in cache_dtype (usually == dtype); read-only for everyone but the pool.
 
-        For an fp8 cache, the fp8 view: upcast it and multiply by k_scale."""
+        For an fp8 cache, the fp8 view: upcast it and multiply by kv_scales(layer_id)[0]."""
 
     @abstractmethod
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        """[size + 1, heads, v_dim] in cache_dtype (usually == dtype).
+        """[size + 1, heads, v_dim] in cache_dtype (usually == dtype); read-only for everyone but the pool.
 
-        For an fp8 cache, the fp8 view: upcast it and multiply by v_scale."""
+        For an fp8 cache, the fp8 view: upcast it and multiply by kv_scales(layer_id)[1]."""
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
 
     @abstractmethod
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
-                      cache_v: Optional[torch.Tensor]) -> None:
-        """Write the KV of len(loc) tokens at slots `loc`."""
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
+        """Write the KV of len(loc) tokens at slots `loc` (cast, or quantized for an fp8 cache)."""
+
+    def rotate_and_set_kv(self, layer_id: int, loc: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, rotary) -> torch.Tensor:
+        """positions: [T]; q: [T, H*D], k: [T, Hkv*D], v: [T, Hkv*Dv], q and k not rotated yet -> q rotated.
+
+        Applies `rotary` (a RotaryEmbedding) to q and k and stores the rotated k and v at slots `loc`. Afterwards
+        k may or may not hold its rotation (it may be rotated in place): read the keys from the pool."""
+        q, k = rotary(positions, q, k)
+        self.set_kv(layer_id, loc, k, v)
+        return q
 
     @abstractmethod
     def mem_usage_bytes(self) -> int:
         """Bytes held by the KV buffers."""
 
-    def direct_write_buffers(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """(k_buffer, v_buffer) of a layer when a fused kernel may write KV rows into them itself (a CUDA
-        cache stored in the model dtype), else None: then writes must go through set_kv_buffer."""
-        return None
+
+def _per_layer(name: str, value: ScaleLike, layer_num: int) -> list[float]:
+    if isinstance(value, (int, float)):
+        return [float(value)] * layer_num
+    values = list(value)
+    if len(values) != layer_num:
+        raise ValueError(f"{name} needs one value per layer ({layer_num}), got {len(values)}")
+    return values
 
 
-# one Triton launch for a layer's K and V writes on CUDA (two indexed copies otherwise); a switch for A/B timing
-FUSED_KV_STORE = True
+def _token_rows(x: torch.Tensor, name: str, tokens: int, heads: int, dim: int) -> torch.Tensor:
+    """[T, heads * dim] or [T, heads, dim] -> a [T, heads, dim] view (a copy only when no view exists)."""
+    if x.numel() != tokens * heads * dim or x.shape[0] != tokens:
+        raise ValueError(f"{name} must be [{tokens}, {heads} * {dim}] or [{tokens}, {heads}, {dim}] for "
+                         f"{tokens} slots, got {tuple(x.shape)}")
+    return x.reshape(tokens, heads, dim)
+
+
+def _check_loc(loc: torch.Tensor) -> int:
+    if loc.dim() != 1:
+        raise ValueError(f"loc must be a 1-D tensor of slot indices, got shape {tuple(loc.shape)}")
+    return loc.shape[0]
+
+
+def _triton_kernels_run_on(device: torch.device) -> bool:
+    # compiled Triton kernels need CUDA (tests run them on CPU under the interpreter by patching this)
+    return device.type == "cuda"
 
 
 def _view_as_cache(buffers: list[torch.Tensor], pool: KVPool) -> list[torch.Tensor]:
@@ -238,28 +271,37 @@ def _view_as_cache(buffers: list[torch.Tensor], pool: KVPool) -> list[torch.Tens
 
 
 class MHAKVPool(KVPool):
-    """Separate K and V per layer.
+    """Separate K and V per layer: [size + 1, head_num, head_dim] and [size + 1, head_num, v_head_dim].
 
-    k_buffer[l]: [size + 1, head_num, head_dim], v_buffer[l]: [size + 1, head_num, v_head_dim]
+    fused_store: on CUDA with a cache in the model dtype, one Triton launch writes a layer's K and V (else two
+    indexed copies). fused_rotary_store: there, rotate_and_set_kv rotates q and stores the rotated k and v in
+    one launch (else rotary, then set_kv). Both are for A/B timing; the results are the same.
     """
 
     @_outside_inference_mode
     def __init__(self, size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
                  device: DeviceLike, v_head_dim: Optional[int] = None,
                  kv_cache_dtype: Union[str, torch.dtype, None] = None,
-                 k_scale: float = 1.0, v_scale: float = 1.0):
+                 k_scale: ScaleLike = 1.0, v_scale: ScaleLike = 1.0,
+                 fused_store: bool = True, fused_rotary_store: bool = True):
         super().__init__(size, dtype, layer_num, device, kv_cache_dtype, k_scale, v_scale)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         _check_positive(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim)
         self.head_num = head_num
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim
-        self.k_buffer = [torch.zeros((size + 1, head_num, head_dim), dtype=self.store_dtype, device=self.device)
-                         for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros((size + 1, head_num, v_head_dim), dtype=self.store_dtype, device=self.device)
-                         for _ in range(layer_num)]
-        self._k_views = _view_as_cache(self.k_buffer, self)
-        self._v_views = _view_as_cache(self.v_buffer, self)
+        self.fused_store = fused_store
+        self.fused_rotary_store = fused_rotary_store
+        # the Triton store kernels copy rows as they are (no cast, no fp8 quantization) and need CUDA
+        kernels_usable = not self.is_fp8 and _triton_kernels_run_on(self.device)
+        self._store_in_one_launch = fused_store and kernels_usable
+        self._rotate_and_store_in_one_launch = fused_rotary_store and kernels_usable
+        self._k_buffers = [torch.zeros((size + 1, head_num, head_dim), dtype=self.store_dtype, device=self.device)
+                           for _ in range(layer_num)]
+        self._v_buffers = [torch.zeros((size + 1, head_num, v_head_dim), dtype=self.store_dtype, device=self.device)
+                           for _ in range(layer_num)]
+        self._k_views = _view_as_cache(self._k_buffers, self)
+        self._v_views = _view_as_cache(self._v_buffers, self)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self._k_views[layer_id]
@@ -267,50 +309,67 @@ class MHAKVPool(KVPool):
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self._v_views[layer_id]
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
-                      cache_v: Optional[torch.Tensor]) -> None:
-        if cache_v is None:
-            raise ValueError("MHAKVPool.set_kv_buffer needs cache_v")
-        # cache_k: [T, head_num, head_dim] or [T, head_num * head_dim]; same for cache_v with v_head_dim
-        if self.device.type == "cuda" and not self.is_fp8 and FUSED_KV_STORE:
-            from braid.runtime.layers import triton_fused
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
+        """k: [T, head_num * head_dim] or [T, head_num, head_dim] (rows may be strided); v likewise with v_head_dim."""
+        if v is None:
+            raise ValueError("MHAKVPool.set_kv needs v")
+        tokens = _check_loc(loc)
+        if self._store_in_one_launch:
+            from braid.runtime.layers import kv_store_kernels
 
-            if triton_fused.store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v):
+            if kv_store_kernels.store_kv(self._k_buffers[layer_id], self._v_buffers[layer_id], loc, k, v):
                 return
-        cache_k = cache_k.reshape(-1, self.head_num, self.head_dim)
-        cache_v = cache_v.reshape(-1, self.head_num, self.v_head_dim)
-        self.k_buffer[layer_id][loc] = self._to_store(cache_k, self.k_scale)
-        self.v_buffer[layer_id][loc] = self._to_store(cache_v, self.v_scale)
+        k = _token_rows(k, "k", tokens, self.head_num, self.head_dim)
+        v = _token_rows(v, "v", tokens, self.head_num, self.v_head_dim)
+        k_scale, v_scale = self.kv_scales(layer_id)
+        self._k_buffers[layer_id][loc] = self._quantized(k, k_scale)
+        self._v_buffers[layer_id][loc] = self._quantized(v, v_scale)
+
+    def rotate_and_set_kv(self, layer_id: int, loc: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, rotary) -> torch.Tensor:
+        if (self._rotate_and_store_in_one_launch and rotary.cos_sin_cache is not None
+                and rotary.head_dim == self.head_dim):
+            from braid.runtime.layers import rotary_kernels
+
+            # q is rotated in place; k stays as it was, its rotation goes to the cache
+            if rotary_kernels.apply_rotary_and_store_kv(
+                    positions, q, k, v, rotary.cos_sin_cache, rotary.head_dim, rotary.rotary_dim,
+                    rotary.is_neox_style, self._k_buffers[layer_id], self._v_buffers[layer_id], loc):
+                return q
+        return super().rotate_and_set_kv(layer_id, loc, positions, q, k, v, rotary)
 
     def mem_usage_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.k_buffer + self.v_buffer)
-
-    def direct_write_buffers(self, layer_id: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        if self.device.type == "cuda" and not self.is_fp8 and FUSED_KV_STORE:
-            return self.k_buffer[layer_id], self.v_buffer[layer_id]
-        return None
+        return sum(b.numel() * b.element_size() for b in self._k_buffers + self._v_buffers)
 
 
 class MLAKVPool(KVPool):
-    """One compressed latent per token and layer: kv_buffer[l]: [size + 1, 1, kv_lora_rank + qk_rope_head_dim].
+    """One compressed latent per token and layer: [size + 1, 1, kv_lora_rank + qk_rope_head_dim], the latent
+    (kv_lora_rank channels) then the rotated rope part of the key.
 
-    The key is the whole latent, the value its first kv_lora_rank channels (a view, no copy).
+    The key is the whole row, the value its first kv_lora_rank channels (a view, no copy); so an fp8 e4m3 cache
+    has one scale per layer (kv_scale), used for both.
     """
 
     @_outside_inference_mode
     def __init__(self, size: int, dtype: torch.dtype, kv_lora_rank: int, qk_rope_head_dim: int, layer_num: int,
                  device: DeviceLike, kv_cache_dtype: Union[str, torch.dtype, None] = None,
-                 k_scale: float = 1.0, v_scale: float = 1.0):
-        super().__init__(size, dtype, layer_num, device, kv_cache_dtype, k_scale, v_scale)
+                 kv_scale: ScaleLike = 1.0):
         _check_positive(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
+        super().__init__(size, dtype, layer_num, device, kv_cache_dtype, kv_scale, kv_scale)
         self.head_num = 1
         self.head_dim = kv_lora_rank + qk_rope_head_dim
         self.v_head_dim = kv_lora_rank
-        self.kv_buffer = [torch.zeros((size + 1, 1, self.head_dim), dtype=self.store_dtype, device=self.device)
-                          for _ in range(layer_num)]
-        self._kv_views = _view_as_cache(self.kv_buffer, self)
+        self._kv_buffers = [torch.zeros((size + 1, 1, self.head_dim), dtype=self.store_dtype, device=self.device)
+                            for _ in range(layer_num)]
+        self._kv_views = _view_as_cache(self._kv_buffers, self)
+
+    def set_kv_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
+        if k_scale != v_scale:
+            raise ValueError(f"an MLA cache's value is a view of its key: one scale per layer, got k_scale={k_scale}, "
+                             f"v_scale={v_scale}")
+        super().set_kv_scales(layer_id, k_scale, v_scale)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self._kv_views[layer_id]
@@ -318,53 +377,25 @@ class MLAKVPool(KVPool):
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         return self._kv_views[layer_id][..., : self.kv_lora_rank]
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
-                      cache_v: Optional[torch.Tensor] = None) -> None:
-        # cache_k: [T, 1, kv_lora_rank + qk_rope_head_dim] (or [T, kv_lora_rank + qk_rope_head_dim]), the whole
-        # latent; the value is part of it, so cache_v is ignored.
-        cache_k = cache_k.reshape(-1, 1, self.head_dim)
-        self.kv_buffer[layer_id][loc] = self._to_store(cache_k, self.k_scale)
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor] = None) -> None:
+        """k: the key rows [T, (1,) kv_lora_rank + qk_rope_head_dim], or only their rope part
+        [T, (1,) qk_rope_head_dim]; v: the latent [T, (1,) kv_lora_rank] (the value), or None when k is whole.
+
+        The row written is v's latent (k's own latent channels when v is None) then k's rope part."""
+        tokens = _check_loc(loc)
+        buffer = self._kv_buffers[layer_id]
+        scale = self.kv_scales(layer_id)[0]
+        if v is None:
+            buffer[loc] = self._quantized(_token_rows(k, "k", tokens, 1, self.head_dim), scale)
+            return
+        latent = _token_rows(v, "v", tokens, 1, self.kv_lora_rank)
+        width = k.numel() // max(tokens, 1)
+        if width not in (self.head_dim, self.qk_rope_head_dim):
+            raise ValueError(f"k must be the key rows [{tokens}, {self.head_dim}] or their rope part "
+                             f"[{tokens}, {self.qk_rope_head_dim}], got {tuple(k.shape)}")
+        rope = _token_rows(k, "k", tokens, 1, width)[..., width - self.qk_rope_head_dim:]
+        buffer[loc, :, : self.kv_lora_rank] = self._quantized(latent, scale)
+        buffer[loc, :, self.kv_lora_rank:] = self._quantized(rope, scale)
 
     def mem_usage_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.kv_buffer)
-
-
-# ---- sizing the pool from a memory budget ----
-def _cache_itemsize(dtype: Union[str, torch.dtype]) -> int:
-    # Strings name the KV cache dtype ("bfloat16", "fp8_e5m2", ...); "auto" has no size on its own.
-    if isinstance(dtype, str):
-        if dtype == "auto":
-            raise ValueError("resolve 'auto' to the model dtype before sizing the KV cache")
-        dtype = resolve_kv_cache_dtype(dtype, torch.float32)
-    return dtype.itemsize
-
-
-def mha_kv_bytes_per_token(head_num: int, head_dim: int, layer_num: int, dtype: Union[str, torch.dtype],
-                           v_head_dim: Optional[int] = None) -> int:
-    v_head_dim = head_dim if v_head_dim is None else v_head_dim
-    return head_num * (head_dim + v_head_dim) * layer_num * _cache_itemsize(dtype)
-
-
-def mla_kv_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int, layer_num: int,
-                           dtype: Union[str, torch.dtype]) -> int:
-    return (kv_lora_rank + qk_rope_head_dim) * layer_num * _cache_itemsize(dtype)
-
-
-def kv_cache_bytes_per_token(layer_num: int, dtype: Union[str, torch.dtype], *, head_num: Optional[int] = None,
-                             head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
-                             kv_lora_rank: Optional[int] = None, qk_rope_head_dim: Optional[int] = None) -> int:
-    """Bytes of KV one token takes over all layers: MLA when kv_lora_rank is given, else MHA (per-rank heads)."""
-    if kv_lora_rank is not None:
-        if qk_rope_head_dim is None:
-            raise ValueError("MLA sizing needs qk_rope_head_dim")
-        return mla_kv_bytes_per_token(kv_lora_rank, qk_rope_head_dim, layer_num, dtype)
-    if head_num is None or head_dim is None:
-        raise ValueError("MHA sizing needs head_num and head_dim")
-    return mha_kv_bytes_per_token(head_num, head_dim, layer_num, dtype, v_head_dim)
-
-
-def max_tokens_for_budget(budget_bytes: int, bytes_per_token: int) -> int:
-    """Usable pool size for a byte budget; the +1 dummy slot is paid for out of the budget too."""
-    if bytes_per_token <= 0:
-        raise ValueError("bytes_per_token must be positive")
-    return max(int(budget_bytes // bytes_per_token) - 1, 0)
+        return sum(b.numel() * b.element_size() for b in self._kv_buffers)

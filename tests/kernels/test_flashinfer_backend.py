@@ -155,8 +155,8 @@ class Setup:
             return
         slots = self.alloc(row, n)
         for layer in self.layers:
-            self.pool.set_kv_buffer(layer.layer_id, slots, self.randn(n, self.h_kv, self.d),
-                                    self.randn(n, self.h_kv, self.d))
+            self.pool.set_kv(layer.layer_id, slots, self.randn(n, self.h_kv, self.d),
+                             self.randn(n, self.h_kv, self.d))
 
     def batch(self, mode, rows, new_lens):
         prefix = [self.filled[r] for r in rows]

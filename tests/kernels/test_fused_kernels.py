@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.runtime.layers import triton_fused
+from braid.runtime.layers import activation_kernels, kv_store_kernels, norm_kernels, rotary_kernels
 from braid.runtime.layers.activation import GeluAndMul, SiluAndMul
+from braid.runtime.layers.activation_kernels import gelu_and_mul, silu_and_mul
 from braid.runtime.layers.norm import RMSNorm
+from braid.runtime.layers.norm_kernels import fused_add_rmsnorm, rmsnorm
 from braid.runtime.layers.rotary import RotaryEmbedding
-from braid.runtime.layers.triton_fused import (apply_rotary, fused_add_rmsnorm, gelu_and_mul, rmsnorm,
-                                               silu_and_mul)
+from braid.runtime.layers.rotary_kernels import apply_rotary
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"  # the small cases run compiled on a GPU, interpreted without one
@@ -106,8 +107,8 @@ def test_rmsnorm_3d_input_and_out_over_x():
 @pytest.mark.parametrize("has_residual", [False, True])
 def test_rmsnorm_two_pass_path(monkeypatch, has_residual):
     # rows wider than the register tile are normalised in chunks, re-reading the stored sum
-    monkeypatch.setattr(triton_fused, "RMSNORM_MAX_TILE", 32)
-    monkeypatch.setattr(triton_fused, "RMSNORM_CHUNK", 32)
+    monkeypatch.setattr(norm_kernels, "RMSNORM_MAX_TILE", 32)
+    monkeypatch.setattr(norm_kernels, "RMSNORM_CHUNK", 32)
     torch.manual_seed(4)
     norm = make_norm(80, torch.float32, unit_offset=True)
     x, residual = torch.randn(3, 80, device=DEVICE), torch.randn(3, 80, device=DEVICE)
@@ -122,7 +123,7 @@ def test_rmsnorm_two_pass_path(monkeypatch, has_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_matches_reference(dtype, monkeypatch):
-    monkeypatch.setattr(triton_fused, "ACT_BLOCK", 16)  # several column blocks per row
+    monkeypatch.setattr(activation_kernels, "ACT_BLOCK", 16)  # several column blocks per row
     torch.manual_seed(5)
     x = torch.randn(4, 2 * 40, dtype=dtype, device=DEVICE) * 4
     assert rel_err(silu_and_mul(x), SiluAndMul().forward_native(x)) < tol(dtype)
@@ -354,10 +355,8 @@ def test_gpu_cuda_graph_replay_of_a_decode_step():
             assert rel_err(out, ref) < 1e-2, trial
 
 
-# ---------------------------------------------------------------------------------------------- KV store, GEMV
+# ---------------------------------------------------------------------------------------------- KV store
 def test_store_kv_writes_strided_rows_at_their_slots():
-    from braid.runtime.layers import triton_fused
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(3)
     T, hkv, d, dv, slots = 5, 2, 8, 4, 20
@@ -366,19 +365,17 @@ def test_store_kv_writes_strided_rows_at_their_slots():
     k_cache = torch.full((slots, hkv, d), float("nan"), device=dev)
     v_cache = torch.full((slots, hkv, dv), float("nan"), device=dev)
     loc = torch.tensor([7, 1, 19, 4, 12], device=dev)
-    assert triton_fused.store_kv(k_cache, v_cache, loc, k.view(T, hkv, d), v)
+    assert kv_store_kernels.store_kv(k_cache, v_cache, loc, k.view(T, hkv, d), v)
     assert torch.equal(k_cache[loc], k.reshape(T, hkv, d)) and torch.equal(v_cache[loc], v.reshape(T, hkv, dv))
     untouched = torch.ones(slots, dtype=torch.bool)
     untouched[loc.cpu()] = False
     assert torch.isnan(k_cache[untouched.to(dev)]).all() and torch.isnan(v_cache[untouched.to(dev)]).all()
     # a dtype mismatch is declined (the pool then falls back to indexed assignment), nothing written
-    assert not triton_fused.store_kv(k_cache, v_cache, loc, k.half(), v)
+    assert not kv_store_kernels.store_kv(k_cache, v_cache, loc, k.half(), v)
 
 
 @pytest.mark.parametrize("rotary_dim,neox", [(8, True), (4, True), (8, False)])
 def test_rotary_and_store_kv_matches_rotary_then_store(rotary_dim, neox):
-    from braid.runtime.layers import triton_fused
-
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(rotary_dim)
     T, h, hkv, d, slots = 4, 4, 2, 8, 16
@@ -391,8 +388,8 @@ def test_rotary_and_store_kv_matches_rotary_then_store(rotary_dim, neox):
     k_cache = torch.full((slots, hkv, d), float("nan"), device=dev)
     v_cache = torch.full((slots, hkv, d), float("nan"), device=dev)
     loc = torch.tensor([9, 2, 15, 0], device=dev)
-    assert triton_fused.apply_rotary_and_store_kv(positions, q, k, v, rope.cos_sin_cache, d, rotary_dim, neox,
-                                                  k_cache, v_cache, loc)
+    assert rotary_kernels.apply_rotary_and_store_kv(positions, q, k, v, rope.cos_sin_cache, d, rotary_dim, neox,
+                                                    k_cache, v_cache, loc)
     assert rel_err(q, want_q) < 1e-5  # q rotated in place
     assert torch.equal(k, k_before)  # k itself untouched; its rotation went to the cache
     assert rel_err(k_cache[loc].reshape(T, -1), want_k) < 1e-5
@@ -401,5 +398,5 @@ def test_rotary_and_store_kv_matches_rotary_then_store(rotary_dim, neox):
     untouched[loc.cpu()] = False
     assert torch.isnan(k_cache[untouched.to(dev)]).all() and torch.isnan(v_cache[untouched.to(dev)]).all()
     # a cache of another dtype is declined, nothing written
-    assert not triton_fused.apply_rotary_and_store_kv(positions, q, k, v, rope.cos_sin_cache, d, rotary_dim, neox,
-                                                      k_cache.half(), v_cache.half(), loc)
+    assert not rotary_kernels.apply_rotary_and_store_kv(positions, q, k, v, rope.cos_sin_cache, d, rotary_dim,
+                                                        neox, k_cache.half(), v_cache.half(), loc)

@@ -350,7 +350,7 @@ class Scenario:
             slots = self.req_to_token_pool.req_to_token[self.row[r], :self.filled[r]].long()
             cached = self.pool.get_key_buffer(1)[slots].to(self.dtype)
             if self.pool.is_fp8:
-                cached = cached * self.pool.k_scale
+                cached = cached * self.pool.kv_scales(1)[0]
             assert torch.equal(cached, self.k[r][:self.filled[r]])
 
 

@@ -1,16 +1,14 @@
 import pytest
 import torch
 
-from braid.runtime.mem_cache.pools import (
-    MHAKVPool,
-    MLAKVPool,
-    ReqToTokenPool,
+from braid.runtime.layers.dtypes import kv_cache_dtype
+from braid.runtime.mem_cache.kv_sizing import (
     kv_cache_bytes_per_token,
     max_tokens_for_budget,
     mha_kv_bytes_per_token,
     mla_kv_bytes_per_token,
-    resolve_kv_cache_dtype,
 )
+from braid.runtime.mem_cache.pools import MHAKVPool, MLAKVPool, ReqToTokenPool
 
 
 def _mha(size=16, dtype=torch.float32, **kw):
@@ -111,11 +109,11 @@ def test_pools_built_under_inference_mode_work_outside_it():
         rows = ReqToTokenPool(2, 4, "cpu")
     loc = kv.alloc(3)
     kv.free(loc)
-    kv.set_kv_buffer(0, loc, torch.ones(3, 2, 4), torch.ones(3, 2, 4))
+    kv.set_kv(0, loc, torch.ones(3, 2, 4), torch.ones(3, 2, 4))
     rows.req_to_token[0, :3] = loc.to(torch.int32)
     with torch.inference_mode():
         loc = kv.alloc(2)
-        kv.set_kv_buffer(1, loc, torch.ones(2, 2, 4), torch.ones(2, 2, 4))
+        kv.set_kv(1, loc, torch.ones(2, 2, 4), torch.ones(2, 2, 4))
     kv.free(loc)
     kv.clear()
     kv.free(kv.alloc(8))
@@ -135,7 +133,7 @@ def test_mha_set_get_per_layer(dtype):
     ks = [torch.randn(3, 2, 4) for _ in range(3)]
     vs = [torch.randn(3, 2, 6) for _ in range(3)]
     for layer in range(3):
-        pool.set_kv_buffer(layer, loc, ks[layer].to(dtype), vs[layer].to(dtype))
+        pool.set_kv(layer, loc, ks[layer].to(dtype), vs[layer].to(dtype))
     for layer in range(3):
         k, v = pool.get_kv_buffer(layer)
         torch.testing.assert_close(k[loc], ks[layer].to(dtype))
@@ -150,18 +148,18 @@ def test_mha_accepts_flat_heads_and_casts_to_cache_dtype():
     loc = torch.tensor([5, 2])
     k = torch.randn(2, 8)
     v = torch.randn(2, 8)
-    pool.set_kv_buffer(0, loc, k, v)
+    pool.set_kv(0, loc, k, v)
     torch.testing.assert_close(pool.get_key_buffer(0)[loc], k.view(2, 2, 4).to(torch.bfloat16))
     torch.testing.assert_close(pool.get_value_buffer(0)[loc], v.view(2, 2, 4).to(torch.bfloat16))
     with pytest.raises(ValueError):
-        pool.set_kv_buffer(0, loc, k, None)
+        pool.set_kv(0, loc, k, None)
 
 
 def test_mha_overwrite_and_dummy_slot():
     pool = _mha(size=4)
     loc = torch.tensor([0, 0, 3])  # padded batches all write to slot 0
-    pool.set_kv_buffer(1, loc, torch.ones(3, 2, 4), torch.ones(3, 2, 4))
-    pool.set_kv_buffer(1, torch.tensor([3]), torch.full((1, 2, 4), 7.0), torch.full((1, 2, 4), 8.0))
+    pool.set_kv(1, loc, torch.ones(3, 2, 4), torch.ones(3, 2, 4))
+    pool.set_kv(1, torch.tensor([3]), torch.full((1, 2, 4), 7.0), torch.full((1, 2, 4), 8.0))
     assert (pool.get_key_buffer(1)[3] == 7).all() and (pool.get_value_buffer(1)[3] == 8).all()
     assert not pool.get_key_buffer(0).any()
 
@@ -195,49 +193,74 @@ def test_mla_value_is_a_view_of_the_latent():
     assert pool.get_value_buffer(1).shape == (9, 1, 6)
     loc = pool.alloc(3)
     latent = torch.randn(3, 1, 8)
-    pool.set_kv_buffer(1, loc, latent, None)
+    pool.set_kv(1, loc, latent, None)
     torch.testing.assert_close(pool.get_key_buffer(1)[loc], latent)
     torch.testing.assert_close(pool.get_value_buffer(1)[loc], latent[..., :6])
     assert pool.get_value_buffer(1).data_ptr() == pool.get_key_buffer(1).data_ptr()
     assert not pool.get_key_buffer(0).any()
-    pool.set_kv_buffer(0, loc, latent.view(3, 8), None)
+    pool.set_kv(0, loc, latent.view(3, 8), None)
     torch.testing.assert_close(pool.get_key_buffer(0)[loc], latent)
 
 
 # ---- fp8 ----
 @pytest.mark.parametrize(
-    "name, fp8, rel_tol",
-    # Relative rounding error is at most 2^-(mantissa bits + 1): 2 bits for e5m2, 3 for e4m3.
-    [("fp8_e5m2", torch.float8_e5m2, 2 ** -3), ("fp8_e4m3", torch.float8_e4m3fn, 2 ** -4)],
+    "name, fp8, rel_tol, k_scale, v_scale",
+    # Relative rounding error is at most 2^-(mantissa bits + 1): 2 bits for e5m2 (stored as is), 3 for e4m3.
+    [("fp8_e5m2", torch.float8_e5m2, 2 ** -3, 1.0, 1.0), ("fp8_e4m3", torch.float8_e4m3fn, 2 ** -4, 1.0, 1.0),
+     ("fp8_e4m3", torch.float8_e4m3fn, 2 ** -4, 4.0, 0.5)],
 )
-@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (4.0, 0.5)])
 def test_fp8_round_trip(name, fp8, rel_tol, k_scale, v_scale):
     pool = MHAKVPool(16, torch.bfloat16, head_num=2, head_dim=8, layer_num=2, device="cpu",
                      v_head_dim=4, kv_cache_dtype=name)
-    pool.k_scale, pool.v_scale = k_scale, v_scale
+    pool.set_kv_scales(1, k_scale, v_scale)
+    assert pool.kv_scales(1) == (k_scale, v_scale) and pool.kv_scales(0) == (1.0, 1.0)
     assert pool.dtype == torch.bfloat16 and pool.cache_dtype == fp8 and pool.store_dtype == torch.uint8
-    assert pool.k_buffer[0].dtype == torch.uint8
     loc = pool.alloc(5)
     # Values kept away from the subnormal range so that the relative bound holds.
     gen = torch.Generator().manual_seed(1)
     sign = torch.where(torch.rand(5, 2, 8, generator=gen) < 0.5, -1.0, 1.0)
     k = (sign * (0.1 + 4 * torch.rand(5, 2, 8, generator=gen))).to(torch.bfloat16)
     v = (0.1 + torch.rand(5, 2, 4, generator=gen)).to(torch.bfloat16)
-    pool.set_kv_buffer(1, loc, k, v)
+    pool.set_kv(1, loc, k, v)
     kb, vb = pool.get_key_buffer(1), pool.get_value_buffer(1)
     assert kb.dtype == fp8 and vb.dtype == fp8
-    k_back = kb[loc].to(torch.float32) * pool.k_scale
-    v_back = vb[loc].to(torch.float32) * pool.v_scale
+    k_back = kb[loc].to(torch.float32) * pool.kv_scales(1)[0]
+    v_back = vb[loc].to(torch.float32) * pool.kv_scales(1)[1]
     torch.testing.assert_close(k_back, k.float(), rtol=rel_tol, atol=0)
     torch.testing.assert_close(v_back, v.float(), rtol=rel_tol, atol=0)
     assert not pool.get_key_buffer(0).to(torch.float32).any()
+
+
+def test_kv_scales_per_layer_from_the_constructor_and_their_errors():
+    pool = _mha(kv_cache_dtype="fp8_e4m3", k_scale=[0.5, 1.0, 2.0], v_scale=3.0)
+    assert [pool.kv_scales(layer) for layer in range(3)] == [(0.5, 3.0), (1.0, 3.0), (2.0, 3.0)]
+    with pytest.raises(ValueError, match="one value per layer"):
+        _mha(kv_cache_dtype="fp8_e4m3", k_scale=[0.5, 1.0])
+    with pytest.raises(ValueError, match="positive finite"):
+        pool.set_kv_scales(0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="fp8_e4m3 cache only"):
+        _mha(kv_cache_dtype="fp8_e5m2").set_kv_scales(0, 2.0, 1.0)
+    with pytest.raises(ValueError, match="fp8_e4m3 cache only"):
+        _mha(v_scale=2.0)
+    mla = MLAKVPool(8, torch.float16, 4, 4, layer_num=2, device="cpu", kv_cache_dtype="fp8_e4m3", kv_scale=[1.0, 2.0])
+    assert mla.kv_scales(1) == (2.0, 2.0)
+    with pytest.raises(ValueError, match="one scale per layer"):
+        mla.set_kv_scales(0, 1.0, 2.0)
+
+
+def test_fp8_e4m3_saturates_instead_of_overflowing():
+    pool = _mha(kv_cache_dtype="fp8_e4m3", k_scale=0.5)
+    loc = torch.tensor([2])
+    pool.set_kv(0, loc, torch.full((1, 2, 4), 1000.0), torch.full((1, 2, 4), -1e6))
+    assert (pool.get_key_buffer(0)[loc].float() == 448).all()  # 1000 / 0.5 is past e4m3's largest value
+    assert (pool.get_value_buffer(0)[loc].float() == -448).all()
 
 
 def test_fp8_mla_round_trip():
     pool = MLAKVPool(8, torch.float16, 4, 4, layer_num=1, device="cpu", kv_cache_dtype=torch.float8_e4m3fn)
     loc = pool.alloc(2)
     latent = torch.tensor([[[0.5, -1.0, 2.0, 0.25, 3.0, -0.75, 1.5, 8.0]]] * 2, dtype=torch.float16)
-    pool.set_kv_buffer(0, loc, latent, None)
+    pool.set_kv(0, loc, latent, None)
     assert pool.get_key_buffer(0).dtype == torch.float8_e4m3fn
     # These values are exact in e4m3.
     assert torch.equal(pool.get_key_buffer(0)[loc].to(torch.float16), latent)
@@ -245,14 +268,14 @@ def test_fp8_mla_round_trip():
 
 
 def test_kv_cache_dtype_resolution_and_bad_arguments():
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
-    assert resolve_kv_cache_dtype(None, torch.float16) == torch.float16
-    assert resolve_kv_cache_dtype("float32", torch.bfloat16) == torch.float32
-    assert resolve_kv_cache_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        resolve_kv_cache_dtype("int4", torch.bfloat16)
+    assert kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert kv_cache_dtype(None, torch.float16) == torch.float16
+    assert kv_cache_dtype("float32", torch.bfloat16) == torch.float32
+    assert kv_cache_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
+    with pytest.raises(ValueError, match="int4"):
+        kv_cache_dtype("int4", torch.bfloat16)
     with pytest.raises(ValueError):
-        resolve_kv_cache_dtype(torch.int8, torch.bfloat16)
+        kv_cache_dtype(torch.int8, torch.bfloat16)
     with pytest.raises(ValueError):
         _mha(size=0)
     with pytest.raises(ValueError):

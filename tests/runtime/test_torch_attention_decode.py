@@ -19,7 +19,7 @@ def decode_once(slots: torch.Tensor, k, v, q, layer: RadixAttention):
     pool = MHAKVPool(256, torch.float32, HKV, D, 1, "cpu")
     r2t = ReqToTokenPool(4, 64, "cpu")
     r2t.req_to_token[2, :L] = slots.int()
-    pool.set_kv_buffer(0, slots[:-1], k[:-1], v[:-1])
+    pool.set_kv(0, slots[:-1], k[:-1], v[:-1])
     fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1, input_ids=torch.zeros(1, dtype=torch.int64),
                       positions=torch.tensor([L - 1]), req_pool_indices=torch.tensor([2]),
                       seq_lens=torch.tensor([L], dtype=torch.int32), out_cache_loc=slots[-1:], seq_lens_cpu=[L],

@@ -1,8 +1,9 @@
 """AttentionBackend: the contract every attention implementation fulfils.
 
 Layers never touch the KV cache layout themselves: `RadixAttention.forward(q, k, v, fb)` hands its
-projections to `fb.attn_backend.forward(...)`, which writes k/v into the KV pool at
-`fb.out_cache_loc` and attends over the request's whole cached sequence via `req_to_token`.
+projections to `fb.attn_backend.forward(...)`, which stores k/v at `fb.out_cache_loc` through the pool's
+`set_kv` (the pool is the only writer of KV) and attends over the request's whole cached sequence via
+`req_to_token`.
 
 Shapes (T = tokens in this forward pass, B = requests, H = query heads, Hkv = KV heads):
   q: [T, H * head_dim]   k: [T, Hkv * head_dim]   v: [T, Hkv * v_head_dim]   out: [T, H * v_head_dim]

@@ -351,7 +351,7 @@ class FlashInferAttnBackend(AttentionBackend):
         dv = getattr(layer, "v_head_dim", None) or d
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.reshape(-1, h_kv, d), v.reshape(-1, h_kv, dv))
+            pool.set_kv(layer.layer_id, fb.out_cache_loc, k.reshape(-1, h_kv, d), v.reshape(-1, h_kv, dv))
         w = self._wrapper(md, layer)
         o = w.run(q.reshape(-1, h, d), self._paged_kv(pool, layer.layer_id), enable_pdl=self.enable_pdl)
         return o.view(-1, h * dv)

@@ -23,9 +23,7 @@ class TorchAttnBackend(AttentionBackend):
 
     def _save(self, layer, fb, k, v, save_kv_cache):
         if save_kv_cache:
-            fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc,
-                                              k.view(-1, layer.num_kv_heads, layer.head_dim),
-                                              v.view(-1, layer.num_kv_heads, layer.v_head_dim) if v is not None else None)
+            fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
 
     def _kv(self, layer, fb, slots: torch.Tensor, dtype):
         # slots: [...] -> k, v: [..., Hkv, D]; index_select is several times faster than advanced indexing on CPU
@@ -33,7 +31,8 @@ class TorchAttnBackend(AttentionBackend):
         flat = slots.reshape(-1)
         k = pool.get_key_buffer(layer.layer_id).index_select(0, flat)
         v = pool.get_value_buffer(layer.layer_id).index_select(0, flat)
-        return _dequantized(pool, k.view(*slots.shape, *k.shape[1:]), v.view(*slots.shape, *v.shape[1:]), dtype)
+        return _dequantized(pool, layer.layer_id, k.view(*slots.shape, *k.shape[1:]),
+                            v.view(*slots.shape, *v.shape[1:]), dtype)
 
     def _decode_kv(self, layer, fb, meta: "_DecodeMetadata", dtype):
         """k, v [B, L, Hkv, D]: views of the pool when the batch is one sequence in consecutive slots, else a gather."""
@@ -42,7 +41,7 @@ class TorchAttnBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         k = pool.get_key_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0)
         v = pool.get_value_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0)
-        return _dequantized(pool, k, v, dtype)
+        return _dequantized(pool, layer.layer_id, k, v, dtype)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
         self._save(layer, fb, k, v, save_kv_cache)
@@ -121,11 +120,14 @@ class TorchAttnBackend(AttentionBackend):
         return out.reshape(B, H * Dv).to(q.dtype)
 
 
-def _dequantized(pool, k: torch.Tensor, v: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool values as attention consumes them: in `dtype`, fp8 caches scaled back."""
+def _dequantized(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool values as attention consumes them: in `dtype`, fp8 e4m3 caches scaled back by the layer's scales."""
     k, v = k.to(dtype), v.to(dtype)
-    if getattr(pool, "is_fp8", False):
-        k, v = k * pool.k_scale, v * pool.v_scale
+    k_scale, v_scale = pool.kv_scales(layer_id)
+    if k_scale != 1.0:
+        k = k * k_scale
+    if v_scale != 1.0:
+        v = v * v_scale
     return k, v
 
 

@@ -11,9 +11,9 @@ scratch is sized from it, and a layer wider than these numbers grows the scratch
   model_runner.model_config.attention_arch == "mla": one latent KV head, Dv = .kv_lora_rank
   model_runner.server_args.triton_attention_num_kv_splits   (optional; else the constructor's value)
 The KV pool and the req_to_token table are taken from each ForwardBatch (fb.token_to_kv_pool,
-fb.req_to_token_pool.req_to_token); the pool must offer set_kv_buffer(layer_id, loc, k, v) with
-k: [T, Hkv, D], v: [T, Hkv, Dv] and get_key_buffer / get_value_buffer(layer_id) -> [S, Hkv, D|Dv];
-when pool.is_fp8, pool.k_scale / pool.v_scale dequantise what the buffers hold.
+fb.req_to_token_pool.req_to_token); the pool must offer set_kv(layer_id, loc, k, v) with
+k: [T, Hkv, D], v: [T, Hkv, Dv], get_key_buffer / get_value_buffer(layer_id) -> [S, Hkv, D|Dv] (read only)
+and kv_scales(layer_id) -> (k_scale, v_scale), which dequantise what an fp8 cache holds.
 
 Per-layer attributes used: layer_id, num_heads, num_kv_heads, head_dim, v_head_dim, scaling,
 logit_cap (0 = off), sliding_window (-1 = off; W > 0 means a query at position p sees (p - W, p]).
@@ -115,12 +115,6 @@ class TritonAttnBackend(AttentionBackend):
         window = getattr(layer, "sliding_window", -1)
         return float(logit_cap), (-1 if window is None else int(window))
 
-    @staticmethod
-    def _kv_scales(pool) -> tuple[float, float]:
-        if not getattr(pool, "is_fp8", False):
-            return 1.0, 1.0
-        return float(getattr(pool, "k_scale", 1.0)), float(getattr(pool, "v_scale", 1.0))
-
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True) -> torch.Tensor:
         h, h_kv, d, dv = self._layer_dims(layer)
         md = self._metadata(fb)
@@ -129,7 +123,7 @@ class TritonAttnBackend(AttentionBackend):
         v3 = v.reshape(-1, h_kv, dv)
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k3, v3)
+            pool.set_kv(layer.layer_id, fb.out_cache_loc, k3, v3)
         o = q3.new_empty((q3.shape[0], h, dv))
         logit_cap, window = self._layer_options(layer)
         extend_attention_fwd(
@@ -137,7 +131,7 @@ class TritonAttnBackend(AttentionBackend):
             pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
             fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
             fb.extend_seq_lens, md.extend_start_loc, fb.extend_prefix_lens, md.max_len_extend,
-            layer.scaling, logit_cap, window, *self._kv_scales(pool),
+            layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id),
         )
         return o.view(-1, h * dv)
 
@@ -147,7 +141,7 @@ class TritonAttnBackend(AttentionBackend):
         q3 = q.reshape(-1, h, d)
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.reshape(-1, h_kv, d), v.reshape(-1, h_kv, dv))
+            pool.set_kv(layer.layer_id, fb.out_cache_loc, k.reshape(-1, h_kv, d), v.reshape(-1, h_kv, dv))
         bs = q3.shape[0]
         scratch = md.attn_logits
         if scratch is None or scratch.shape[0] < bs or scratch.shape[1] < h or scratch.shape[3] < dv + 1:
@@ -162,7 +156,7 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(
             q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
             fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
-            scratch, self.num_kv_splits, layer.scaling, logit_cap, window, *self._kv_scales(pool),
+            scratch, self.num_kv_splits, layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id),
         )
         return o.view(-1, h * dv)
 

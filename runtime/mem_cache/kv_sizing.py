@@ -1,0 +1,51 @@
+"""Sizing the KV pool: the bytes one token's KV takes over all layers, and the pool size a byte budget buys."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from braid.runtime.layers.dtypes import kv_cache_dtype
+
+__all__ = ["mha_kv_bytes_per_token", "mla_kv_bytes_per_token", "kv_cache_bytes_per_token", "max_tokens_for_budget"]
+
+
+def _cache_itemsize(dtype: Union[str, torch.dtype]) -> int:
+    # Strings name the KV cache dtype ("bfloat16", "fp8_e5m2", ...); "auto" has no size on its own.
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            raise ValueError("resolve 'auto' to the model dtype before sizing the KV cache")
+        dtype = kv_cache_dtype(dtype, torch.float32)
+    return dtype.itemsize
+
+
+def mha_kv_bytes_per_token(head_num: int, head_dim: int, layer_num: int, dtype: Union[str, torch.dtype],
+                           v_head_dim: Optional[int] = None) -> int:
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    return head_num * (head_dim + v_head_dim) * layer_num * _cache_itemsize(dtype)
+
+
+def mla_kv_bytes_per_token(kv_lora_rank: int, qk_rope_head_dim: int, layer_num: int,
+                           dtype: Union[str, torch.dtype]) -> int:
+    return (kv_lora_rank + qk_rope_head_dim) * layer_num * _cache_itemsize(dtype)
+
+
+def kv_cache_bytes_per_token(layer_num: int, dtype: Union[str, torch.dtype], *, head_num: Optional[int] = None,
+                             head_dim: Optional[int] = None, v_head_dim: Optional[int] = None,
+                             kv_lora_rank: Optional[int] = None, qk_rope_head_dim: Optional[int] = None) -> int:
+    """Bytes of KV one token takes over all layers: MLA when kv_lora_rank is given, else MHA (per-rank heads)."""
+    if kv_lora_rank is not None:
+        if qk_rope_head_dim is None:
+            raise ValueError("MLA sizing needs qk_rope_head_dim")
+        return mla_kv_bytes_per_token(kv_lora_rank, qk_rope_head_dim, layer_num, dtype)
+    if head_num is None or head_dim is None:
+        raise ValueError("MHA sizing needs head_num and head_dim")
+    return mha_kv_bytes_per_token(head_num, head_dim, layer_num, dtype, v_head_dim)
+
+
+def max_tokens_for_budget(budget_bytes: int, bytes_per_token: int) -> int:
+    """Usable pool size for a byte budget; the +1 dummy slot is paid for out of the budget too."""
+    if bytes_per_token <= 0:
+        raise ValueError("bytes_per_token must be positive")
+    return max(int(budget_bytes // bytes_per_token) - 1, 0)
