@@ -1,64 +1,297 @@
-"""ModelConfig: the few derived facts the runtime needs, plus the raw HF config for the model class."""
+"""ModelConfig: a frozen, typed view of a checkpoint's config.json (or of a GGUF's metadata in the same shape).
+
+Models read only this. Family facts that config.json leaves implicit (Qwen2's qkv bias, Gemma-2's window on even
+layers, DeepSeek's interleaved rope) are settled here, so no model checks `model_type`. The raw dict stays in
+`hf` for the weight readers (GGUF) and the HF reference in benchmarks.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from braid.runtime.layers.dtypes import model_dtype
+from braid.runtime.loader.config_specs import (AttentionKind, HIDDEN_ACTS, LayerSpec, MLASpec, MoESpec,
+                                               QuantizationSpec, RopeSpec, VisionConfig, yarn_mscale)
+
+__all__ = ["ModelConfig", "LayerSpec", "RopeSpec", "MLASpec", "MoESpec", "VisionConfig", "QuantizationSpec"]
+
+_HF_ROPE_TYPES = {"default": "none", "llama3": "llama3", "linear": "linear", "yarn": "yarn", "deepseek_yarn": "yarn"}
+_HF_HIDDEN_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                   "gelu_tanh": "gelu_tanh", "gelu": "gelu"}
+_HF_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+# used when config.json has no `architectures` (configs built in tests, dummy configs)
+_DEFAULT_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+}
+_INTERLEAVED_ROPE_FAMILIES = ("deepseek_v2", "deepseek_v3")
+_TIED_BY_DEFAULT_FAMILIES = ("gemma", "gemma2")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    hf: dict
+    hf: dict = field(repr=False, compare=False)
     path: Optional[str]
     architecture: str
-    num_layers: int
+    model_type: str
+    layers: tuple[LayerSpec, ...]
+    rope: RopeSpec
     num_attention_heads: int
     num_key_value_heads: int
-    head_dim: int
-    v_head_dim: int
     hidden_size: int
+    intermediate_size: int
     vocab_size: int
     context_len: int
-    eos_token_ids: tuple
-    attention_arch: str = "mha"  # "mha" or "mla"
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
+    eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q, k, v projections
+    attention_out_bias: bool = False  # o projection
+    mlp_bias: bool = False
+    final_logit_softcap: float = 0.0
+    mla: Optional[MLASpec] = None
+    moe: Optional[MoESpec] = None
+    vision: Optional[VisionConfig] = None
+    quantization: Optional[QuantizationSpec] = None
     num_tensors_hint: Optional[int] = None
 
-    @classmethod
-    def from_hf(cls, raw: dict, server_args, path: Optional[str]) -> "ModelConfig":
-        text = raw.get("text_config") or raw
-        archs = raw.get("architectures") or ["LlamaForCausalLM"]
-        heads = text["num_attention_heads"]
-        head_dim = text.get("head_dim") or text["hidden_size"] // heads
-        eos = raw.get("eos_token_id", text.get("eos_token_id"))
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        ctx = server_args.context_length or text.get("max_position_embeddings", 4096)
-        is_mla = "kv_lora_rank" in text and text.get("kv_lora_rank") is not None
-        return cls(
-            hf=raw,
-            path=path,
-            architecture=archs[0],
-            num_layers=text["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=text.get("num_key_value_heads") or heads,
-            head_dim=(text.get("kv_lora_rank", 0) + text.get("qk_rope_head_dim", 0)) if is_mla else head_dim,
-            v_head_dim=text.get("kv_lora_rank", 0) if is_mla else head_dim,
-            hidden_size=text["hidden_size"],
-            vocab_size=text["vocab_size"],
-            context_len=int(ctx),
-            eos_token_ids=eos,
-            attention_arch="mla" if is_mla else "mha",
-            kv_lora_rank=text.get("kv_lora_rank") or 0,
-            qk_rope_head_dim=text.get("qk_rope_head_dim") or 0,
-            num_tensors_hint=None,
-        )
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("a model needs at least one layer (num_hidden_layers)")
+        if min(self.hidden_size, self.intermediate_size, self.vocab_size, self.context_len) <= 0:
+            raise ValueError("hidden_size, intermediate_size, vocab_size and context length must be positive")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; expected one of {HIDDEN_ACTS}")
+        kinds = {layer.attention for layer in self.layers}
+        if kinds != {"mla" if self.mla is not None else "mha"}:
+            raise ValueError(f"layers' attention kinds {sorted(kinds)} disagree with the MLA fields (mla={self.mla})")
+        kv_shapes = {(layer.num_kv_heads, layer.head_dim, layer.v_head_dim) for layer in self.layers}
+        if len(kv_shapes) > 1:
+            raise ValueError(f"layers differ in KV shape {sorted(kv_shapes)}; the KV pool holds one shape")
+        if any(layer.is_moe for layer in self.layers) and self.moe is None:
+            raise ValueError("a layer is marked MoE but the config has no MoE fields")
+        if self.rms_norm_eps <= 0 or self.final_logit_softcap < 0:
+            raise ValueError("rms_norm_eps must be > 0 and final_logit_softcap >= 0")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def attention_arch(self) -> AttentionKind:
+        return "mla" if self.mla is not None else "mha"
+
+    @property
+    def head_dim(self) -> int:
+        """K per token and KV head as the KV cache holds it (MLA: the latent plus the rope part)."""
+        return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim if self.mla is not None else self.layers[0].head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.mla.kv_lora_rank if self.mla is not None else self.layers[0].v_head_dim
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.mla.kv_lora_rank if self.mla is not None else 0
+
+    @property
+    def qk_rope_head_dim(self) -> int:
+        return self.mla.qk_rope_head_dim if self.mla is not None else 0
+
+    @property
+    def is_multimodal(self) -> bool:
+        return self.vision is not None
 
     def torch_dtype(self, requested: str, device: str) -> torch.dtype:
-        if requested != "auto":
-            return _DTYPES[requested]
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        return model_dtype(requested, device)
+
+    @classmethod
+    def from_hf(cls, raw: dict, server_args=None, path: Optional[str] = None) -> "ModelConfig":
+        return _parse(raw, getattr(server_args, "context_length", None), path)
+
+
+def _parse(raw: dict, context_length: Optional[int], path: Optional[str]) -> ModelConfig:
+    text = raw.get("text_config") or raw
+    family = text.get("model_type") or raw.get("model_type") or "llama"
+
+    def need(key: str):
+        if text.get(key) is None:
+            raise ValueError(f"config (model_type {family!r}) has no {key!r}")
+        return text[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    kv_heads = int(text.get("num_key_value_heads") or heads)
+    num_layers = int(need("num_hidden_layers"))
+    mla = _parse_mla(text, need)
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    rope = _parse_rope(text, family, mla.qk_rope_head_dim if mla else head_dim)
+    moe = _parse_moe(text, need)
+    layers = _parse_layers(text, family, num_layers, heads, kv_heads, head_dim, mla, moe, rope)
+    eos = raw.get("eos_token_id", text.get("eos_token_id"))
+    qkv_bias = family == "qwen2" or bool(text.get("attention_bias", False))
+    act = text.get("hidden_activation") or text.get("hidden_act") or "silu"
+    if act not in _HF_HIDDEN_ACTS:
+        raise ValueError(f"hidden_act {act!r} is not supported; expected one of {sorted(_HF_HIDDEN_ACTS)}")
+    return ModelConfig(
+        hf=raw,
+        path=path,
+        architecture=_architecture(raw),
+        model_type=raw.get("model_type") or family,
+        layers=layers,
+        rope=rope,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        vocab_size=int(need("vocab_size")),
+        context_len=int(context_length or text.get("max_position_embeddings") or 4096),
+        eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ()),
+        hidden_act=_HF_HIDDEN_ACTS[act],
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings",
+                                                                         family in _TIED_BY_DEFAULT_FAMILIES))),
+        attention_bias=qkv_bias,
+        attention_out_bias=family != "qwen2" and qkv_bias,
+        mlp_bias=bool(text.get("mlp_bias", False)),
+        final_logit_softcap=float(text.get("final_logit_softcapping") or 0.0),
+        mla=mla,
+        moe=moe,
+        vision=_parse_vision(raw),
+        quantization=_parse_quantization(raw.get("quantization_config") or text.get("quantization_config")),
+    )
+
+
+def _architecture(raw: dict) -> str:
+    archs = raw.get("architectures")
+    if archs:
+        return archs[0]
+    model_type = raw.get("model_type") or "llama"
+    if model_type not in _DEFAULT_ARCHITECTURES:
+        raise ValueError(f"config (model_type {model_type!r}) has no 'architectures'")
+    return _DEFAULT_ARCHITECTURES[model_type]
+
+
+def _parse_mla(text: dict, need) -> Optional[MLASpec]:
+    if text.get("kv_lora_rank") is None:
+        return None
+    return MLASpec(kv_lora_rank=int(text["kv_lora_rank"]), qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                   qk_rope_head_dim=int(need("qk_rope_head_dim")), v_head_dim=int(need("v_head_dim")),
+                   q_lora_rank=text.get("q_lora_rank"))
+
+
+def _parse_rope(text: dict, family: str, head_dim: int) -> RopeSpec:
+    params = text.get("rope_scaling") or text.get("rope_parameters") or {}
+    if _HF_LAYER_TYPES.keys() & params.keys():
+        raise ValueError("rope parameters per layer type are not supported")
+    theta = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    hf_type = params.get("rope_type") or params.get("type") or "default"
+    if hf_type not in _HF_ROPE_TYPES:
+        raise ValueError(f"rope scaling type {hf_type!r} is not supported; expected one of {sorted(_HF_ROPE_TYPES)}")
+    scaling = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                                      "mscale", "mscale_all_dim") if params.get(k) is not None}
+    original = params.get("original_max_position_embeddings")
+    return RopeSpec(theta=float(theta), rotary_dim=int(head_dim * text.get("partial_rotary_factor", 1.0)),
+                    max_position=int(text.get("max_position_embeddings") or 4096),
+                    scaling_type=_HF_ROPE_TYPES[hf_type],
+                    original_max_position=int(original) if original is not None else None,
+                    is_neox_style=family not in _INTERLEAVED_ROPE_FAMILIES,
+                    **{k: float(v) for k, v in scaling.items()})
+
+
+def _parse_moe(text: dict, need) -> Optional[MoESpec]:
+    if text.get("n_routed_experts") is None:
+        return None
+    optional = {k: text[k] for k in ("topk_method", "n_group", "topk_group", "norm_topk_prob",
+                                     "routed_scaling_factor", "first_k_dense_replace", "moe_layer_freq")
+                if text.get(k) is not None}
+    return MoESpec(n_routed_experts=int(text["n_routed_experts"]), num_experts_per_tok=int(need("num_experts_per_tok")),
+                   moe_intermediate_size=int(need("moe_intermediate_size")),
+                   n_shared_experts=int(text.get("n_shared_experts") or 0), **optional)
+
+
+def _window_flags(text: dict, family: str, num_layers: int) -> list[bool]:
+    """Which layers attend through `sliding_window` (when the config sets one)."""
+    layer_types = text.get("layer_types")
+    if layer_types:
+        unknown = set(layer_types) - _HF_LAYER_TYPES.keys()
+        if unknown or len(layer_types) != num_layers:
+            raise ValueError(f"layer_types must list {num_layers} of {sorted(_HF_LAYER_TYPES)}; got {layer_types}")
+        return [_HF_LAYER_TYPES[t] for t in layer_types]
+    if family == "gemma2":
+        return [i % 2 == 0 for i in range(num_layers)]
+    if family == "qwen2":
+        if not text.get("use_sliding_window", False):
+            return [False] * num_layers
+        return [i >= text.get("max_window_layers", 28) for i in range(num_layers)]
+    return [True] * num_layers  # Mistral and the rest: a configured window applies everywhere
+
+
+def _parse_layers(text: dict, family: str, num_layers: int, heads: int, kv_heads: int, head_dim: int,
+                  mla: Optional[MLASpec], moe: Optional[MoESpec], rope: RopeSpec) -> tuple[LayerSpec, ...]:
+    logit_cap = float(text.get("attn_logit_softcapping") or 0.0)
+    if mla is not None:
+        qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        scaling = qk_dim ** -0.5
+        if rope.scaling_type == "yarn" and rope.mscale_all_dim:
+            scaling *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+        return tuple(LayerSpec("mla", heads, heads, qk_dim, mla.v_head_dim, scaling, None, logit_cap,
+                               moe is not None and moe.is_moe_layer(i)) for i in range(num_layers))
+    scalar = text.get("query_pre_attn_scalar")
+    scaling = (scalar if scalar is not None else head_dim) ** -0.5
+    window = text.get("sliding_window")
+    flags = _window_flags(text, family, num_layers)
+    return tuple(LayerSpec("mha", heads, kv_heads, head_dim, head_dim, scaling, window if flags[i] else None,
+                           logit_cap, moe is not None and moe.is_moe_layer(i)) for i in range(num_layers))
+
+
+def _parse_vision(raw: dict) -> Optional[VisionConfig]:
+    vc = raw.get("vision_config")
+    if not vc:
+        return None
+
+    def need(key: str):
+        if vc.get(key) is None:
+            raise ValueError(f"vision_config has no {key!r}")
+        return vc[key]
+
+    feature_layer = raw.get("vision_feature_layer", -1)
+    act, projector_act = vc.get("hidden_act", "gelu_pytorch_tanh"), raw.get("projector_hidden_act", "gelu")
+    for a in (act, projector_act):
+        if a not in _HF_HIDDEN_ACTS:
+            raise ValueError(f"vision activation {a!r} is not supported; expected one of {sorted(_HF_HIDDEN_ACTS)}")
+    return VisionConfig(
+        model_type=vc.get("model_type") or "siglip_vision_model",
+        hidden_size=int(need("hidden_size")),
+        intermediate_size=int(need("intermediate_size")),
+        num_hidden_layers=int(need("num_hidden_layers")),
+        num_attention_heads=int(need("num_attention_heads")),
+        image_size=int(need("image_size")),
+        patch_size=int(need("patch_size")),
+        num_channels=int(vc.get("num_channels", 3)),
+        layer_norm_eps=float(vc.get("layer_norm_eps", 1e-6)),
+        hidden_act=_HF_HIDDEN_ACTS[act],
+        image_token_id=raw.get("image_token_index", raw.get("image_token_id")),
+        video_token_id=raw.get("video_token_index", raw.get("video_token_id")),
+        feature_layer=tuple(feature_layer) if isinstance(feature_layer, (list, tuple)) else int(feature_layer),
+        feature_select_strategy=raw.get("vision_feature_select_strategy", "default"),
+        projector_hidden_act=_HF_HIDDEN_ACTS[projector_act],
+        image_grid_pinpoints=tuple((int(h), int(w)) for h, w in raw.get("image_grid_pinpoints") or ()),
+        vision_aspect_ratio=raw.get("vision_aspect_ratio"),
+    )
+
+
+def _parse_quantization(qc: Optional[dict]) -> Optional[QuantizationSpec]:
+    if not qc:
+        return None
+    if not qc.get("quant_method"):
+        raise ValueError("quantization_config has no 'quant_method'")
+    block = qc.get("weight_block_size")
+    return QuantizationSpec(method=str(qc["quant_method"]), activation_scheme=qc.get("activation_scheme"),
+                            weight_block_size=tuple(int(b) for b in block) if block else None,
+                            ignored_layers=tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))

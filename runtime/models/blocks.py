@@ -1,0 +1,139 @@
+"""Shared decoder blocks, shaped by ModelConfig's LayerSpec / RopeSpec. A family composes these and adds only what
+is its own; module names follow HF's checkpoints (`self_attn.qkv_proj` loads `q_proj`/`k_proj`/`v_proj`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from braid.runtime.distributed import parallel_state as ps
+from braid.runtime.layers.activation import GeluAndMul, SiluAndMul
+from braid.runtime.layers.embedding import LMHead, VocabEmbedding
+from braid.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear, norm_linear_act
+from braid.runtime.layers.norm import RMSNorm
+from braid.runtime.layers.radix_attention import RadixAttention
+from braid.runtime.layers.rotary import get_rope
+from braid.runtime.loader.model_config import LayerSpec, ModelConfig, RopeSpec
+from braid.runtime.models.base import CausalLM
+
+# (fused param, HF name, shard) rows for CausalLM.load_weights
+QKV_STACKED_PARAMS = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2)]
+GATE_UP_STACKED_PARAMS = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+
+
+class Attention(nn.Module):
+    """qkv projection -> rotary -> paged attention -> o projection, for one multi-head (MHA/GQA) layer."""
+
+    def __init__(self, layer_id: int, spec: LayerSpec, rope: RopeSpec, hidden_size: int, qkv_bias: bool = False,
+                 out_bias: bool = False):
+        super().__init__()
+        if spec.attention != "mha":
+            raise ValueError(f"layer {layer_id} is {spec.attention!r} attention; this block builds 'mha' layers")
+        tp = ps.tp_size()
+        self.num_heads = spec.num_heads // tp
+        self.num_kv_heads = max(1, spec.num_kv_heads // tp)
+        self.q_size = self.num_heads * spec.head_dim
+        self.k_size = self.num_kv_heads * spec.head_dim
+        self.v_size = self.num_kv_heads * spec.v_head_dim
+        self.qkv_proj = ColumnParallelLinear(hidden_size, [spec.num_heads * spec.head_dim,
+                                                           spec.num_kv_heads * spec.head_dim,
+                                                           spec.num_kv_heads * spec.v_head_dim], bias=qkv_bias)
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.v_head_dim, hidden_size, bias=out_bias)
+        self.rotary_emb = get_rope(spec.head_dim, rope.rotary_dim, rope.max_position, rope.theta, rope.scaling_dict(),
+                                   rope.is_neox_style)
+        self.attn = RadixAttention(layer_id, self.num_heads, spec.head_dim, self.num_kv_heads, scaling=spec.scaling,
+                                   sliding_window=spec.sliding_window or -1, logit_cap=spec.logit_cap,
+                                   v_head_dim=spec.v_head_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(hidden), fb)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb) -> torch.Tensor:
+        # qkv: [T, H*D + Hkv*D + Hkv*Dv], the qkv_proj output -> [T, hidden]
+        q, k, v = qkv.split([self.q_size, self.k_size, self.v_size], dim=-1)
+        return self.o_proj(self.attn(q, k, v, fb, rotary=self.rotary_emb, positions=positions))
+
+
+def gated_activation(hidden_act: str) -> nn.Module:
+    if hidden_act == "silu":
+        return SiluAndMul()
+    if hidden_act == "gelu_tanh":
+        return GeluAndMul("tanh")
+    if hidden_act == "gelu":
+        return GeluAndMul("none")
+    raise ValueError(f"no gated activation for hidden_act {hidden_act!r}")
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate) * up): one fused gate_up projection, a gated activation, the down projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act = gated_activation(hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class PreNormDecoderLayer(nn.Module):
+    """hidden + attn(norm(hidden)), then + mlp(norm(...)); the residual sum travels with the next norm."""
+
+    def __init__(self, self_attn: Attention, mlp: GatedMLP, hidden_size: int, eps: float):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], fb):
+        # each norm runs with the projection after it (one launch at decode batch 1, see norm_linear_act)
+        qkv, residual = norm_linear_act(self.self_attn.qkv_proj, hidden, self.input_layernorm, residual)
+        hidden = self.self_attn.attend(positions, qkv, fb)
+        hidden, residual = norm_linear_act(self.mlp.gate_up_proj, hidden, self.post_attention_layernorm, residual,
+                                           self.mlp.act)
+        return self.mlp.down_proj(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Token embedding, the decoder layers, the final norm: input ids -> final-normed hidden [T, hidden]."""
+
+    def __init__(self, config: ModelConfig, layers: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb,
+                input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, fb)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class DecoderForCausalLM(CausalLM):
+    """A DecoderModel and its LM head (tied to the embedding when the config says so); families give build_layer."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.model_config = config
+        self.model = DecoderModel(config, [self.build_layer(i, spec) for i, spec in enumerate(config.layers)])
+        self.tie_word_embeddings = config.tie_word_embeddings
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, logit_softcap=config.final_logit_softcap)
+
+    def build_layer(self, layer_id: int, spec: LayerSpec) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(self, fb, input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(fb.input_ids, fb.positions, fb, input_embeds)
+
+    def post_load(self, device, dtype) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        super().post_load(device, dtype)
