@@ -2,8 +2,10 @@
 #
 # What a call carries (prepared on the development machine; `.whl/` is git-ignored, add `/.gpu/` to
 # .git/info/exclude so that `carry` accepts it):
-#   .whl/        the wheels the H200 image lacks, for CPython 3.12 x86-64 (see /work/.library/device/README.md):
-#                pydantic pydantic-core annotated-types typing-inspection gguf outlines-core pyzmq msgspec
+#   .whl/        the wheels the H200 image lacks, for CPython 3.12 x86-64 (the pip download command of
+#                /work/.library/device/README.md, --no-deps): pydantic==2.13.4 pydantic_core==2.46.4
+#                annotated-types==0.7.0 typing-inspection==0.4.2 typing_extensions==4.16.0 gguf==0.19.0
+#                outlines_core==0.2.14 pyzmq==27.3.0 msgspec==0.23.0 (6 MB)
 #   .gpu/tok/    SmolLM2's tokenizer as an HF folder, for the Llama-3-8B-shaped dummy server:
 #                python -c "from braid.runtime.loader.tokenizer import load_tokenizer as t; t('smollm2').save_pretrained('.gpu/tok')"
 #   .gpu/a/part_aa, .gpu/b/part_ab, .gpu/tok/smollm2.sha256
@@ -46,7 +48,7 @@ start_dummy_server() {
   local port=$1 log=$2
   shift 2
   # shellcheck disable=SC2086
-  setsid python3 -m braid.launch_server $DUMMY_MODEL_FLAGS --port "$port" --log-level warning "$@" >"$log" 2>&1 &
+  $(command -v setsid) python3 -m braid.launch_server $DUMMY_MODEL_FLAGS --port "$port" --log-level warning "$@" >"$log" 2>&1 &
   SERVER_PID=$!
   local i
   for i in $(seq "$SERVER_START_TIMEOUT_S"); do
@@ -58,7 +60,7 @@ start_dummy_server() {
 }
 stop_server() {
   [ -n "${SERVER_PID:-}" ] || return 0
-  kill -- -"$SERVER_PID" 2>/dev/null
+  kill -- -"$SERVER_PID" 2>/dev/null || kill "$SERVER_PID" 2>/dev/null
   local i
   for i in $(seq 30); do kill -0 -- -"$SERVER_PID" 2>/dev/null || break; sleep 1; done
   kill -9 -- -"$SERVER_PID" 2>/dev/null
