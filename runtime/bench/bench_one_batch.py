@@ -134,7 +134,7 @@ class StaticBatchRunner:
                 extend_start_loc=torch.cumsum(ext, 0, dtype=torch.int32) - ext,
                 extend_prefix_lens_cpu=[0] * B, extend_seq_lens_cpu=list(lens),
             )
-            next_ids = torch.argmax(self.runner.forward(fb).next_token_logits, dim=-1)
+            next_ids = _greedy_next_ids(self.runner, fb)
             out = torch.empty((B, output_len), dtype=torch.int64, device=dev)  # [B, output_len]
             out[:, 0] = next_ids
             _sync(dev)
@@ -153,7 +153,7 @@ class StaticBatchRunner:
                     req_pool_indices=req_idx, seq_lens=(positions + 1).to(torch.int32), out_cache_loc=loc,
                     seq_lens_cpu=[n + step for n in lens],
                 )
-                next_ids = torch.argmax(self.runner.forward(fb).next_token_logits, dim=-1)
+                next_ids = _greedy_next_ids(self.runner, fb)
                 out[:, step] = next_ids
                 clock.mark()
             decode = clock.intervals_s()
@@ -172,6 +172,14 @@ def _median(xs: list[float]) -> float:
     if n == 0:
         return 0.0
     return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def _greedy_next_ids(runner, fb: ForwardBatch) -> torch.Tensor:
+    """Each row's argmax token, left on the device. ModelRunner.forward samples on the device (greedy without
+    sampling_info); the fallback serves a runner that still returns logits, until that change is committed."""
+    out = runner.forward(fb)
+    ids = getattr(out, "next_token_ids", None)
+    return ids if ids is not None else torch.argmax(out.next_token_logits, dim=-1)
 
 
 def random_prompts(vocab_size: int, batch_size: int, input_len: int, seed: int) -> list[list[int]]:
