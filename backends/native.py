@@ -8,6 +8,9 @@ this class builds request bodies, reads responses, and implements select from pr
    the choice's token logprobs are the input_token_logprobs at positions >= P;
 3. for unconditional_likelihood_normalized, the same with a content-free context instead of the prefix
    (braid.choices.unconditional_context).
+
+Images and video are capabilities only when the served model takes them (`is_multimodal` in its model
+info); everything else the native API always offers.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Union
 
-from braid.backends.base import (ALL_CAPABILITIES, Backend, GenOutput, LogprobRequest, Prompt)
+from braid.backends.base import ALL_CAPABILITIES, CAP_IMAGE, CAP_VIDEO, Backend, GenOutput, LogprobRequest, Prompt
 from braid.chat_template import ChatTemplate, chat_template_for, get_chat_template
 from braid.choices import ChoicesDecision, ChoicesMethod, unconditional_context
-from braid.errors import BackendError
+from braid.errors import BackendError, UnsupportedFeatureError
 from braid.runtime.sampling_params import SamplingParams
 
 _SELECT_PARALLELISM = 8
+_MEDIA_CAPABILITIES = frozenset({CAP_IMAGE, CAP_VIDEO})
 
 
 def sampling_params_json(sp: SamplingParams) -> dict:
@@ -30,8 +34,6 @@ def sampling_params_json(sp: SamplingParams) -> dict:
 
 
 class NativeApiBackend(Backend):
-    capabilities = ALL_CAPABILITIES
-
     def __init__(self, chat_template: Union[None, str, ChatTemplate] = None):
         if isinstance(chat_template, str):
             chat_template = get_chat_template(chat_template)
@@ -50,6 +52,26 @@ class NativeApiBackend(Backend):
     @abstractmethod
     def get_model_info(self) -> dict:
         """{"model_path", "context_length", "vocab_size", "chat_template": str | None}"""
+
+    # ---- capabilities -----------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> frozenset[str]:
+        if self.get_model_info().get("is_multimodal", False):
+            return ALL_CAPABILITIES
+        return ALL_CAPABILITIES - _MEDIA_CAPABILITIES
+
+    def supports(self, capability: str) -> bool:
+        if capability in _MEDIA_CAPABILITIES:  # only these need the model's info
+            return capability in self.capabilities
+        return capability in ALL_CAPABILITIES
+
+    def require(self, capability: str, needed_by: Optional[str] = None) -> None:
+        if self.supports(capability):
+            return
+        if capability in _MEDIA_CAPABILITIES:
+            model = self.get_model_info().get("model_path", "?")
+            needed_by = f"{needed_by or capability}; the served model {model} takes no {capability} input"
+        raise UnsupportedFeatureError(repr(self), capability, needed_by)
 
     # ---- Backend --------------------------------------------------------------------------------
     def get_chat_template(self) -> ChatTemplate:

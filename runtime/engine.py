@@ -15,17 +15,22 @@ import torch
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams
-from braid.runtime.server.detokenizer import OutputAccumulator
+from braid.runtime.server.output_accumulator import OutputAccumulator
+from braid.runtime.server.prepare import ServedModel, prepare_request
 
 logger = logging.getLogger(__name__)
 
 
 class _Pending:
-    def __init__(self, rid: str, n: int, tokenizer, sp: SamplingParams, return_logprob: bool, stream: bool):
-        self.accs = [OutputAccumulator(rid, tokenizer, sp, return_logprob) for _ in range(n)]
+    """A submitted request as its caller waits for it: one accumulator per choice, the scheduler's outputs."""
+
+    def __init__(self, req: Req, tokenizer):
+        self.rid = req.rid
+        self.accs = [OutputAccumulator(i, tokenizer, req.sampling_params, len(req.input_ids), req.return_logprob)
+                     for i in range(req.sampling_params.n)]
         self.events: "queue.Queue" = queue.Queue()
-        self.stream = stream
-        self.remaining = n
+        self.stream = req.stream
+        self.remaining = len(self.accs)
 
 
 class Engine:
@@ -124,7 +129,9 @@ class Engine:
     # ---- API ----
     def generate(self, prompt: Union[None, str, list[str]] = None, sampling_params: Union[None, dict, list, SamplingParams] = None,
                  input_ids=None, return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 stream: bool = False, rid: Optional[str] = None):
+                 stream: bool = False, rid: Optional[str] = None, image_data=None):
+        """What POST /generate answers: a result dict (a list for a batch or n > 1), or with stream=True an
+        iterator of chunks (text cumulative, plus `delta` and `index`). Bad input raises ValueError."""
         batch = isinstance(prompt, list) or (input_ids is not None and len(input_ids) > 0 and isinstance(input_ids[0], list))
         prompts = prompt if isinstance(prompt, list) else [prompt] if prompt is not None else None
         ids_list = input_ids if (input_ids is not None and batch) else [input_ids] if input_ids is not None else None
@@ -134,21 +141,25 @@ class Engine:
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * count
         if len(sps) != count:
             raise ValueError("sampling_params list must match the number of prompts")
+        per_prompt = batch and isinstance(image_data, list) and len(image_data) == count
+        images = image_data if per_prompt else [image_data] * count
         if stream and count != 1:
             raise ValueError("stream=True takes a single prompt")
-        pendings = []
-        for i in range(count):
-            sp = sps[i] if isinstance(sps[i], SamplingParams) else SamplingParams.from_dict(sps[i])
-            ids = ids_list[i] if ids_list is not None else self.tokenizer.encode(prompts[i])
+        model = self.served_model()
+        reqs = []
+        for i in range(count):  # every prompt is checked before any is submitted
             r = rid if (rid and count == 1) else f"{rid or uuid.uuid4().hex}-{next(self._counter)}"
-            req = Req(rid=r, input_ids=list(ids), sampling_params=sp, return_logprob=return_logprob,
-                      logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream)
-            pending = _Pending(r, sp.n, self.tokenizer, sp, return_logprob, stream)
+            reqs.append(prepare_request(model, prompts[i] if prompts is not None else ids_list[i], sps[i], rid=r,
+                                        return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                                        top_logprobs_num=top_logprobs_num, stream=stream, image_data=images[i]))
+        pendings = []
+        for req in reqs:
+            pending = _Pending(req, self.tokenizer)
             pendings.append(pending)
             with self._wake:
                 if self._error is not None:
                     raise RuntimeError("the engine's scheduler failed earlier") from self._error
-                self._pending[r] = pending
+                self._pending[req.rid] = pending
                 self._inbox.append(("add", (req, pending)))
                 self._wake.notify()
         if stream:
@@ -158,39 +169,49 @@ class Engine:
             results.extend(self._wait(p))
         return results if (batch or len(results) > 1) else results[0]
 
+    def served_model(self) -> ServedModel:
+        sched = self._live_scheduler()
+        return ServedModel(model_path=self.server_args.model_path, name=self.server_args.model_name,
+                           tokenizer=self.tokenizer, context_len=sched.context_len, vocab_size=sched.vocab_size,
+                           kv_total_tokens=sched.kv_pool.size, is_multimodal=sched.model_config.is_multimodal)
+
+    def get_model_info(self) -> dict:
+        """What GET /get_model_info answers."""
+        return self.served_model().public_info()
+
     def _next_event(self, p: _Pending):
         kind, value = p.events.get()
         if kind == "error":
-            self._pending.pop(p.accs[0].rid, None)
+            self._pending.pop(p.rid, None)
             raise value
         return value
 
     def _wait(self, p: _Pending) -> list[dict]:
         while p.remaining:
             out = self._next_event(p)
-            acc = p.accs[out.index]
-            acc.add(out)
-            if out.finished:
+            if p.accs[out.index].add(out) is not None and out.finished:
                 p.remaining -= 1
-        self._pending.pop(p.accs[0].rid, None)
-        return [a.result() for a in p.accs]
+        self._pending.pop(p.rid, None)
+        return [a.native_result(p.rid) for a in p.accs]
 
     def _stream(self, p: _Pending) -> Iterator[dict]:
         try:
             while p.remaining:
                 out = self._next_event(p)
                 acc = p.accs[out.index]
-                delta = acc.add(out)
-                if out.finished:
+                update = acc.add(out)
+                if update is None:
+                    continue
+                if update.finished:
                     p.remaining -= 1
-                res = acc.result()
-                res["delta"] = delta
+                res = acc.native_result(p.rid)
+                res["delta"] = update.delta
                 res["index"] = out.index
                 yield res
         finally:
             if p.remaining:
-                self.abort(p.accs[0].rid)
-            self._pending.pop(p.accs[0].rid, None)
+                self.abort(p.rid)
+            self._pending.pop(p.rid, None)
 
     def abort(self, rid: str) -> None:
         with self._wake:

@@ -15,8 +15,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> ServerArgs:
     args = parser.parse_args(argv)
     try:
         return ServerArgs.from_cli_args(args)
-    except ValueError as e:
-        parser.error(str(e))
+    except ValueError as e:  # one line, without argparse's usage text for every flag
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -5,20 +5,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import signal
 import socket
 from typing import Any, Optional
 
+import msgspec
 from aiohttp import web
 
-from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server import metrics as metrics_mod
 from braid.runtime.server.errors import APIError, bad_request, body_too_large, from_exception, unauthorized, unavailable
 from braid.runtime.server.openai_api import OpenAIServing
-from braid.runtime.server.protocol import SSE_DONE, api_error_event, parse_generate, sse_event
-from braid.runtime.server.tokenizer_manager import ChoiceState, RequestHandle, TokenizerManager, merge_updates
+from braid.runtime.core import Req
+from braid.runtime.server.protocol import (SSE_DONE, GenerateRequest, api_error_event, json_bytes, parse_generate,
+                                          sse_event)
+from braid.runtime.server.request_handle import RequestHandle, merge_updates
+from braid.runtime.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("braid.server")
 
@@ -28,8 +30,12 @@ OPENAI_KEY = web.AppKey("openai_serving", OpenAIServing)
 _PUBLIC_PATHS = frozenset({"/health"})
 
 
+def json_response(body, status: int = 200) -> web.Response:
+    return web.Response(body=json_bytes(body), status=status, content_type="application/json")
+
+
 def error_response(err: APIError) -> web.Response:
-    return web.json_response(err.to_dict(), status=err.status)
+    return json_response(err.to_dict(), status=err.status)
 
 
 async def read_json(request: web.Request) -> Any:
@@ -41,8 +47,8 @@ async def read_json(request: web.Request) -> Any:
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(limit) from None
     try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
         raise bad_request(f"Request body is not valid JSON: {e}") from None
 
 
@@ -83,70 +89,48 @@ def auth_middleware(api_key: str):
 # ---- native API -------------------------------------------------------------------------------------
 
 
-def _logprob_list(entries: Optional[list], tm: TokenizerManager, with_text: bool) -> Optional[list]:
-    if entries is None:
-        return None
-    if not with_text:
-        return [[lp, tid] for lp, tid in entries]
-    return [[lp, tid, tm.token_text(tid)] for lp, tid in entries]
-
-
-def _top_list(entries: Optional[list], tm: TokenizerManager, with_text: bool) -> Optional[list]:
-    if entries is None:
-        return None
-    return [None if pos is None else _logprob_list(pos, tm, with_text) for pos in entries]
-
-
-def native_result(tm: TokenizerManager, handle: RequestHandle, c: ChoiceState, text: str, output_ids: list[int],
-                  with_text: bool) -> dict:
-    meta = c.meta_info(handle.rid)
-    if handle.return_logprob:
-        meta["input_token_logprobs"] = _logprob_list(c.input_token_logprobs, tm, with_text)
-        meta["output_token_logprobs"] = _logprob_list(c.output_token_logprobs, tm, with_text)
-        meta["input_top_logprobs"] = _top_list(c.input_top_logprobs, tm, with_text)
-        meta["output_top_logprobs"] = _top_list(c.output_top_logprobs, tm, with_text)
-    return {"text": text, "output_ids": output_ids, "meta_info": meta}
+def prepare_generate(tm: TokenizerManager, req: GenerateRequest) -> list[Req]:
+    """One prepared request per prompt of a /generate body (all checked before any is submitted)."""
+    prompt_param = "text" if isinstance(req.prompts[0], str) else "input_ids"
+    media_param = "video_data" if req.is_video else "image_data"
+    param_names = {"prompt": prompt_param, "video_data": "image_data"}
+    return [tm.prepare(prompt, sp, param_names=param_names, rid=req.rids[i] if req.rids else None,
+                       return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                       top_logprobs_num=req.top_logprobs_num, stream=req.stream, **{media_param: req.image_data[i]})
+            for i, (prompt, sp) in enumerate(zip(req.prompts, req.sampling_params))]
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     tm = request.app[TM_KEY]
     tm.check_accepting()
     body = await read_json(request)
-    req = parse_generate(body, tm.vocab_size)
-    with_text = bool(body.get("return_text_in_logprobs", False))
-    prompt_param = "text" if isinstance(req.prompts[0], str) else "input_ids"
-    encoded = [tm.encode(p) if isinstance(p, str) else list(p) for p in req.prompts]
-    for ids, sp in zip(encoded, req.sampling_params):
-        tm.check_length(len(ids), sp.max_new_tokens, prompt_param, "max_new_tokens")
+    req = parse_generate(body)
+    token_text = tm.token_text if body.get("return_text_in_logprobs", False) else None
+    prepared = prepare_generate(tm, req)
     handles: list[RequestHandle] = []
     try:
-        for i, (ids, sp) in enumerate(zip(encoded, req.sampling_params)):
-            handles.append(await tm.submit(ids, sp, rid=req.rids[i] if req.rids else None,
-                                           return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                                           top_logprobs_num=req.top_logprobs_num, stream=req.stream,
-                                           image_data=req.image_data[i]))
-        n = req.sampling_params[0].n
+        for r in prepared:
+            handles.append(await tm.submit(r))
         if req.stream:
-            return await _stream_generate(request, tm, handles, n, with_text)
+            return await _stream_generate(request, handles, token_text)
         async for _ in merge_updates(handles):
             pass
-        results = [native_result(tm, h, c, c.text, c.output_ids, with_text) for h in handles for c in h.ordered_choices()]
-        return web.json_response(results if (req.is_batch or len(results) > 1) else results[0])
+        results = [c.native_result(h.rid, token_text) for h in handles for c in h.choices]
+        return json_response(results if (req.is_batch or len(results) > 1) else results[0])
     finally:
         for h in handles:
             await tm.release(h)
 
 
-async def _stream_generate(request: web.Request, tm: TokenizerManager, handles: list[RequestHandle], n: int,
-                           with_text: bool) -> web.StreamResponse:
+async def _stream_generate(request: web.Request, handles: list[RequestHandle], token_text) -> web.StreamResponse:
     updates = merge_updates(handles)
     first = await anext(updates, None)
     resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
 
     async def emit(p: int, u) -> None:
-        chunk = native_result(tm, handles[p], u.choice, u.text, u.output_ids, with_text)
-        chunk["index"] = p * n + u.index
+        chunk = u.choice.native_result(handles[p].rid, token_text, u)
+        chunk["index"] = p * handles[p].n + u.index
         await resp.write(sse_event(chunk))
 
     try:
@@ -165,15 +149,14 @@ async def health(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     if tm.dead:
         return error_response(unavailable(f"the scheduler is not running: {tm.dead}"))
-    return web.json_response({"status": "ok"})
+    return json_response({"status": "ok"})
 
 
 async def health_generate(request: web.Request) -> web.Response:
     """Runs one real token through the model."""
     tm = request.app[TM_KEY]
     tm.check_accepting()
-    sp = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True})
-    handle = await tm.submit(tm.encode("Hi") or [0], sp)
+    handle = await tm.submit(tm.prepare("Hi", {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}))
 
     async def drain() -> None:
         async for _ in handle.updates():
@@ -185,18 +168,14 @@ async def health_generate(request: web.Request) -> web.Response:
         return error_response(unavailable("health generation timed out"))
     finally:
         await tm.release(handle)
-    c = handle.choice(0)
+    c = handle.choices[0]
     if c.completion_tokens < 1 and not c.output_ids:
         return error_response(unavailable("health generation produced no token"))
-    return web.json_response({"status": "ok", "output_ids": c.output_ids})
+    return json_response({"status": "ok", "output_ids": c.output_ids})
 
 
 async def get_model_info(request: web.Request) -> web.Response:
-    tm = request.app[TM_KEY]
-    return web.json_response({"model_path": tm.server_args.model_path, "served_model_name": tm.server_args.model_name,
-                              "context_length": tm.context_len, "vocab_size": tm.vocab_size,
-                              "chat_template": getattr(tm.tokenizer, "chat_template", None),
-                              "is_generation": tm.model_info.get("is_generation", True)})
+    return json_response(request.app[TM_KEY].served_model.public_info())
 
 
 def _public_server_args(server_args) -> dict:
@@ -213,15 +192,15 @@ async def get_server_info(request: web.Request) -> web.Response:
     info.update({"context_length": tm.context_len, "vocab_size": tm.vocab_size, "model_info": tm.model_info,
                  "num_server_requests": len(tm.handles)})
     info.update(stats)
-    return web.json_response(info)
+    return json_response(info)
 
 
 async def flush_cache(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     ok = await tm.flush_cache()
     if not ok:
-        return web.json_response({"success": False, "message": "requests are running; cache not flushed"}, status=400)
-    return web.json_response({"success": True, "message": "cache flushed"})
+        return json_response({"success": False, "message": "requests are running; cache not flushed"}, status=400)
+    return json_response({"success": True, "message": "cache flushed"})
 
 
 async def abort_request(request: web.Request) -> web.Response:
@@ -230,7 +209,7 @@ async def abort_request(request: web.Request) -> web.Response:
     if not isinstance(body, dict) or not isinstance(body.get("rid"), str):
         raise bad_request("body must be an object with a string rid", param="rid")
     found = await tm.abort(body["rid"])
-    return web.json_response({"success": found, "rid": body["rid"]}, status=200 if found else 404)
+    return json_response({"success": found, "rid": body["rid"]}, status=200 if found else 404)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -243,7 +222,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def v1_models(request: web.Request) -> web.Response:
-    return web.json_response(request.app[OPENAI_KEY].models())
+    return json_response(request.app[OPENAI_KEY].models())
 
 
 async def v1_completions(request: web.Request) -> web.StreamResponse:

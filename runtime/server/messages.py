@@ -15,6 +15,8 @@ import msgspec
 
 
 class GenerateReq(msgspec.Struct, tag=True):
+    """A prepared `Req` (runtime/server/prepare.py) on the wire; the scheduler process rebuilds the Req."""
+
     rid: str
     input_ids: list[int]
     sampling_params: dict  # SamplingParams.to_dict(); rebuilt with SamplingParams.from_dict
@@ -22,7 +24,14 @@ class GenerateReq(msgspec.Struct, tag=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
-    image_data: Any = None
+    image_data: Any = None  # never set: prepare_request refuses media until multimodal preprocessing exists
+
+
+def generate_req(req: Any) -> GenerateReq:
+    """The wire form of a prepared `Req`."""
+    return GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling_params=req.sampling_params.to_dict(),
+                       return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                       top_logprobs_num=req.top_logprobs_num, stream=req.stream)
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -7,24 +7,26 @@ from typing import Any, Optional
 
 from aiohttp import web
 
-from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.core import Req
 from braid.runtime.server.errors import APIError, bad_request, model_not_found
+from braid.runtime.server.output_accumulator import OutputAccumulator
 from braid.runtime.server.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     api_error_event,
-    build_sampling_params,
     chat_logprob_options,
     check_chat_supported,
     check_completion_supported,
     completion_logprob_options,
+    json_bytes,
     openai_sampling_overrides,
     parse_openai,
     sse_event,
 )
-from braid.runtime.server.tokenizer_manager import ChoiceState, RequestHandle, TokenizerManager, merge_updates
+from braid.runtime.server.request_handle import RequestHandle, merge_updates
+from braid.runtime.server.tokenizer_manager import TokenizerManager
 
 
 def finish_reason_name(reason: Optional[dict]) -> Optional[str]:
@@ -38,9 +40,16 @@ def matched_stop(reason: Optional[dict]) -> Any:
     return None if reason is None else reason.get("matched")
 
 
-def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], list[str]]:
-    """Messages as the chat template wants them (text content) and the image URLs they carry."""
-    out, images = [], []
+# content part type -> (its payload key, prepare_request's keyword)
+_MEDIA_PARTS = {"image_url": ("image_url", "image_data"), "video_url": ("video_url", "video_data"),
+                "input_audio": ("input_audio", "audio_data")}
+
+
+def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], dict[str, list]]:
+    """Messages as the chat template wants them (text content), and the media their parts carry as
+    {"image_data" | "video_data" | "audio_data": [payload, ...]}."""
+    out: list[dict] = []
+    media: dict[str, list] = {}
     for i, m in enumerate(messages):
         content = m.content
         if content is None:
@@ -53,8 +62,9 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], list[str
                 kind = part.get("type")
                 if kind == "text" and isinstance(part.get("text"), str):
                     pieces.append(part["text"])
-                elif kind == "image_url" and isinstance(part.get("image_url"), dict) and "url" in part["image_url"]:
-                    images.append(part["image_url"]["url"])
+                elif kind in _MEDIA_PARTS and isinstance(part.get(_MEDIA_PARTS[kind][0]), dict):
+                    payload = part[_MEDIA_PARTS[kind][0]]
+                    media.setdefault(_MEDIA_PARTS[kind][1], []).append(payload.get("url", payload))
                 else:
                     raise bad_request(f"messages[{i}].content: unsupported content part {kind!r}",
                                       param=f"messages.{i}.content")
@@ -63,7 +73,18 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], list[str
         if m.name:
             d["name"] = m.name
         out.append(d)
-    return out, images
+    return out, media
+
+
+def _param_names(req, prompt_param: str) -> dict:
+    """prepare_request's parameter names -> the names this OpenAI request used."""
+    max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+    return {"prompt": prompt_param, "max_new_tokens": max_param, "min_new_tokens": "min_tokens",
+            "image_data": prompt_param, "video_data": prompt_param, "audio_data": prompt_param}
+
+
+def _json_response(body: dict) -> web.Response:
+    return web.Response(body=json_bytes(body), content_type="application/json")
 
 
 class OpenAIServing:
@@ -96,15 +117,6 @@ class OpenAIServing:
                 self._token_text[token_id] = t
         return t
 
-    def _sampling_params(self, req, prompt_len: int, prompt_param: str) -> SamplingParams:
-        overrides = openai_sampling_overrides(req)
-        if "max_new_tokens" not in overrides:
-            overrides["max_new_tokens"] = self.tm.max_new_tokens_default(prompt_len)
-        sp = build_sampling_params(overrides, self.tm.vocab_size)
-        max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-        self.tm.check_length(prompt_len, sp.max_new_tokens, prompt_param, max_param)
-        return sp
-
     def _chat_logprobs(self, token_logprobs: list, top_logprobs: list, want_top: int) -> list:
         entries = []
         for j, (lp, tid) in enumerate(token_logprobs):
@@ -132,8 +144,8 @@ class OpenAIServing:
     @staticmethod
     def _usage(handles: list[RequestHandle]) -> dict:
         prompt = sum(len(h.prompt_ids) for h in handles)
-        completion = sum(c.completion_tokens for h in handles for c in h.choices.values())
-        cached = sum(max((c.cached_tokens for c in h.choices.values()), default=0) for h in handles)
+        completion = sum(c.completion_tokens for h in handles for c in h.choices)
+        cached = sum(max((c.cached_tokens for c in h.choices), default=0) for h in handles)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -149,13 +161,13 @@ class OpenAIServing:
         model = self.check_model(req.model)
         check_chat_supported(req)
         return_logprob, top_n = chat_logprob_options(req)
-        messages, images = template_messages(req.messages)
+        messages, media = template_messages(req.messages)
         prompt = self.tm.apply_chat_template(messages)
-        ids = self.tm.encode(prompt, add_special_tokens=False)
-        sp = self._sampling_params(req, len(ids), "messages")
-        self.tm.check_accepting()
-        handle = await self.tm.submit(ids, sp, rid=req.rid, return_logprob=return_logprob, top_logprobs_num=top_n,
-                                      stream=req.stream, image_data=images or None)
+        prepared = self.tm.prepare(prompt, openai_sampling_overrides(req), param_names=_param_names(req, "messages"),
+                                   rid=req.rid, return_logprob=return_logprob, top_logprobs_num=top_n,
+                                   stream=req.stream, add_special_tokens=False, max_new_tokens_fills_context=True,
+                                   **media)
+        handle = await self.tm.submit(prepared)
         try:
             rid = f"chatcmpl-{handle.rid}"
             if req.stream:
@@ -163,7 +175,7 @@ class OpenAIServing:
             async for _ in handle.updates():
                 pass
             choices = []
-            for c in handle.ordered_choices():
+            for c in handle.choices:
                 choices.append({
                     "index": c.index,
                     "message": {"role": "assistant", "content": c.text},
@@ -172,8 +184,8 @@ class OpenAIServing:
                     "finish_reason": finish_reason_name(c.finish_reason),
                     "matched_stop": matched_stop(c.finish_reason),
                 })
-            return web.json_response({"id": rid, "object": "chat.completion", "created": int(handle.created),
-                                      "model": model, "choices": choices, "usage": self._usage([handle])})
+            return _json_response({"id": rid, "object": "chat.completion", "created": int(handle.created),
+                                   "model": model, "choices": choices, "usage": self._usage([handle])})
         except APIError as e:
             if e.param == "json_schema" and req.response_format is not None:
                 e.param = "response_format"  # the name the client used
@@ -227,28 +239,24 @@ class OpenAIServing:
         return resp
 
     # ---- completions ---------------------------------------------------------------------------------
-    def _completion_prompts(self, prompt: Any) -> list[tuple[list[int], str]]:
-        """[(token ids, prompt text)] for each prompt of the request."""
-        if isinstance(prompt, str):
+    def _completion_prompts(self, req: CompletionRequest, return_logprob: bool, top_n: int) -> list[tuple[Req, str]]:
+        """[(prepared request, prompt text)] for each prompt of the request."""
+        prompt = req.prompt
+        if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt)):
             prompts: list = [prompt]
-        elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [prompt]
         elif isinstance(prompt, list) and prompt:
             prompts = prompt
         else:
             raise bad_request("prompt must be a non-empty string, list of strings, or token ids", param="prompt")
+        overrides = openai_sampling_overrides(req)
+        logprob_start_len = 0 if (req.echo and return_logprob) else -1
         out = []
         for p in prompts:
-            if isinstance(p, str):
-                if not p:
-                    raise bad_request("prompt must not be empty", param="prompt")
-                out.append((self.tm.encode(p), p))
-            else:
-                if not p:
-                    raise bad_request("prompt token list must not be empty", param="prompt")
-                if any(not 0 <= t < self.tm.vocab_size for t in p):
-                    raise bad_request(f"prompt: token id out of range [0, {self.tm.vocab_size})", param="prompt")
-                out.append((list(p), self.tm.tokenizer.decode(p)))
+            prepared = self.tm.prepare(p, overrides, param_names=_param_names(req, "prompt"),
+                                       rid=req.rid if len(prompts) == 1 else None, return_logprob=return_logprob,
+                                       logprob_start_len=logprob_start_len, top_logprobs_num=top_n, stream=req.stream,
+                                       max_new_tokens_fills_context=True)
+            out.append((prepared, p if isinstance(p, str) else self.tm.tokenizer.decode(p)))
         return out
 
     async def completions(self, request: web.Request, body: Any) -> web.StreamResponse:
@@ -256,34 +264,28 @@ class OpenAIServing:
         model = self.check_model(req.model)
         check_completion_supported(req)
         return_logprob, top_n = completion_logprob_options(req)
-        prompts = self._completion_prompts(req.prompt)
-        sps = [self._sampling_params(req, len(ids), "prompt") for ids, _ in prompts]
-        logprob_start_len = 0 if (req.echo and return_logprob) else -1
-        self.tm.check_accepting()
+        prompts = self._completion_prompts(req, return_logprob, top_n)
         handles: list[RequestHandle] = []
         try:
-            for (ids, _), sp in zip(prompts, sps):
-                rid = req.rid if (req.rid and len(prompts) == 1) else None
-                handles.append(await self.tm.submit(ids, sp, rid=rid, return_logprob=return_logprob,
-                                                    logprob_start_len=logprob_start_len, top_logprobs_num=top_n,
-                                                    stream=req.stream))
+            for prepared, _ in prompts:
+                handles.append(await self.tm.submit(prepared))
             rid = f"cmpl-{handles[0].rid}"
-            n = sps[0].n
+            n = handles[0].n
             if req.stream:
                 return await self._stream_completion(request, handles, prompts, rid, model, req, return_logprob, top_n, n)
             async for _ in merge_updates(handles):
                 pass
             choices = []
             for p, (h, (_, prompt_text)) in enumerate(zip(handles, prompts)):
-                for c in h.ordered_choices():
+                for c in h.choices:
                     choices.append(self._completion_choice(p * n + c.index, c, prompt_text, req.echo, return_logprob, top_n))
-            return web.json_response({"id": rid, "object": "text_completion", "created": int(handles[0].created),
-                                      "model": model, "choices": choices, "usage": self._usage(handles)})
+            return _json_response({"id": rid, "object": "text_completion", "created": int(handles[0].created),
+                                   "model": model, "choices": choices, "usage": self._usage(handles)})
         finally:
             for h in handles:
                 await self.tm.release(h)
 
-    def _completion_choice(self, index: int, c: ChoiceState, prompt_text: str, echo: bool, return_logprob: bool,
+    def _completion_choice(self, index: int, c: OutputAccumulator, prompt_text: str, echo: bool, return_logprob: bool,
                            top_n: int) -> dict:
         text = (prompt_text + c.text) if echo else c.text
         logprobs = None

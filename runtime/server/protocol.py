@@ -1,8 +1,8 @@
-"""Request schemas of the native and OpenAI APIs, their validation, and conversion to SamplingParams.
+"""Request schemas of the native and OpenAI APIs: their shape, and the sampling-field dicts they carry.
 
-Sampling fields are never listed here: whatever body key is a SamplingParams field name goes through
-`SamplingParams.from_dict`; only the OpenAI names that differ (max_tokens, min_tokens,
-response_format) are translated.
+Sampling fields are never listed here: whatever body key is a SamplingParams field name is handed to
+`prepare_request` (runtime/server/prepare.py), which builds and checks the SamplingParams; only the
+OpenAI names that differ (max_tokens, min_tokens, response_format) are translated.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from braid.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
+from braid.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from braid.runtime.server.errors import APIError, bad_request
 
 SAMPLING_FIELDS = frozenset(SamplingParams.field_names())
@@ -108,28 +109,6 @@ def _unsupported(req: _OpenAIRequest, names: tuple[str, ...]) -> None:
             raise bad_request(f"{name} is not supported", param=name)
 
 
-def build_sampling_params(overrides: dict, vocab_size: Optional[int] = None) -> SamplingParams:
-    """SamplingParams from a dict of field values; every failure is a 400 naming the parameter."""
-    try:
-        sp = SamplingParams.from_dict(overrides)
-        sp.verify(vocab_size)
-    except SamplingParamsError as e:
-        raise bad_request(str(e), param=e.param) from None
-    except (TypeError, ValueError) as e:
-        raise bad_request(f"invalid sampling parameters: {e}", param=_culprit(overrides)) from None
-    return sp
-
-
-def _culprit(overrides: dict) -> Optional[str]:
-    """The first field that fails on its own (for errors SamplingParams raises without naming one)."""
-    for name, value in (overrides or {}).items():
-        try:
-            SamplingParams.from_dict({name: value}).verify()
-        except (TypeError, ValueError):
-            return name
-    return None
-
-
 def _check_int(value: Any, param: str, lo: int, hi: Optional[int] = None) -> None:
     if value is None:
         return
@@ -199,13 +178,14 @@ class GenerateRequest:
 
     prompts: list[Union[str, list[int]]]
     is_batch: bool
-    sampling_params: list[SamplingParams]
+    sampling_params: list[Optional[dict]]  # SamplingParams fields, one dict (or None) per prompt
     stream: bool = False
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     rids: Optional[list[str]] = None
-    image_data: list[Any] = field(default_factory=list)
+    image_data: list[Any] = field(default_factory=list)  # one entry per prompt
+    is_video: bool = False  # modalities says image_data holds video frames
 
 
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
@@ -216,7 +196,10 @@ def _is_id_list(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def parse_generate(body: Any, vocab_size: Optional[int] = None) -> GenerateRequest:
+_MODALITIES = ("image", "multi-images", "video")
+
+
+def parse_generate(body: Any) -> GenerateRequest:
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
     unknown = sorted(set(body) - _GENERATE_KEYS)
@@ -239,17 +222,14 @@ def parse_generate(body: Any, vocab_size: Optional[int] = None) -> GenerateReque
             prompts, is_batch = list(ids), True
         else:
             raise bad_request("input_ids must be a non-empty list of integers or of such lists", param="input_ids")
-        if vocab_size is not None and any(not 0 <= t < vocab_size for p in prompts for t in p):
-            raise bad_request(f"input_ids: token id out of range [0, {vocab_size})", param="input_ids")
 
     raw_sp = body.get("sampling_params")
-    if isinstance(raw_sp, list):
-        if len(raw_sp) != len(prompts):
-            raise bad_request("sampling_params list must have one entry per prompt", param="sampling_params")
-        sps = [build_sampling_params(x, vocab_size) for x in raw_sp]
-    else:
-        sp = build_sampling_params(raw_sp, vocab_size)
-        sps = [sp] * len(prompts)
+    sps = raw_sp if isinstance(raw_sp, list) else [raw_sp] * len(prompts)
+    if len(sps) != len(prompts):
+        raise bad_request("sampling_params list must have one entry per prompt", param="sampling_params")
+    if not all(sp is None or isinstance(sp, dict) for sp in sps):
+        raise bad_request("sampling_params must be an object (or a list with one object per prompt)",
+                          param="sampling_params")
 
     rid = body.get("rid")
     rids = None
@@ -267,17 +247,18 @@ def parse_generate(body: Any, vocab_size: Optional[int] = None) -> GenerateReque
         images = list(image_data)
     else:
         images = [image_data] * len(prompts)
+    modalities = body.get("modalities")
+    if modalities is not None and not (isinstance(modalities, list) and all(m in _MODALITIES for m in modalities)):
+        raise bad_request(f"modalities must be a list of {', '.join(_MODALITIES)}", param="modalities")
 
     for name in ("stream", "return_logprob"):
         if not isinstance(body.get(name, False), bool):
             raise bad_request(f"{name} must be a boolean", param=name)
-    logprob_start_len = body.get("logprob_start_len", -1)
-    _check_int(logprob_start_len, "logprob_start_len", -1)
-    top = body.get("top_logprobs_num", 0)
-    _check_int(top, "top_logprobs_num", 0, MAX_TOP_LOGPROBS)
     return GenerateRequest(prompts=prompts, is_batch=is_batch, sampling_params=sps, stream=body.get("stream", False),
-                           return_logprob=body.get("return_logprob", False), logprob_start_len=logprob_start_len,
-                           top_logprobs_num=top, rids=rids, image_data=images)
+                           return_logprob=body.get("return_logprob", False),
+                           logprob_start_len=body.get("logprob_start_len", -1),
+                           top_logprobs_num=body.get("top_logprobs_num", 0), rids=rids, image_data=images,
+                           is_video="video" in (modalities or ()))
 
 
 # ---- SSE ----------------------------------------------------------------------------------------
@@ -285,8 +266,16 @@ def parse_generate(body: Any, vocab_size: Optional[int] = None) -> GenerateReque
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+_json = msgspec.json.Encoder()
+
+
+def json_bytes(obj: Any) -> bytes:
+    """UTF-8 JSON of plain data (non-finite floats become null)."""
+    return _json.encode(obj)
+
+
 def sse_event(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
+    return b"data: " + _json.encode(obj) + b"\n\n"
 
 
 def api_error_event(err: APIError) -> bytes:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import braid
-from braid.backends.base import LogprobRequest, Prompt
+from braid.backends.base import CAP_GEN, CAP_IMAGE, CAP_VIDEO, LogprobRequest, Prompt
 from braid.backends.runtime import Runtime, server_args_to_cli
 from braid.backends.runtime_endpoint import RuntimeEndpoint
 from braid.chat_template import CHATML, LLAMA3
@@ -317,6 +317,21 @@ class _StubEngine:
 
     def get_stats(self):
         return {"num_running_reqs": 0}
+
+
+def test_image_capability_follows_the_served_model(fake, endpoint):
+    @braid.function
+    def with_image(s):
+        s += braid.user(braid.image(_tiny_png()) + "what?")
+        s += braid.assistant(braid.gen("a", max_tokens=4))
+
+    assert endpoint.supports(CAP_GEN) and not endpoint.supports(CAP_IMAGE) and not endpoint.supports(CAP_VIDEO)
+    with pytest.raises(braid.UnsupportedFeatureError, match="the served model fake-model takes no image input"):
+        with_image.run(backend=endpoint)
+    assert not fake.bodies("/generate")
+    multimodal = RuntimeEndpoint(fake.url)
+    multimodal._model_info = {"model_path": "llava", "is_multimodal": True}
+    assert multimodal.supports(CAP_IMAGE) and multimodal.supports(CAP_VIDEO)
 
 
 def test_local_engine_adapts_to_the_engine_signature(programs):

@@ -26,3 +26,10 @@ def test_bad_model_path_reports_the_schedulers_error():
     r = launch("--port", str(port), "--model-path", "/no/such/model")
     assert r.returncode == 1, r.stderr
     assert "scheduler failed to start" in r.stderr and "/no/such/model" in r.stderr
+
+
+def test_unbuilt_parallelism_fails_at_start_in_one_line():
+    for flag in ("--tp-size", "--dp-size"):
+        r = launch(flag, "2", timeout=60)
+        assert r.returncode == 2 and "not built yet" in r.stderr and f"{flag[2:4]}_size=2" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and "usage:" not in r.stderr and len(r.stderr.splitlines()) == 1

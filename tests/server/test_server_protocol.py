@@ -1,15 +1,19 @@
-"""Request validation and conversion to SamplingParams (no model, no server)."""
+"""Request validation and conversion to SamplingParams through the server's request preparation (a stand-in
+tokenizer, no model, no server)."""
 
 import json
 
 import pytest
 
+from braid.runtime.config import ServerArgs
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.errors import APIError, from_exception
+from braid.runtime.server.http_server import prepare_generate
+from braid.runtime.server.openai_api import _param_names
+from braid.runtime.server.prepare import ServedModel
 from braid.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    build_sampling_params,
     chat_logprob_options,
     check_chat_supported,
     check_completion_supported,
@@ -19,8 +23,28 @@ from braid.runtime.server.protocol import (
     parse_openai,
     sse_event,
 )
+from braid.runtime.server.tokenizer_manager import TokenizerManager
 
 MSGS = [{"role": "user", "content": "hi"}]
+CONTEXT = 8192
+
+
+class CharTokenizer:
+    """One token per character (ids below 100)."""
+
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def manager(vocab_size: int = 100) -> TokenizerManager:
+    tm = TokenizerManager(ServerArgs())
+    tm.served_model = ServedModel("m", "m", CharTokenizer(), context_len=CONTEXT, vocab_size=vocab_size)
+    return tm
 
 
 def chat(**body):
@@ -28,7 +52,13 @@ def chat(**body):
 
 
 def chat_sp(**body) -> SamplingParams:
-    return build_sampling_params(openai_sampling_overrides(chat(**body)), vocab_size=100)
+    req = chat(**body)
+    return manager().prepare("hi", openai_sampling_overrides(req), param_names=_param_names(req, "messages"),
+                             max_new_tokens_fills_context=True).sampling_params
+
+
+def native(body: dict, vocab_size: int = 100):
+    return prepare_generate(manager(vocab_size), parse_generate(body))
 
 
 def status_param(fn):
@@ -49,7 +79,7 @@ def test_chat_fields_map_to_sampling_params():
 
 def test_max_completion_tokens_wins_over_max_tokens():
     assert chat_sp(max_tokens=5, max_completion_tokens=9).max_new_tokens == 9
-    assert chat_sp().max_new_tokens == SamplingParams().max_new_tokens  # the server fills the context default
+    assert chat_sp().max_new_tokens == CONTEXT - 2  # no max_tokens: the rest of the context
 
 
 def test_unset_fields_keep_defaults():
@@ -121,15 +151,25 @@ def test_completion_default_max_tokens_is_openais():
 
 def test_parse_generate_single_batch_and_ids():
     g = parse_generate({"text": "a", "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
-    assert g.prompts == ["a"] and not g.is_batch and g.sampling_params[0].max_new_tokens == 3
+    assert g.prompts == ["a"] and not g.is_batch and g.sampling_params[0]["max_new_tokens"] == 3
     g = parse_generate({"text": ["a", "b"], "rid": ["r1", "r2"], "stream": True})
     assert g.is_batch and g.rids == ["r1", "r2"] and g.stream and len(g.sampling_params) == 2
-    g = parse_generate({"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 2}, {"n": 2}]}, vocab_size=10)
-    assert g.prompts == [[1, 2], [3]] and g.sampling_params[1].n == 2
+    g = parse_generate({"input_ids": [[1, 2], [3]], "sampling_params": [{"n": 2}, {"n": 2}]})
+    assert g.prompts == [[1, 2], [3]] and g.sampling_params[1]["n"] == 2
     g = parse_generate({"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 3,
                         "image_data": "data:image/png;base64,AAAA"})
     assert g.prompts == [[5, 6]] and g.return_logprob and g.top_logprobs_num == 3
-    assert g.image_data == ["data:image/png;base64,AAAA"]
+    assert g.image_data == ["data:image/png;base64,AAAA"] and not g.is_video
+    assert parse_generate({"text": "a", "image_data": ["f1", "f2"], "modalities": ["video"]}).is_video
+
+
+def test_prepare_generate_builds_requests():
+    reqs = native({"text": ["ab", "cd"], "sampling_params": [{"max_new_tokens": 3}, {"n": 2}], "rid": ["x", "y"],
+                   "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2})
+    assert [r.rid for r in reqs] == ["x", "y"] and reqs[0].input_ids == [ord("a"), ord("b")]
+    assert reqs[0].sampling_params.max_new_tokens == 3 and reqs[1].sampling_params.n == 2
+    assert reqs[1].sampling_params.max_new_tokens == SamplingParams().max_new_tokens  # the native default stays
+    assert (reqs[0].return_logprob, reqs[0].logprob_start_len, reqs[0].top_logprobs_num) == (True, 1, 2)
 
 
 @pytest.mark.parametrize("body,param", [
@@ -138,17 +178,45 @@ def test_parse_generate_single_batch_and_ids():
     ({"text": 5}, "text"),
     ({"input_ids": [1, 99]}, "input_ids"),
     ({"input_ids": []}, "input_ids"),
+    ({"text": ""}, "text"),
     ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
     ({"text": "a", "sampling_params": {"max_new_tokens": -2}}, "max_new_tokens"),
+    ({"text": "a", "sampling_params": {"max_new_tokens": CONTEXT}}, "max_new_tokens"),
+    ({"text": "a" * CONTEXT}, "text"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [50]}}, "stop_token_ids"),
     ({"text": "a", "sampling_params": "x"}, "sampling_params"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num"),
+    ({"text": "a", "logprob_start_len": -2}, "logprob_start_len"),
+    ({"text": "ab", "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
     ({"text": "a", "stream": "yes"}, "stream"),
     ({"text": ["a", "b"], "rid": ["x", "x"]}, "rid"),
     ({"text": "a", "temperature": 0}, "temperature"),
+    ({"text": "a", "modalities": ["smell"]}, "modalities"),
+    ({"text": "a", "image_data": "data:image/png;base64,AAAA"}, "image_data"),
+    ({"text": "a", "image_data": ["f1"], "modalities": ["video"]}, "image_data"),
 ])
-def test_parse_generate_errors(body, param):
-    assert status_param(lambda: parse_generate(body, vocab_size=50)) == (400, param)
+def test_native_request_errors(body, param):
+    assert status_param(lambda: native(body, vocab_size=50)) == (400, param)
+
+
+def test_over_context_is_context_length_exceeded_in_the_routes_names():
+    with pytest.raises(APIError) as ei:
+        native({"text": "a", "sampling_params": {"max_new_tokens": CONTEXT}})
+    assert ei.value.code == "context_length_exceeded" and "max_new_tokens" in ei.value.message
+    req = chat(max_tokens=CONTEXT)
+    with pytest.raises(APIError) as ei:
+        manager().prepare("hi", openai_sampling_overrides(req), param_names=_param_names(req, "messages"))
+    assert (ei.value.param, ei.value.code) == ("max_tokens", "context_length_exceeded")
+    assert "max_tokens" in ei.value.message and "max_new_tokens" not in ei.value.message
+
+
+def test_media_for_a_text_only_model_is_a_400_naming_the_model():
+    for kind in ("image_data", "video_data", "audio_data"):
+        with pytest.raises(APIError) as ei:
+            manager().prepare("hi", None, param_names=_param_names(chat(), "messages"), **{kind: ["u"]})
+        assert ei.value.status == 400 and ei.value.param == "messages"
+        assert "model m takes no " + kind.split("_")[0] + " input" in ei.value.message
 
 
 def test_error_objects():
@@ -163,4 +231,4 @@ def test_error_objects():
 
 
 def test_sse_event_format():
-    assert sse_event({"text": "é"}) == 'data: {"text": "é"}\n\n'.encode()
+    assert sse_event({"text": "é", "lp": float("-inf")}) == 'data: {"text":"é","lp":null}\n\n'.encode()

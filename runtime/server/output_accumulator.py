@@ -1,0 +1,152 @@
+"""Folding a choice's scheduler outputs into its result: ids (jump-forward may rewrite recent ones), text
+(detokenized incrementally, stop token and stop strings trimmed), logprobs and usage. The Engine and the
+server's request handles both use `OutputAccumulator`; an output may carry any number of new tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.server.detokenizer import IncrementalDetokenizer
+
+ABORTED = {"type": "abort", "matched": None}
+
+
+def _pairs(entries: Optional[list]) -> list:
+    return [tuple(x) for x in entries or []]
+
+
+def _top_pairs(entries: Optional[list]) -> list:
+    return [None if pos is None else [tuple(y) for y in pos] for pos in entries or []]
+
+
+@dataclass
+class ChoiceUpdate:
+    """One output applied to one choice: `delta` is the new text; the `new_*` lists are its logprobs."""
+
+    choice: "OutputAccumulator"
+    delta: str
+    new_token_logprobs: list
+    new_top_logprobs: list
+    finished: bool
+    text: str  # the choice's text after this update (the choice keeps changing after)
+    output_ids: list[int]  # the choice's output ids after this update
+
+    @property
+    def index(self) -> int:
+        return self.choice.index
+
+
+class OutputAccumulator:
+    """Everything received so far for one choice (one of the n outputs of a request)."""
+
+    def __init__(self, index: int, tokenizer: Any, sampling_params: SamplingParams, prompt_tokens: int,
+                 return_logprob: bool = False):
+        self.index = index
+        self.detokenizer = IncrementalDetokenizer(tokenizer, sampling_params)
+        self.return_logprob = return_logprob
+        self.output_ids: list[int] = []
+        self.text = ""  # text emitted so far (stop strings trimmed, no partial characters)
+        self.output_token_logprobs: list = []  # [(logprob, id)]
+        self.output_top_logprobs: list = []  # [[(logprob, id), ...] | None]
+        self.input_token_logprobs: Optional[list] = None
+        self.input_top_logprobs: Optional[list] = None
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.completion_tokens_wo_jump_forward = 0
+        self.finish_reason: Optional[dict] = None
+        self.finished = False
+
+    def add(self, out: Any) -> Optional[ChoiceUpdate]:
+        """Apply one scheduler output (a `ReqOutput` or a wire `Output`); None once the choice has finished."""
+        if self.finished:
+            return None
+        offset = out.output_ids_offset
+        new_ids = list(out.new_token_ids)
+        self.output_ids[offset:] = new_ids
+        new_lp, new_top = [], []
+        if self.return_logprob:
+            # logprobs only ever append (jump-forward tokens were not sampled and carry none)
+            new_lp, new_top = _pairs(out.output_token_logprobs), _top_pairs(out.output_top_logprobs)
+            self.output_token_logprobs.extend(new_lp)
+            self.output_top_logprobs.extend(new_top)
+            if out.input_token_logprobs is not None:
+                self.input_token_logprobs = _pairs(out.input_token_logprobs)
+                self.input_top_logprobs = _top_pairs(out.input_top_logprobs)
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = out.completion_tokens
+        self.cached_tokens = out.cached_tokens
+        self.completion_tokens_wo_jump_forward = out.completion_tokens_wo_jump_forward
+        detok_ids = new_ids
+        matched = (out.finish_reason or {}).get("matched")
+        if out.finished and isinstance(matched, int) and new_ids and new_ids[-1] == matched:
+            detok_ids = new_ids[:-1]  # the stop token is no part of the text: never show it to the detokenizer
+        delta = self.detokenizer.update(offset, detok_ids)
+        if out.finished:
+            self.finish_reason = out.finish_reason or dict(ABORTED)
+            delta += self.detokenizer.finish()
+            self.finished = True
+        self.text += delta
+        return ChoiceUpdate(self, delta, new_lp, new_top, self.finished, self.text, list(self.output_ids))
+
+    def abort(self, message: Optional[str] = None) -> Optional[ChoiceUpdate]:
+        """Finish the choice with finish_reason abort, keeping what it produced."""
+        reason = dict(ABORTED)
+        if message:
+            reason["message"] = message
+        return self.add(_Abort(self.index, len(self.output_ids), reason, self.prompt_tokens, self.completion_tokens,
+                               self.cached_tokens, self.completion_tokens_wo_jump_forward))
+
+    def meta_info(self, rid: str, token_text: Optional[Callable[[int], str]] = None) -> dict:
+        """The native API's meta_info; with `token_text`, logprob entries carry the token's text third."""
+        meta = {"id": rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "cached_tokens": self.cached_tokens,
+                "completion_tokens_wo_jump_forward": self.completion_tokens_wo_jump_forward,
+                "finish_reason": self.finish_reason}
+        if self.return_logprob:
+            meta["input_token_logprobs"] = _entries(self.input_token_logprobs, token_text)
+            meta["input_top_logprobs"] = _top_entries(self.input_top_logprobs, token_text)
+            meta["output_token_logprobs"] = _entries(self.output_token_logprobs, token_text)
+            meta["output_top_logprobs"] = _top_entries(self.output_top_logprobs, token_text)
+        return meta
+
+    def native_result(self, rid: str, token_text: Optional[Callable[[int], str]] = None,
+                      update: Optional[ChoiceUpdate] = None) -> dict:
+        """The native API's result object; with `update`, the text and ids as of that update."""
+        text, ids = (self.text, list(self.output_ids)) if update is None else (update.text, update.output_ids)
+        return {"text": text, "output_ids": ids, "meta_info": self.meta_info(rid, token_text)}
+
+
+@dataclass
+class _Abort:
+    """A scheduler-output-shaped record for a choice finished on this side."""
+
+    index: int
+    output_ids_offset: int
+    finish_reason: dict
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    completion_tokens_wo_jump_forward: int
+    new_token_ids: tuple = ()
+    finished: bool = True
+    output_token_logprobs: None = None
+    output_top_logprobs: None = None
+    input_token_logprobs: None = None
+    input_top_logprobs: None = None
+
+
+def _entries(entries: Optional[list], token_text: Optional[Callable[[int], str]]) -> Optional[list]:
+    if entries is None:
+        return None
+    if token_text is None:
+        return [[lp, tid] for lp, tid in entries]
+    return [[lp, tid, token_text(tid)] for lp, tid in entries]
+
+
+def _top_entries(entries: Optional[list], token_text: Optional[Callable[[int], str]]) -> Optional[list]:
+    if entries is None:
+        return None
+    return [None if pos is None else _entries(pos, token_text) for pos in entries]

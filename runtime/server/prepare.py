@@ -1,0 +1,174 @@
+"""One path from user input to a `Req`: tokenization, the request's own validation, its SamplingParams.
+
+The in-process Engine and the HTTP server both call `prepare_request`; the server then sends the Req to
+the scheduler process as a `GenerateReq`. Nothing here imports aiohttp or zmq. A user's mistake raises
+`RequestError` (or `SamplingParamsError`), ValueErrors that name the parameter; the server answers them
+with HTTP 400. The scheduler validates again as the last line of defence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from braid.runtime.core import Req
+from braid.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
+
+
+class RequestError(ValueError):
+    """A request a user got wrong. `param` names the field (in `prepare_request`'s own names), `code` is
+    the OpenAI error code when there is one."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What request preparation needs to know about the model being served."""
+
+    model_path: str
+    name: str  # the served model name
+    tokenizer: Any
+    context_len: int
+    vocab_size: int
+    kv_total_tokens: Optional[int] = None
+    is_multimodal: bool = False  # has a vision tower: takes images and video
+    is_generation: bool = True
+
+    @classmethod
+    def from_model_info(cls, model_path: str, name: str, tokenizer: Any, context_len: int, vocab_size: int,
+                        model_info: dict) -> "ServedModel":
+        """From the scheduler's `Ready.model_info` (a missing key means the model lacks the feature)."""
+        kv_total = model_info.get("kv_total_tokens")
+        return cls(model_path=model_path, name=name, tokenizer=tokenizer, context_len=context_len,
+                   vocab_size=vocab_size, kv_total_tokens=kv_total if isinstance(kv_total, int) else None,
+                   is_multimodal=bool(model_info.get("is_multimodal", False)),
+                   is_generation=bool(model_info.get("is_generation", True)))
+
+    @property
+    def room(self) -> int:
+        """Tokens one request may span: the context, or the KV pool when that is smaller."""
+        if self.kv_total_tokens is None:
+            return self.context_len
+        return min(self.context_len, self.kv_total_tokens)
+
+    def public_info(self) -> dict:
+        """The body of /get_model_info (and `Engine.get_model_info()`)."""
+        return {"model_path": self.model_path, "served_model_name": self.name, "context_length": self.context_len,
+                "vocab_size": self.vocab_size, "chat_template": getattr(self.tokenizer, "chat_template", None),
+                "is_generation": self.is_generation, "is_multimodal": self.is_multimodal}
+
+
+def prepare_request(model: ServedModel, prompt: Union[str, list[int]],
+                    sampling_params: Union[None, dict, SamplingParams] = None, *, rid: str,
+                    return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                    stream: bool = False, image_data: Any = None, video_data: Any = None, audio_data: Any = None,
+                    add_special_tokens: bool = True, max_new_tokens_fills_context: bool = False) -> Req:
+    """Tokenize `prompt` (text, or token ids taken as they are), check the request against the model and
+    build its Req.
+
+    `sampling_params` given as a dict (or None) goes through `SamplingParams.from_dict`; with
+    `max_new_tokens_fills_context` a dict without max_new_tokens may generate the rest of the context
+    (the OpenAI routes), otherwise SamplingParams' default applies. Param names in errors: prompt,
+    max_new_tokens, logprob_start_len, top_logprobs_num, image_data, video_data, audio_data, or the
+    sampling field at fault.
+    """
+    _check_media(model, image_data, video_data, audio_data)
+    input_ids = _tokenize(model, prompt, add_special_tokens)
+    sp = _sampling_params(model, sampling_params, len(input_ids), max_new_tokens_fills_context)
+    _check_length(model, len(input_ids), sp.max_new_tokens)
+    _check_logprobs(len(input_ids), return_logprob, logprob_start_len, top_logprobs_num)
+    return Req(rid=rid, input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
+               logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream)
+
+
+def _has_media(data: Any) -> bool:
+    return data is not None and data != [] and data != ""
+
+
+def _check_media(model: ServedModel, image_data: Any, video_data: Any, audio_data: Any) -> None:
+    if _has_media(audio_data):
+        raise RequestError(f"model {model.name} takes no audio input", "audio_data", "unsupported_input")
+    for kind, data in (("image", image_data), ("video", video_data)):
+        if not _has_media(data):
+            continue
+        if not model.is_multimodal:
+            raise RequestError(f"model {model.name} takes no {kind} input (it has no vision tower)", f"{kind}_data",
+                               "unsupported_input")
+        raise RequestError(f"{kind} input to model {model.name} needs multimodal preprocessing, which braid does not "
+                           "have yet", f"{kind}_data", "unsupported_input")
+
+
+def _tokenize(model: ServedModel, prompt: Union[str, list[int]], add_special_tokens: bool) -> list[int]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise RequestError("the prompt is empty", "prompt")
+        return list(model.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise RequestError("the prompt must be a string or a list of token ids", "prompt")
+    if not prompt:
+        raise RequestError("the prompt is empty", "prompt")
+    if any(not 0 <= t < model.vocab_size for t in prompt):
+        raise RequestError(f"the prompt holds a token id outside the vocabulary [0, {model.vocab_size})", "prompt")
+    return list(prompt)
+
+
+def _sampling_params(model: ServedModel, given: Union[None, dict, SamplingParams], prompt_len: int,
+                     max_new_tokens_fills_context: bool) -> SamplingParams:
+    if isinstance(given, SamplingParams):
+        sp = given
+    else:
+        if given is not None and not isinstance(given, dict):
+            raise SamplingParamsError("sampling_params must be an object", "sampling_params")
+        overrides = dict(given or {})
+        if max_new_tokens_fills_context and overrides.get("max_new_tokens") is None:
+            overrides["max_new_tokens"] = max(model.room - prompt_len, 0)
+        try:
+            sp = SamplingParams.from_dict(overrides)
+        except SamplingParamsError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise SamplingParamsError(f"invalid sampling parameters: {e}", _culprit(overrides)) from None
+    try:
+        sp.verify(model.vocab_size)
+    except SamplingParamsError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise SamplingParamsError(f"invalid sampling parameters: {e}", _culprit(sp.to_dict(drop_defaults=True))) from None
+    return sp
+
+
+def _culprit(fields: dict) -> Optional[str]:
+    """The first field that fails on its own (for errors SamplingParams raises without naming one)."""
+    for name, value in fields.items():
+        try:
+            SamplingParams.from_dict({name: value}).verify()
+        except (TypeError, ValueError):
+            return name
+    return None
+
+
+def _check_length(model: ServedModel, prompt_len: int, max_new_tokens: int) -> None:
+    if prompt_len >= model.context_len:
+        raise RequestError(f"The prompt is {prompt_len} tokens, the model's context is {model.context_len} tokens",
+                           "prompt", "context_length_exceeded")
+    if prompt_len + max_new_tokens > model.context_len:
+        raise RequestError(f"The prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+                           f"model's context of {model.context_len} tokens", "max_new_tokens", "context_length_exceeded")
+    if model.kv_total_tokens is not None and prompt_len + max_new_tokens > model.kv_total_tokens:
+        raise RequestError(f"The prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the KV "
+                           f"cache of {model.kv_total_tokens} tokens", "max_new_tokens", "context_length_exceeded")
+
+
+def _check_logprobs(prompt_len: int, return_logprob: bool, logprob_start_len: int, top_logprobs_num: int) -> None:
+    for name, value, low in (("logprob_start_len", logprob_start_len, -1), ("top_logprobs_num", top_logprobs_num, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise RequestError(f"{name} must be an integer >= {low}, got {value!r}", name)
+    if top_logprobs_num > MAX_TOP_LOGPROBS:
+        raise RequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}",
+                           "top_logprobs_num")
+    if return_logprob and logprob_start_len >= prompt_len:
+        raise RequestError(f"logprob_start_len must be < the prompt length ({prompt_len})", "logprob_start_len")

@@ -1,0 +1,142 @@
+"""The server's side of one submitted request: its choices' accumulators, latency metrics, local aborts.
+
+`TokenizerManager.submit()` returns a `RequestHandle`; the HTTP handler iterates `handle.updates()` (one
+`ChoiceUpdate` per scheduler output, several tokens each when the scheduler streams at an interval) and
+calls `TokenizerManager.release(handle)` when it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator, Optional
+
+from braid.runtime.core import Req
+from braid.runtime.server import messages as M
+from braid.runtime.server.errors import APIError, bad_request
+from braid.runtime.server.metrics import ServerMetrics
+from braid.runtime.server.output_accumulator import ChoiceUpdate, OutputAccumulator
+
+if TYPE_CHECKING:
+    from braid.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class _LocalAbort:
+    message: Optional[str] = None
+
+
+class RequestHandle:
+    def __init__(self, req: Req, tokenizer, metrics: ServerMetrics):
+        self.req = req
+        self.rid = req.rid
+        self.stream = req.stream
+        self.prompt_ids = req.input_ids
+        self.sampling_params = req.sampling_params
+        self.return_logprob = req.return_logprob
+        self.top_logprobs_num = req.top_logprobs_num
+        self.n = req.sampling_params.n
+        self.metrics = metrics
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.choices = [OutputAccumulator(i, tokenizer, req.sampling_params, len(req.input_ids), req.return_logprob)
+                        for i in range(self.n)]
+        self.created = time.time()
+        self._arrival = time.perf_counter()
+        self._last_token_time: Optional[float] = None
+        self.num_finished = 0
+        self.released = False
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished >= self.n
+
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+        """Yields until every choice finished; raises APIError if the scheduler rejected the request."""
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, APIError):
+                self.num_finished = self.n
+                raise item
+            if isinstance(item, _LocalAbort):
+                for c in self.choices:
+                    update = c.abort(item.message)
+                    if update is not None:
+                        self._count_finished(c)
+                        yield update
+                continue
+            error = _grammar_failure(item, self.sampling_params)
+            if error is not None:
+                self.num_finished = self.n
+                raise error
+            update = self._apply(item)
+            if update is not None:
+                yield update
+
+    def _apply(self, out: M.Output) -> Optional[ChoiceUpdate]:
+        c = self.choices[out.index]
+        if c.finished:
+            return None
+        if out.new_token_ids and self.stream:  # non-streamed requests report all tokens at once: no latencies
+            now = time.perf_counter()
+            if self._last_token_time is None:
+                self.metrics.observe_first_token(now - self._arrival)
+            else:
+                self.metrics.observe_tokens(now - self._last_token_time, len(out.new_token_ids))
+            self._last_token_time = now
+        update = c.add(out)
+        if update.finished:
+            self._count_finished(c)
+        return update
+
+    def _count_finished(self, c: OutputAccumulator) -> None:
+        self.num_finished += 1
+        if self.finished:
+            self.metrics.observe_finished(time.perf_counter() - self._arrival,
+                                          aborted=c.finish_reason.get("type") == "abort")
+
+    def abort_locally(self, message: Optional[str] = None) -> None:
+        """Finish every unfinished choice with finish_reason abort (later scheduler outputs are dropped)."""
+        self.queue.put_nowait(_LocalAbort(message))
+
+
+def _grammar_failure(out: M.Output, sp: "SamplingParams") -> Optional[APIError]:
+    """A request the scheduler aborted because its regex/schema could not be compiled: the client's error."""
+    reason = out.finish_reason if out.finished else None
+    if not reason or reason.get("type") != "abort" or not str(reason.get("message", "")).startswith("grammar error"):
+        return None
+    return bad_request(reason["message"], param="regex" if sp.regex is not None else "json_schema")
+
+
+async def merge_updates(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, ChoiceUpdate]]:
+    """Updates of several requests as they arrive, tagged with the handle's position in `handles`."""
+    if len(handles) == 1:
+        async for update in handles[0].updates():
+            yield 0, update
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for update in handle.updates():
+                queue.put_nowait((i, update))
+        except APIError as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, APIError):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
