@@ -16,9 +16,19 @@ from braid.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from braid.runtime.layers.attention.base import AttentionBackend
+    from braid.runtime.layers.sampler import SamplingBatchInfo
     from braid.runtime.mem_cache.pools import KVPool, ReqToTokenPool
 
-__all__ = ["SamplingParams", "ForwardMode", "FinishReason", "Req", "ReqOutput", "ForwardBatch"]
+__all__ = ["SamplingParams", "ForwardMode", "FinishReason", "Req", "ReqOutput", "ForwardBatch", "ForwardOutput",
+           "host_to_device"]
+
+
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`; to CUDA through pinned memory with a copy that does not wait for the GPU."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
 
 
 class ForwardMode(enum.IntEnum):
@@ -127,12 +137,65 @@ class ForwardBatch:
     req_to_token_pool: Optional["ReqToTokenPool"] = None
     token_to_kv_pool: Optional["KVPool"] = None
     attn_backend: Optional["AttentionBackend"] = None
-    # logits: which rows of the hidden states need logits ([N] int64 into T); None -> last per request
+    # prompt logprobs: rows of the hidden states whose logits score the next prompt token ([N] int64 into T),
+    # and those tokens ([N] int64); None when no request asks for prompt logprobs
     logits_indices: Optional[torch.Tensor] = None
+    logits_targets: Optional[torch.Tensor] = None
+    # filled by the scheduler: how to sample each request's next token (None: no sampling, logits only)
+    sampling_info: Optional["SamplingBatchInfo"] = None
     # multimodal inputs (models that take them read what they need)
     mm_inputs: Optional[list] = None
     # attention-backend-specific metadata
     attn_metadata: Any = None
+
+
+@dataclass
+class ForwardOutput:
+    """What ModelRunner.forward returns: sampled ids and the logprobs asked for, on the device, plus their host copy.
+
+    `copy_to_host()` starts non-blocking copies into pinned memory; `host()` waits for them (an overlapped decode
+    step launches the next step in between)."""
+
+    next_token_ids: torch.Tensor  # [B] int64
+    next_token_logprobs: Optional[torch.Tensor] = None  # [B] fp32, of the sampled ids under the raw distribution
+    next_top_logprobs: Optional[torch.Tensor] = None  # [B, k] fp32
+    next_top_ids: Optional[torch.Tensor] = None  # [B, k] int64
+    input_token_logprobs: Optional[torch.Tensor] = None  # [N] fp32, rows ForwardBatch.logits_indices
+    input_top_logprobs: Optional[torch.Tensor] = None  # [N, k]
+    input_top_ids: Optional[torch.Tensor] = None  # [N, k]
+    _host: Optional[dict] = None
+    _ready: Any = None  # torch.cuda.Event recorded after the copies
+
+    _FIELDS = ("next_token_ids", "next_token_logprobs", "next_top_logprobs", "next_top_ids",
+               "input_token_logprobs", "input_top_logprobs", "input_top_ids")
+
+    def copy_to_host(self) -> "ForwardOutput":
+        on_cuda = self.next_token_ids.is_cuda
+        host = {}
+        for name in self._FIELDS:
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if on_cuda:
+                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                buf.copy_(t, non_blocking=True)
+                host[name] = buf
+            else:
+                host[name] = t
+        if on_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._host = host
+        return self
+
+    def host(self) -> dict[str, list]:
+        """Waits for the copies; returns each present field as (nested) Python lists."""
+        if self._host is None:
+            self.copy_to_host()
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        return {name: t.tolist() for name, t in self._host.items()}
 
 
 @dataclass

@@ -81,40 +81,46 @@ class Engine:
         self._loop(sched)
 
     def _loop(self, sched) -> None:
-        while True:
-            with self._wake:
-                while not self._inbox and not sched.has_work() and not self._closed:
-                    self._wake.wait()
-                if self._closed:
-                    return
-                inbox, self._inbox = self._inbox, []
-            for kind, payload in inbox:
-                if kind == "add":
-                    req, pending = payload
-                    try:
-                        sched.add_request(req)
-                    except Exception as e:  # noqa: BLE001 - handed to the caller
-                        pending.events.put(("error", e))
-                elif kind == "abort":
-                    sched.abort_request(payload)
-                else:
-                    fn, box = payload
-                    try:
-                        box.put(("ok", fn()))
-                    except Exception as e:  # noqa: BLE001
-                        box.put(("error", e))
-            try:
-                outputs = sched.step()
-            except BaseException as e:  # a bug: fail every waiting caller rather than hang them
-                logger.exception("scheduler step failed")
-                self._error = e
-                for p in list(self._pending.values()):
-                    p.events.put(("error", e))
-                return
-            for out in outputs:
-                p = self._pending.get(out.rid)
-                if p is not None:
-                    p.events.put(("out", out))
+        from braid.runtime.scheduler.scheduler import run_scheduler_loop
+
+        try:
+            run_scheduler_loop(sched, self)
+        except BaseException as e:  # a bug: fail every waiting caller rather than hang them
+            logger.exception("scheduler step failed")
+            self._error = e
+            for p in list(self._pending.values()):
+                p.events.put(("error", e))
+
+    # ---- SchedulerIO (runs on the scheduler thread) ----
+    def receive(self, sched, block: bool) -> bool:
+        with self._wake:
+            while block and not self._inbox and not self._closed:
+                self._wake.wait()
+            if self._closed:
+                return False
+            inbox, self._inbox = self._inbox, []
+        for kind, payload in inbox:
+            if kind == "add":
+                req, pending = payload
+                try:
+                    sched.add_request(req)
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    pending.events.put(("error", e))
+            elif kind == "abort":
+                sched.abort_request(payload)
+            else:
+                fn, box = payload
+                try:
+                    box.put(("ok", fn()))
+                except Exception as e:  # noqa: BLE001
+                    box.put(("error", e))
+        return True
+
+    def send_outputs(self, outputs) -> None:
+        for out in outputs:
+            p = self._pending.get(out.rid)
+            if p is not None:
+                p.events.put(("out", out))
 
     def _call(self, fn):
         box: "queue.Queue" = queue.Queue()
@@ -236,9 +242,8 @@ class Engine:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=10)
         sched, self.scheduler = self.scheduler, None
-        gb = sched._grammar_backend if sched is not None else None
-        if gb is not None:
-            gb.shutdown()
+        if sched is not None:
+            sched.shutdown()
         if sched is not None and not self._thread.is_alive():
             # the model, KV pool and radix tree hold reference cycles: free their memory now, not at the next gc
             del sched

@@ -1,50 +1,64 @@
-"""Vectorized sampling over a batch: penalties, grammar masks, greedy/temperature/top-k/top-p/min-p, seeds, logprobs."""
+"""Vectorized sampling over a batch: penalties, vocab masks, greedy/temperature/top-k/top-p/min-p, seeds.
+
+`SamplingBatchInfo` is built once per batch composition on the host and moved to the device with pinned,
+non-blocking copies; a chained decode step reuses it (`filter` drops the rows of requests that left). A batch
+that is all greedy without penalties or masks builds no tensors at all.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
+from braid.runtime.core import host_to_device as _to_device
+
 
 @dataclass
 class SamplingBatchInfo:
-    temperatures: torch.Tensor  # [B, 1] fp32 (0 -> greedy)
-    top_ps: torch.Tensor  # [B] fp32
-    top_ks: torch.Tensor  # [B] int64 (vocab size when disabled)
-    min_ps: torch.Tensor  # [B] fp32
     is_greedy: list[bool]
     generators: list[Optional[torch.Generator]]  # per-request seeded generators (None: shared RNG)
+    all_greedy: bool
+    # None when all_greedy
+    temperatures: Optional[torch.Tensor] = None  # [B, 1] fp32 (0 -> greedy)
+    top_ps: Optional[torch.Tensor] = None  # [B] fp32
+    top_ks: Optional[torch.Tensor] = None  # [B] int64 (vocab size when disabled)
+    min_ps: Optional[torch.Tensor] = None  # [B] fp32
+    need_top_k_filter: bool = False
+    need_top_p_filter: bool = False
+    need_min_p_filter: bool = False
     # penalties (None when no request in the batch uses them)
     frequency_penalties: Optional[torch.Tensor] = None  # [B, 1]
     presence_penalties: Optional[torch.Tensor] = None  # [B, 1]
     repetition_penalties: Optional[torch.Tensor] = None  # [B, 1]
     output_counts: Optional[torch.Tensor] = None  # [B, V] int32, counts of each token in the output so far
     seen_tokens: Optional[torch.Tensor] = None  # [B, V] bool, tokens in prompt or output (repetition penalty)
-    # [B, V] bool: True = allowed (grammar masks, min_new_tokens bans); None when unconstrained
+    # [B, V] bool: True = allowed (grammar masks, min_new_tokens bans); set per step by the scheduler
     vocab_mask: Optional[torch.Tensor] = None
-    need_top_k_filter: bool = False
-    need_top_p_filter: bool = False
-    need_min_p_filter: bool = False
+    # logprobs of the sampled tokens: None = not wanted; else how many top alternatives (max over the batch)
+    logprob_top_k: Optional[int] = None
 
     @classmethod
-    def build(cls, reqs, vocab_size: int, device: torch.device) -> "SamplingBatchInfo":
+    def build(cls, reqs, vocab_size: int, device: torch.device,
+              discarded: Optional[list[bool]] = None) -> "SamplingBatchInfo":
+        """discarded[i]: row i's sample is thrown away (a prefill chunk); it must not draw from a seeded generator."""
         params = [r.sampling_params for r in reqs]
+        is_greedy = [p.is_greedy for p in params]
+        generators = [None if discarded and discarded[i] else r.generator for i, r in enumerate(reqs)]
+        want_lp = [r.top_logprobs_num for r in reqs if r.return_logprob]
+        info = cls(is_greedy=is_greedy, generators=generators, all_greedy=all(is_greedy),
+                   logprob_top_k=max(want_lp) if want_lp else None)
         B = len(reqs)
-        temps = torch.tensor([max(p.temperature, 0.0) for p in params], dtype=torch.float32, device=device).view(B, 1)
-        top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-        info = cls(
-            temperatures=temps,
-            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            is_greedy=[p.is_greedy for p in params],
-            generators=[r.generator for r in reqs],
-            need_top_k_filter=any(k < vocab_size for k in top_ks),
-            need_top_p_filter=any(p.top_p < 1.0 for p in params),
-            need_min_p_filter=any(p.min_p > 0.0 for p in params),
-        )
+        if not info.all_greedy:
+            top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+            info.temperatures = _to_device([max(p.temperature, 0.0) for p in params], torch.float32, device).view(B, 1)
+            info.top_ps = _to_device([p.top_p for p in params], torch.float32, device)
+            info.top_ks = _to_device(top_ks, torch.int64, device)
+            info.min_ps = _to_device([p.min_p for p in params], torch.float32, device)
+            info.need_top_k_filter = any(k < vocab_size for k in top_ks)
+            info.need_top_p_filter = any(p.top_p < 1.0 for p in params)
+            info.need_min_p_filter = any(p.min_p > 0.0 for p in params)
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             counts = torch.zeros(B, vocab_size, dtype=torch.int32, device=device)
             for i, r in enumerate(reqs):
@@ -52,16 +66,30 @@ class SamplingBatchInfo:
                     ids = torch.tensor(r.output_ids, dtype=torch.int64, device=device)
                     counts[i].scatter_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
             info.output_counts = counts
-            info.frequency_penalties = torch.tensor([p.frequency_penalty for p in params], device=device).view(B, 1)
-            info.presence_penalties = torch.tensor([p.presence_penalty for p in params], device=device).view(B, 1)
+            info.frequency_penalties = _to_device([p.frequency_penalty for p in params], torch.float32, device).view(B, 1)
+            info.presence_penalties = _to_device([p.presence_penalty for p in params], torch.float32, device).view(B, 1)
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = torch.zeros(B, vocab_size, dtype=torch.bool, device=device)
             for i, r in enumerate(reqs):
-                ids = torch.tensor(r.input_ids + r.output_ids, dtype=torch.int64, device=device)
-                seen[i, ids] = True
+                seen[i, torch.tensor(r.input_ids + r.output_ids, dtype=torch.int64, device=device)] = True
             info.seen_tokens = seen
-            info.repetition_penalties = torch.tensor([p.repetition_penalty for p in params], device=device).view(B, 1)
+            info.repetition_penalties = _to_device([p.repetition_penalty for p in params], torch.float32, device).view(B, 1)
         return info
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.output_counts is not None or self.seen_tokens is not None
+
+    def filter(self, keep: list[int], keep_on_device: Optional[torch.Tensor]) -> "SamplingBatchInfo":
+        """The rows `keep` (keep_on_device: the same indices as an int64 tensor, None when all greedy)."""
+        out = replace(self, is_greedy=[self.is_greedy[i] for i in keep], generators=[self.generators[i] for i in keep],
+                      vocab_mask=None)
+        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "frequency_penalties", "presence_penalties",
+                     "repetition_penalties", "output_counts", "seen_tokens"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(out, name, t.index_select(0, keep_on_device))
+        return out
 
 
 def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -79,14 +107,16 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
 class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """logits: [B, V] fp32 (already penalized/masked) -> token ids [B] int64."""
-        if all(info.is_greedy):
+        if info.all_greedy:
             return logits.argmax(dim=-1)
         greedy_ids = logits.argmax(dim=-1)
         probs = torch.softmax(logits / info.temperatures.clamp_min(1e-5), dim=-1)
         if info.need_top_k_filter or info.need_top_p_filter or info.need_min_p_filter:
             probs = self._filter(probs, info)
         sampled = self._draw(probs, info.generators)
-        greedy_mask = torch.tensor(info.is_greedy, device=logits.device)
+        if not any(info.is_greedy):
+            return sampled
+        greedy_mask = (info.temperatures.view(-1) <= 0) | (info.top_ks == 1)
         return torch.where(greedy_mask, greedy_ids, sampled)
 
     @staticmethod
@@ -113,13 +143,3 @@ class Sampler:
         for i in seeded:
             out[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
         return out
-
-
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, top_k: int = 0):
-    """logits [N, V], token_ids [N] -> (logprobs [N], top values [N, k], top ids [N, k]) from the raw distribution."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(-1, token_ids.view(-1, 1)).view(-1)
-    if top_k > 0:
-        vals, ids = logp.topk(top_k, dim=-1)
-        return chosen, vals, ids
-    return chosen, None, None

@@ -8,7 +8,7 @@ starts with the slots of its matched prefix, which the cache owns and the reques
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -25,6 +25,38 @@ class PrefixCache(ABC):
 
     def _empty_slots(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.token_to_kv_pool.device)
+
+    # ---- slots for new tokens ----
+    def available_slots(self) -> int:
+        """Slots an allocation can get: free ones plus those eviction can free."""
+        return self.token_to_kv_pool.available_size() + self.evictable_size()
+
+    def alloc_slots(self, n: int) -> Optional[torch.Tensor]:
+        """n KV slots (int64), evicting cached prefixes as needed; None if even eviction leaves too few."""
+        if n == 0:
+            return self._empty_slots()
+        short = n - self.token_to_kv_pool.available_size()
+        if short > 0:
+            self.evict(short)
+        return self.token_to_kv_pool.alloc(n)
+
+    def truncate_req_kv(self, req, new_len: int) -> None:
+        """Shorten a running request's committed KV to its first new_len tokens (jump-forward rolled tokens back):
+        the slots the request owns past new_len go back to the pool; slots the cache owns stay the cache's."""
+        if new_len >= req.kv_committed_len:
+            return
+        cache_owned = self._cache_owned_len(req)
+        lo = max(new_len, cache_owned)
+        if lo < req.kv_committed_len:
+            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+            self.token_to_kv_pool.free(row[lo:req.kv_committed_len].long().clone())
+        if req.prefix_indices is not None and new_len < len(req.prefix_indices):
+            req.prefix_indices = req.prefix_indices[:new_len]
+        req.kv_committed_len = new_len
+
+    def _cache_owned_len(self, req) -> int:
+        """How many leading slots of the request's row the cache owns (its locked prefix)."""
+        return len(req.prefix_indices) if req.prefix_indices is not None else 0
 
     @abstractmethod
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, Any]:

@@ -33,6 +33,9 @@ class ChunkCache(PrefixCache):
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len]
         req.prefix_indices = row.to(device=self.token_to_kv_pool.device, dtype=torch.int64, copy=True)
 
+    def _cache_owned_len(self, req) -> int:
+        return 0  # a request's prefix_indices are its own slots here, freed with it
+
     def inc_lock_ref(self, node) -> None:
         pass
 

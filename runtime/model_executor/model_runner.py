@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 from braid.runtime.config import ServerArgs
-from braid.runtime.core import ForwardBatch
+from braid.runtime.core import ForwardBatch, ForwardOutput
 from braid.runtime.layers.attention.registry import default_backend, get_backend_class
+from braid.runtime.layers.logits import compute_logits, last_token_rows, token_logprobs
+from braid.runtime.layers.sampler import Sampler, apply_penalties
 from braid.runtime.loader import load_model, load_model_config
 from braid.runtime.mem_cache.pools import MHAKVPool, MLAKVPool, ReqToTokenPool
 
@@ -19,12 +19,6 @@ logger = logging.getLogger(__name__)
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
 _CPU_DEFAULT_KV_TOKENS = 65536
-
-
-@dataclass
-class LogitsOutput:
-    next_token_logits: torch.Tensor  # [B, V] fp32, at each request's last token
-    extra_logits: Optional[torch.Tensor] = None  # [N, V] fp32, rows fb.logits_indices (prompt logprobs)
 
 
 class ModelRunner:
@@ -41,6 +35,7 @@ class ModelRunner:
         name = server_args.attention_backend or default_backend(self.device.type)
         self.attn_backend_name = name
         self.attn_backend = get_backend_class(name)(self)
+        self.sampler = Sampler()
         self.cuda_graph_runner = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
             from braid.runtime.model_executor.cuda_graph import CudaGraphRunner
@@ -82,7 +77,9 @@ class ModelRunner:
 
     # ---- forward ----
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch) -> LogitsOutput:
+    def forward(self, fb: ForwardBatch) -> ForwardOutput:
+        """One pass: the model, the logits at each request's last token, then on the device penalties, the vocab
+        mask and sampling (greedy when fb.sampling_info is None), and the logprobs asked for."""
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
@@ -92,13 +89,18 @@ class ModelRunner:
         else:
             self.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb)
-        if fb.forward_mode.is_decode():
-            last = hidden
+        logits = compute_logits(self.model.lm_head, hidden, last_token_rows(fb), self.vocab_size)  # [B, V] fp32
+        info = fb.sampling_info
+        if info is None:
+            out = ForwardOutput(next_token_ids=logits.argmax(dim=-1))
         else:
-            last_idx = (fb.extend_start_loc + fb.extend_seq_lens - 1).long()
-            last = hidden[last_idx]
-        next_logits = self.model.lm_head(last)[:, : self.vocab_size]
-        extra = None
+            out = ForwardOutput(next_token_ids=self.sampler(apply_penalties(logits, info), info))
+            if info.logprob_top_k is not None:
+                out.next_token_logprobs, out.next_top_logprobs, out.next_top_ids = token_logprobs(
+                    logits, out.next_token_ids, info.logprob_top_k)
         if fb.logits_indices is not None and fb.logits_indices.numel():
-            extra = self.model.lm_head(hidden[fb.logits_indices])[:, : self.vocab_size]
-        return LogitsOutput(next_logits, extra)
+            prompt_logits = compute_logits(self.model.lm_head, hidden, fb.logits_indices, self.vocab_size)
+            top_k = (info.logprob_top_k or 0) if info is not None else 0
+            out.input_token_logprobs, out.input_top_logprobs, out.input_top_ids = token_logprobs(
+                prompt_logits, fb.logits_targets, top_k)
+        return out

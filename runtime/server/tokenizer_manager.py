@@ -24,7 +24,7 @@ import zmq.asyncio
 from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.server import messages as M
-from braid.runtime.server import scheduler_process
+from braid.runtime.scheduler import process as scheduler_process
 from braid.runtime.server.errors import APIError, bad_request, internal, unavailable
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.prepare import RequestError, ServedModel, prepare_request

@@ -3,7 +3,8 @@
 import torch
 
 from braid.runtime.core import Req
-from braid.runtime.layers.sampler import Sampler, SamplingBatchInfo, apply_penalties, token_logprobs
+from braid.runtime.layers.logits import token_logprobs
+from braid.runtime.layers.sampler import Sampler, SamplingBatchInfo, apply_penalties
 from braid.runtime.sampling_params import SamplingParams
 
 V = 10

@@ -1,9 +1,10 @@
 """The scheduler process: owns a Scheduler, talks to the HTTP server over two ZMQ PUSH/PULL sockets.
 
-Started as `python -m braid.runtime.server.scheduler_process` with a JSON config on stdin (server
-args and socket addresses), so nothing is pickled, not even at start-up. It sends `Ready` once the
-model is loaded, then loops: drain incoming messages, run `scheduler.step()` while there is work,
-block on the socket when idle. It exits on `ShutdownReq`, SIGTERM, or when its parent dies.
+Started as `python -m braid.runtime.scheduler.process` with a JSON config on stdin (server args and
+socket addresses), so nothing is pickled, not even at start-up. It sends `Ready` once the model is
+loaded, then runs the scheduler loop (scheduler.py) with `SchedulerLoop` as its I/O: incoming
+messages are drained between steps, the socket is waited on when idle. It exits on `ShutdownReq`,
+SIGTERM, or when its parent dies.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import zmq
 
 from braid.runtime.server import messages as M
 
-logger = logging.getLogger("braid.scheduler_process")
+logger = logging.getLogger("braid.scheduler")
 
 _IDLE_POLL_MS = 500  # wake up this often when idle, to notice a dead parent
 
@@ -37,7 +38,7 @@ def spawn(server_args, to_scheduler_addr: str, from_scheduler_addr: str) -> subp
         "from_scheduler_addr": from_scheduler_addr,
         "parent_pid": os.getpid(),
     }
-    proc = subprocess.Popen([sys.executable, "-m", "braid.runtime.server.scheduler_process"], stdin=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "braid.runtime.scheduler.process"], stdin=subprocess.PIPE)
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(config).encode())
     proc.stdin.close()
@@ -55,6 +56,8 @@ def _die_with_parent() -> None:
 
 
 class SchedulerLoop:
+    """The scheduler loop's I/O over ZMQ: requests and queries in, batched outputs and answers out."""
+
     def __init__(self, scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socket, parent_pid: Optional[int]):
         self.scheduler = scheduler
         self.recv_sock = recv_sock
@@ -64,21 +67,25 @@ class SchedulerLoop:
         self.poller.register(recv_sock, zmq.POLLIN)
         self.running = True
 
+    def run(self) -> None:
+        from braid.runtime.scheduler.scheduler import run_scheduler_loop
+
+        run_scheduler_loop(self.scheduler, self)
+
     def send(self, msg) -> None:
         self.send_sock.send(M.encode(msg), copy=False)
 
-    def run(self) -> None:
-        while self.running:
-            timeout = 0 if self.scheduler.has_work() else _IDLE_POLL_MS
-            if self.poller.poll(timeout):
-                self._drain()
-            elif timeout and not self._parent_alive():
-                logger.warning("parent process is gone; scheduler exiting")
-                return
-            if self.running and self.scheduler.has_work():
-                outputs = self.scheduler.step()
-                if outputs:
-                    self.send(M.OutputBatch([M.output_from_req_output(o) for o in outputs]))
+    # ---- SchedulerIO ----
+    def receive(self, scheduler, block: bool) -> bool:
+        if self.poller.poll(_IDLE_POLL_MS if block else 0):
+            self._drain()
+        elif block and not self._parent_alive():
+            logger.warning("parent process is gone; scheduler exiting")
+            return False
+        return self.running
+
+    def send_outputs(self, outputs) -> None:
+        self.send(M.OutputBatch([M.output_from_req_output(o) for o in outputs]))
 
     def _parent_alive(self) -> bool:
         return self.parent_pid is None or os.getppid() == self.parent_pid
@@ -111,14 +118,15 @@ class SchedulerLoop:
     def _add(self, msg: M.GenerateReq) -> None:
         from braid.runtime.core import Req
         from braid.runtime.sampling_params import SamplingParams
+        from braid.runtime.scheduler.intake import RequestError
 
         try:
             req = Req(rid=msg.rid, input_ids=list(msg.input_ids),
                       sampling_params=SamplingParams.from_dict(msg.sampling_params),
                       return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
                       top_logprobs_num=msg.top_logprobs_num, stream=msg.stream)
-            if msg.image_data is not None and hasattr(req, "image_data"):
-                req.image_data = msg.image_data
+            if msg.image_data is not None:  # the server refuses media first; this is the last line of defence
+                raise RequestError("this runtime takes no image input yet", "image_data")
             self.scheduler.add_request(req)
         except ValueError as e:
             self.send(M.ReqError(msg.rid, str(e), getattr(e, "param", None) or _grammar_param(e, msg), True))
@@ -150,7 +158,8 @@ def _plain_stats(stats: dict) -> dict:
 
 def _model_info(scheduler, server_args) -> dict:
     tok = getattr(scheduler, "tokenizer", None)
-    info = {"model_path": server_args.model_path}
+    info = {"model_path": server_args.model_path,
+            "is_multimodal": bool(getattr(scheduler.model_config, "is_multimodal", False))}
     for name in ("is_generation", "model_type", "architecture"):
         v = getattr(scheduler, name, None)
         if isinstance(v, (str, int, float, bool)):

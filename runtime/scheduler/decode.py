@@ -1,0 +1,132 @@
+"""Decode: one token for each running request per step, retraction when the KV pool runs out, and the overlapped
+launch of step i+1 while the host commits step i.
+
+Overlap (CUDA, unless --disable-overlap-schedule): step i+1 is launched with step i's sampled ids still on the
+device; the host then waits for step i's ids (a pinned copy behind an event) and commits them while the GPU runs
+i+1. A request that finishes at step i has already been fed to i+1: that one extra token is dropped. Batches with
+grammars, penalties, logprobs or pending min_new_tokens, and any step with an extend to run, run synchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from braid.runtime.core import ForwardBatch, ForwardMode, ForwardOutput, Req, host_to_device
+from braid.runtime.layers.sampler import SamplingBatchInfo
+
+logger = logging.getLogger(__name__)
+
+_INIT_NEW_TOKEN_RATIO = 0.7
+_MIN_NEW_TOKEN_RATIO = 0.1
+_NEW_TOKEN_RATIO_DECAY = 0.001
+_RETRACT_NEW_TOKEN_RATIO_BUMP = 0.2
+
+
+@dataclass
+class DecodeInFlight:
+    """A launched decode step whose sampled ids the host has not read yet."""
+
+    reqs: list[Req]
+    output: ForwardOutput  # host copy started
+    sampling_info: SamplingBatchInfo
+
+
+class DecodeRunner:
+    def __init__(self, server_args, runner, tree_cache, device: torch.device):
+        self.runner = runner
+        self.tree_cache = tree_cache
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.device = device
+        self.context_len = runner.context_len
+        self.vocab_size = runner.vocab_size
+        # the share of each running request's remaining max_new_tokens that admission keeps free for decoding
+        self.init_new_token_ratio = min(1.0, _INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness)
+        self.new_token_ratio = self.init_new_token_ratio
+        self.overlap = device.type == "cuda" and not server_args.disable_overlap_schedule
+        self.num_forward = 0
+        self.num_overlapped = 0
+        self.num_retractions = 0
+
+    def reserved_tokens(self, running: list[Req]) -> int:
+        ratio = self.new_token_ratio
+        return sum(int((r.sampling_params.max_new_tokens - len(r.output_ids)) * ratio) for r in running)
+
+    # ---- one step ----
+    def forward(self, reqs: list[Req], input_ids: Optional[torch.Tensor], info: SamplingBatchInfo) -> ForwardOutput:
+        """One decode pass (input_ids [B] on the device, or each request's last token), sampled with `info`."""
+        B = len(reqs)
+        out_loc = self.tree_cache.alloc_slots(B)
+        dev = self.device
+        seq_lens_cpu = [r.kv_committed_len + 1 for r in reqs]
+        req_idx = host_to_device([r.req_pool_idx for r in reqs], torch.int64, dev)
+        positions = host_to_device([s - 1 for s in seq_lens_cpu], torch.int64, dev)
+        self.req_to_token_pool.req_to_token[req_idx, positions] = out_loc.to(torch.int32)
+        if input_ids is None:
+            input_ids = host_to_device([r.fill_ids[-1] for r in reqs], torch.int64, dev)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=B, input_ids=input_ids, positions=positions,
+            req_pool_indices=req_idx, seq_lens=host_to_device(seq_lens_cpu, torch.int32, dev),
+            out_cache_loc=out_loc, seq_lens_cpu=seq_lens_cpu, sampling_info=info,
+        )
+        self.num_forward += 1
+        out = self.runner.forward(fb)
+        for r in reqs:
+            r.kv_committed_len += 1
+        self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
+        return out
+
+    # ---- overlap ----
+    def can_overlap(self, reqs: list[Req], tokens_in_flight: int) -> bool:
+        """True when sampling these requests needs nothing the host learns from the step before
+        (each has `tokens_in_flight` sampled tokens not yet in output_ids)."""
+        for r in reqs:
+            sp = r.sampling_params
+            if (r.grammar is not None or r.return_logprob or sp.frequency_penalty or sp.presence_penalty
+                    or sp.repetition_penalty != 1.0 or len(r.output_ids) + tokens_in_flight < sp.min_new_tokens):
+                return False
+        return True
+
+    def will_finish_by_length(self, r: Req) -> bool:
+        # with the token in flight it has len(output_ids) + 1 outputs
+        return len(r.output_ids) + 1 >= r.sampling_params.max_new_tokens or r.seqlen + 1 >= self.context_len
+
+    def launch(self, reqs: list[Req], input_ids: Optional[torch.Tensor],
+               info: Optional[SamplingBatchInfo] = None) -> DecodeInFlight:
+        info = info or SamplingBatchInfo.build(reqs, self.vocab_size, self.device)
+        return DecodeInFlight(reqs, self.forward(reqs, input_ids, info).copy_to_host(), info)
+
+    def chain(self, prev: DecodeInFlight) -> Optional[DecodeInFlight]:
+        """Launch the step after `prev` for its requests that go on; None when that needs prev's results first."""
+        keep = [i for i, r in enumerate(prev.reqs) if not r.finished and not self.will_finish_by_length(r)]
+        reqs = [prev.reqs[i] for i in keep]
+        if not reqs or not self.can_overlap(reqs, 1) or self.tree_cache.available_slots() < len(reqs):
+            return None
+        ids, info = prev.output.next_token_ids, prev.sampling_info
+        if len(keep) != len(prev.reqs):
+            keep_dev = host_to_device(keep, torch.int64, self.device)
+            ids = ids.index_select(0, keep_dev)
+            info = info.filter(keep, keep_dev)
+        self.num_overlapped += 1
+        return self.launch(reqs, ids, info)
+
+    # ---- memory pressure ----
+    def retract(self, running: list[Req]) -> list[Req]:
+        """Take requests out of `running` (in place) until each remaining one can get a slot for its next token;
+        their KV stays in the cache (evictable) for the resume. Returns them, most progressed last."""
+        victims = []
+        while running and self.tree_cache.available_slots() < len(running):
+            # the request with the least progress is the cheapest to recompute; it keeps its output
+            victim = min(running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
+            running.remove(victim)
+            self.tree_cache.cache_finished_req(victim)
+            victim.retracted_count += 1
+            victim.prefix_indices = None
+            self.num_retractions += 1
+            self.new_token_ratio = min(1.0, self.new_token_ratio + _RETRACT_NEW_TOKEN_RATIO_BUMP)
+            logger.info("KV pool full: retracted request %s (%d tokens decoded)", victim.rid, len(victim.output_ids))
+            victims.append(victim)
+        return victims

@@ -1,0 +1,156 @@
+"""Intake: checking a request against the model and pool, fanning out n > 1 samples, compiling grammars.
+
+`RequestIntake.add` turns one submitted request into the requests the scheduler queues: itself, or for n > 1 its
+n samples (after an internal prefill of the shared prompt when the radix cache can share it). Requests with a
+regex or JSON schema wait in the grammar queue until their grammar compiled (in worker processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import Optional
+
+import torch
+
+from braid.runtime.core import FinishReason, Req
+
+
+class RequestError(ValueError):
+    """Bad input in a request (prompt too long, ...). `param` names the field."""
+
+    def __init__(self, message: str, param: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+
+
+def validate_request(req: Req, vocab_size: int, context_len: int, kv_pool_size: int, grammar_backend) -> None:
+    sp = req.sampling_params
+    sp.verify(vocab_size)
+    if not req.input_ids:
+        raise RequestError("the prompt is empty", "prompt")
+    if any((not isinstance(t, int)) or t < 0 or t >= vocab_size for t in req.input_ids):
+        raise RequestError("input_ids contain a token id outside the vocabulary", "input_ids")
+    if len(req.input_ids) >= context_len:
+        raise RequestError(f"the prompt has {len(req.input_ids)} tokens; the model's context is {context_len}", "prompt")
+    if len(req.input_ids) + sp.max_new_tokens > context_len:
+        raise RequestError(f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
+                           f"the context length {context_len}", "max_new_tokens")
+    if len(req.input_ids) + sp.max_new_tokens > kv_pool_size:
+        raise RequestError(f"prompt + max_new_tokens ({len(req.input_ids) + sp.max_new_tokens}) exceeds the KV pool "
+                           f"({kv_pool_size} tokens)", "max_new_tokens")
+    if req.top_logprobs_num < 0 or req.top_logprobs_num > 20:
+        raise RequestError("top_logprobs_num must be in [0, 20]", "top_logprobs_num")
+    if req.logprob_start_len >= len(req.input_ids):
+        raise RequestError("logprob_start_len must be < the prompt length", "logprob_start_len")
+    if sp.regex is not None:
+        grammar_backend.validate("regex", sp.regex)
+    if sp.json_schema is not None:
+        grammar_backend.validate("json", sp.json_schema)
+
+
+def fan_out(req: Req, share_prefill: bool) -> tuple[Optional[Req], list[Req]]:
+    """An n > 1 request as n requests (seeds seed + i). With share_prefill, also an internal prefill-only parent:
+    the prompt is computed once and the n samples share its KV through the radix cache."""
+    sp = req.sampling_params
+    children = [Req(rid=req.rid, index=i, input_ids=list(req.input_ids),
+                    sampling_params=sp.merged(n=1, seed=None if sp.seed is None else sp.seed + i),
+                    return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                    top_logprobs_num=req.top_logprobs_num, stream=req.stream) for i in range(sp.n)]
+    if not share_prefill:
+        return None, children
+    prefill_only = dataclasses.replace(sp, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None)
+    parent = Req(rid=req.rid, index=-1, input_ids=list(req.input_ids), sampling_params=prefill_only, is_internal=True)
+    return parent, children
+
+
+class RequestIntake:
+    def __init__(self, server_args, tokenizer, vocab_size: int, context_len: int, kv_pool_size: int,
+                 device: torch.device, share_prefill: bool):
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+        self.kv_pool_size = kv_pool_size
+        self.device = device
+        self.share_prefill = share_prefill
+        self.grammar_queue: list[tuple[Req, Future]] = []
+        self.pending_children: dict[int, list[Req]] = {}  # n > 1: id(prefill parent) -> its samples
+        self.num_requests = 0
+        self._grammar_backend = None
+
+    @property
+    def grammar_backend(self):
+        if self._grammar_backend is None:
+            from braid.runtime.constrained.grammar import GrammarBackend
+
+            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size,
+                                                   self.server_args.constrained_json_whitespace_pattern,
+                                                   timeout_s=self.server_args.grammar_timeout_s)
+        return self._grammar_backend
+
+    def add(self, req: Req) -> list[Req]:
+        """Validate (raises RequestError / SamplingParamsError / GrammarError); the requests ready to wait for
+        admission now (the others wait for their grammar)."""
+        validate_request(req, self.vocab_size, self.context_len, self.kv_pool_size, self.grammar_backend)
+        self.num_requests += 1
+        if req.sampling_params.n == 1:
+            return self.enqueue([req])
+        parent, children = fan_out(req, self.share_prefill)
+        if parent is None:
+            return self.enqueue(children)
+        self.pending_children[id(parent)] = children
+        return self.enqueue([parent])
+
+    def enqueue(self, reqs: list[Req]) -> list[Req]:
+        ready = []
+        for req in reqs:
+            sp = req.sampling_params
+            if sp.seed is not None:
+                req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+            if sp.regex is not None or sp.json_schema is not None:
+                kind, spec = ("regex", sp.regex) if sp.regex is not None else ("json", sp.json_schema)
+                self.grammar_queue.append((req, self.grammar_backend.submit(kind, spec)))
+            else:
+                ready.append(req)
+        return ready
+
+    def poll_grammars(self) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
+        """(requests whose grammar is ready, requests whose grammar failed with their abort reason)."""
+        ready, failed, still = [], [], []
+        for req, fut in self.grammar_queue:
+            if not fut.done():
+                still.append((req, fut))
+                continue
+            try:
+                req.grammar = fut.result().new_state()
+                ready.append(req)
+            except Exception as e:  # GrammarError, timeouts
+                failed.append((req, FinishReason("abort", message=f"grammar error: {e}")))
+        self.grammar_queue = still
+        return ready, failed
+
+    def abort(self, rid: str, reason: FinishReason) -> list[Req]:
+        """Drop `rid` from the grammar queue (returned: they must be finished) and mark its unstarted samples."""
+        dropped = [r for r, _ in self.grammar_queue if r.rid == rid]
+        self.grammar_queue = [(r, f) for r, f in self.grammar_queue if r.rid != rid]
+        for children in self.pending_children.values():
+            for child in children:
+                if child.rid == rid:
+                    child.finished_reason = reason
+        return dropped
+
+    def prefill_done(self, parent: Req, reason: FinishReason) -> tuple[list[Req], list[Req]]:
+        """An internal prefill parent finished: (samples to queue, samples to report as finished)."""
+        start, done = [], []
+        for child in self.pending_children.pop(id(parent), []):
+            if reason.type == "abort" or child.finished:
+                child.finished_reason = child.finished_reason or reason
+                done.append(child)
+            else:
+                start.append(child)
+        return start, done
+
+    def shutdown(self) -> None:
+        if self._grammar_backend is not None:
+            self._grammar_backend.shutdown()

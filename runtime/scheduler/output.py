@@ -1,0 +1,137 @@
+"""Output: committing sampled tokens to requests, finish checks (stop tokens, stop strings, grammar end, length),
+jump-forward, and the ReqOutput each step reports for a request."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from braid.runtime.core import FinishReason, Req, ReqOutput
+
+
+class OutputProcessor:
+    def __init__(self, server_args, tokenizer, eos_token_ids: set[int], context_len: int, vocab_size: int,
+                 tree_cache, device: torch.device):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.tree_cache = tree_cache
+        self.device = device
+        self.jump_forward_enabled = not server_args.disable_jump_forward
+        self.stream_interval = server_args.stream_interval
+        self.num_generated_tokens = 0
+
+    # ---- before sampling ----
+    def vocab_mask(self, reqs: list[Req]) -> Optional[torch.Tensor]:
+        """[B, V] bool (True = allowed) from grammars and min_new_tokens; None when no request needs one."""
+        grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        ban_rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.sampling_params.min_new_tokens]
+        if not grammar_rows and not ban_rows:
+            return None
+        mask = torch.ones(len(reqs), self.vocab_size, dtype=torch.bool, device=self.device)
+        for i in grammar_rows:
+            mask[i] = False
+            reqs[i].grammar.fill_vocab_mask(mask, i)
+        for i in ban_rows:
+            r = reqs[i]
+            banned = set() if r.sampling_params.ignore_eos else set(self.eos_token_ids)
+            banned |= set(r.sampling_params.stop_token_ids or ())
+            if banned:
+                row = mask[i].clone()
+                row[list(banned)] = False
+                if row.any():
+                    mask[i] = row
+        return mask
+
+    # ---- after sampling ----
+    def append_token(self, req: Req, tok: int, logprobs: Optional[tuple]) -> Optional[FinishReason]:
+        """Record a sampled token; the reason the request ends with it, if it does."""
+        req.output_ids.append(tok)
+        req.fill_ids.append(tok)
+        self.num_generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.time()
+        if logprobs is not None:
+            req.output_token_logprobs.append((logprobs[0], tok))
+            req.output_top_logprobs.append(logprobs[1])
+        sp = req.sampling_params
+        if req.grammar is not None:
+            req.grammar.accept_token(tok)
+        if not sp.ignore_eos and tok in self.eos_token_ids and len(req.output_ids) >= sp.min_new_tokens:
+            return FinishReason("stop", matched=tok)
+        if sp.stop_token_ids and tok in sp.stop_token_ids:
+            return FinishReason("stop", matched=tok)
+        if sp.stop and (matched := self._match_stop_str(req)) is not None:
+            return FinishReason("stop", matched=matched)
+        if req.grammar is not None and req.grammar.is_terminated():
+            return FinishReason("stop", matched=None)
+        return self._length_reason(req)
+
+    def _length_reason(self, req: Req) -> Optional[FinishReason]:
+        if len(req.output_ids) >= req.sampling_params.max_new_tokens or req.seqlen >= self.context_len:
+            return FinishReason("length")
+        return None
+
+    def _match_stop_str(self, req: Req) -> Optional[str]:
+        stops = req.sampling_params.stop
+        longest = max(len(s) for s in stops)
+        # a token is at least one character: the last longest + 2 tokens hold any stop string that just completed
+        tail = self.tokenizer.decode(req.output_ids[-(longest + 2):], skip_special_tokens=False)
+        for s in stops:
+            if s in tail:
+                return s
+        return None
+
+    def jump_forward(self, req: Req) -> tuple[bool, Optional[FinishReason]]:
+        """Append the tokens the grammar forces next (possibly re-tokenizing the last few). (jumped, finish reason):
+        a request that jumped and goes on needs an extend over the new tokens."""
+        if req.grammar is None or not self.jump_forward_enabled:
+            return False, None
+        jf = req.grammar.jump_forward(req.output_ids)
+        if jf is None or (jf.num_rollback == 0 and not jf.token_ids):
+            return False, None
+        keep = len(req.output_ids) - jf.num_rollback
+        req.dirty_offset = min(req.dirty_offset, keep) if req.dirty_offset is not None else keep
+        req.output_ids = req.output_ids[:keep] + list(jf.token_ids)
+        req.jump_forward_tokens += len(jf.token_ids) - jf.num_rollback
+        req.fill_ids = req.input_ids + req.output_ids
+        self.tree_cache.truncate_req_kv(req, min(req.kv_committed_len, len(req.input_ids) + keep))
+        if (reason := self._length_reason(req)) is not None:
+            req.output_ids = req.output_ids[:req.sampling_params.max_new_tokens]
+            req.fill_ids = req.input_ids + req.output_ids
+            req.kv_committed_len = min(req.kv_committed_len, len(req.fill_ids) - 1)
+            return True, reason
+        if req.grammar.is_terminated():
+            return True, FinishReason("stop", matched=None)
+        return True, None
+
+    # ---- reporting ----
+    def make_output(self, req: Req) -> Optional[ReqOutput]:
+        """What to report for `req` now, or None (not streamed and unfinished; or within the stream interval)."""
+        if req.is_internal or not (req.finished or req.stream):
+            return None
+        if (not req.finished and req.dirty_offset is None and req.sent_offset > 0
+                and len(req.output_ids) - req.sent_offset < self.stream_interval):
+            return None
+        offset = req.sent_offset if req.dirty_offset is None else min(req.sent_offset, req.dirty_offset)
+        lp_off = req.sent_logprob_offset
+        send_input_lps = req.return_logprob and not req.sent_input_logprobs
+        out = ReqOutput(
+            rid=req.rid, index=req.index, output_ids_offset=offset, new_token_ids=req.output_ids[offset:],
+            finished=req.finished, finish_reason=req.finished_reason.to_json() if req.finished else None,
+            prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+            completion_tokens_wo_jump_forward=len(req.output_ids) - req.jump_forward_tokens,
+            output_token_logprobs=req.output_token_logprobs[lp_off:] if req.return_logprob else None,
+            output_top_logprobs=req.output_top_logprobs[lp_off:] if req.return_logprob else None,
+            input_token_logprobs=req.input_token_logprobs if send_input_lps else None,
+            input_top_logprobs=req.input_top_logprobs if send_input_lps else None,
+        )
+        if req.return_logprob and req.input_token_logprobs is not None:
+            req.sent_input_logprobs = True
+        req.sent_offset = len(req.output_ids)
+        req.sent_logprob_offset = len(req.output_token_logprobs)
+        req.dirty_offset = None
+        return out
