@@ -1,4 +1,5 @@
-"""Fused layer kernels vs their PyTorch paths inside CUDA graphs on the GPU (T = 1, 8, 64, 4096). Run: benchmarks/gpu/run2.sh."""
+"""Fused layer kernels vs their PyTorch paths inside CUDA graphs on the GPU (T = 1, 8, 64, 4096).
+Run on the device: python3 benchmarks/gpu/bench_fused.py"""
 import torch
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.rotary import RotaryEmbedding

@@ -2,9 +2,9 @@
 
 Prints (1) the GEMM floor: the step's weight GEMMs alone in one CUDA graph, cuBLAS vs braid's Triton GEMV
 (autotuned, with and without programmatic dependent launch; with --sweep also the best of a config sweep per
-shape); (2) bench_one_batch's median decode step (128 in / 512 out) for: cuBLAS, the Triton GEMV with
-SiLU-and-mul fused, that with PDL on the decode kernels, and that with the norms fused into the GEMV too;
-(3) the kernels of one graphed step. Writes the faster settings to /tmp/gemv_env for later calls.
+shape); (2) bench_one_batch's median decode step (128 in / 512 out) for: cuBLAS (--disable-decode-gemv
+--disable-pdl), the Triton GEMV with SiLU-and-mul fused (--disable-pdl), and that with PDL on the decode
+kernels (the default); (3) the kernels of one graphed step of the fastest.
 Run on the device: python3 benchmarks/gpu/decode_b1.py [--sweep]
 """
 import sys
@@ -15,7 +15,10 @@ import torch.nn.functional as torch_F
 
 from braid.runtime.bench.bench_one_batch import StaticBatchRunner, latency_test
 from braid.runtime.config import ServerArgs
-from braid.runtime.layers import pdl, radix_attention, triton_gemv
+from braid.runtime.layers.gemv import gemv
+from braid.runtime.layers.embedding import LMHead
+from braid.runtime.layers.kernel_switches import kernel_switches_applied
+from braid.runtime.layers.linear import Linear
 from braid.runtime.model_executor.cuda_graph import CudaGraphRunner
 from braid.runtime.model_executor.model_runner import ModelRunner
 
@@ -50,23 +53,20 @@ def main():
                       dtype="bfloat16", max_total_tokens=8192, cuda_graph_max_bs=4, log_level="warning")
     runner = ModelRunner(args)
     model = runner.model
-    by_shape = {}
-    for layer in model.model.layers:
-        for w in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight,
-                  layer.mlp.down_proj.weight):
-            by_shape.setdefault(tuple(w.shape), []).append(w)
-    by_shape[tuple(model.lm_head.weight.shape)] = [model.lm_head.weight]
+    by_shape = {}  # every layer's qkv, o, gate_up, down, then the LM head
+    for module in model.modules():
+        if isinstance(module, (Linear, LMHead)):
+            by_shape.setdefault(tuple(module.weight.shape), []).append(module.weight)
     weights = [w for ws in by_shape.values() for w in ws]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     xs = {w.shape[1]: torch.randn(1, w.shape[1], device="cuda", dtype=torch.bfloat16) for w in weights}
     rows = []
-    gemv = lambda x, w: triton_gemv.gemv(x, w)[0]  # noqa: E731
-    for name, lin, use_pdl in (("cuBLAS F.linear", torch_F.linear, False), ("Triton gemv", gemv, False),
-                               ("Triton gemv + PDL", gemv, True)):
-        pdl.ENABLED = use_pdl
-        us = graph_time_us(lambda: [lin(xs[w.shape[1]], w) for w in weights])
+    no_pdl, with_pdl = args.replace(disable_pdl=True), args.replace(disable_pdl=False)
+    for name, lin, switches in (("cuBLAS F.linear", torch_F.linear, no_pdl), ("Triton gemv", gemv, no_pdl),
+                                ("Triton gemv + PDL", gemv, with_pdl)):
+        with kernel_switches_applied(switches):
+            us = graph_time_us(lambda: [lin(xs[w.shape[1]], w) for w in weights])
         rows.append((name, us, nbytes / us / 1e6))
-    pdl.ENABLED = False
     # per shape: cuBLAS, autotuned gemv, the sweep's best
     print("per shape (all layers' weights of that shape in one graph):")
     best_total = 0.0
@@ -74,18 +74,18 @@ def main():
         x = xs[shape[1]]
         b = sum(w.numel() * 2 for w in ws)
         cub = graph_time_us(lambda: [torch_F.linear(x, w) for w in ws])
-        auto = graph_time_us(lambda: [triton_gemv.gemv(x, w)[0] for w in ws])
         best = (float("inf"), None)
-        for cfg in SWEEP if "--sweep" in sys.argv else []:
-            try:
-                us = graph_time_us(lambda: [triton_gemv.gemv(x, w, config=cfg)[0] for w in ws], iters=10)
-            except Exception as e:  # noqa: BLE001 - a config that does not fit: skip it
-                print(f"  {shape} {cfg} failed: {e!r}"[:200])
-                continue
-            best = min(best, (us, cfg), key=lambda t: t[0])
-        pdl.ENABLED = True
-        auto_pdl = graph_time_us(lambda: [triton_gemv.gemv(x, w)[0] for w in ws])
-        pdl.ENABLED = False
+        with kernel_switches_applied(no_pdl):
+            auto = graph_time_us(lambda: [gemv(x, w) for w in ws])
+            for cfg in SWEEP if "--sweep" in sys.argv else []:
+                try:
+                    us = graph_time_us(lambda: [gemv(x, w, config=cfg) for w in ws], iters=10)
+                except Exception as e:  # noqa: BLE001 - a config that does not fit: skip it
+                    print(f"  {shape} {cfg} failed: {e!r}"[:200])
+                    continue
+                best = min(best, (us, cfg), key=lambda t: t[0])
+        with kernel_switches_applied(with_pdl):
+            auto_pdl = graph_time_us(lambda: [gemv(x, w) for w in ws])
         best_total += min(best[0], auto, cub, auto_pdl)
         swept = f"  sweep best {b / best[0] / 1e6:5.2f} TB/s {best[1]}" if best[1] is not None else ""
         print(f"  {str(shape):16s} cuBLAS {b / cub / 1e6:5.2f} TB/s  gemv(auto) {b / auto / 1e6:5.2f}  "
@@ -96,22 +96,19 @@ def main():
         print(f"  {name:18s} {us:8.1f} us  {tbs:5.2f} TB/s")
 
     sb = StaticBatchRunner(runner)
-    # name, Triton GEMV, norm fused into it, PDL (rotary is fused with the KV write in all)
-    variants = [("cuBLAS", False, False, False), ("Triton GEMV (SiLU fused)", True, False, False),
-                ("+ PDL", True, False, True), ("+ PDL, norm fused into GEMV", True, True, True)]
+    variants = {"cuBLAS": args.replace(disable_decode_gemv=True, disable_pdl=True),
+                "Triton GEMV (SiLU fused)": args.replace(disable_pdl=True),
+                "+ PDL": args}
     results = []
-    radix_attention.FUSE_ROTARY_KV_STORE = True
-    for name, use_gemv, fuse_norm, use_pdl in variants:
-        triton_gemv.ENABLED = use_gemv
-        triton_gemv.FUSE_NORM = fuse_norm
-        pdl.ENABLED = use_pdl
+    for name, switches in variants.items():
         meds = []
         try:
-            runner.cuda_graph_runner = CudaGraphRunner(runner)  # re-capture with this variant's kernels
-            sb.run([[1, 2, 3]], 4)
-            for rep in range(2):
-                result, _ = latency_test(sb, 1, 128, 512, seed=rep)
-                meds.append(result["median_decode_latency_s"])
+            with kernel_switches_applied(switches):
+                runner.cuda_graph_runner = CudaGraphRunner(runner)  # re-capture with this variant's kernels
+                sb.run([[1, 2, 3]], 4)
+                for rep in range(2):
+                    result, _ = latency_test(sb, 1, 128, 512, seed=rep)
+                    meds.append(result["median_decode_latency_s"])
         except Exception as e:  # noqa: BLE001
             print(f"{name} failed: {e!r}"[:400])
             continue
@@ -121,14 +118,12 @@ def main():
               flush=True)
 
     best = min(results, key=lambda r: r[1])
-    _, triton_gemv.ENABLED, triton_gemv.FUSE_NORM, pdl.ENABLED = next(v for v in variants if v[0] == best[0])
-    with open("/tmp/gemv_env", "w") as f:  # the next device call's benchmarks take the faster variant
-        f.write(f"export BRAID_GEMV_FUSE_NORM={int(triton_gemv.FUSE_NORM)} BRAID_PDL={int(pdl.ENABLED)}\n")
-    runner.cuda_graph_runner = CudaGraphRunner(runner)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        sb.run([list(range(1, 129))], 21)
+    with kernel_switches_applied(variants[best[0]]):
+        runner.cuda_graph_runner = CudaGraphRunner(runner)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            sb.run([list(range(1, 129))], 21)
     steps = 20
     print(f"\nkernels of a decode step ({best[0]}), per step over {steps} steps + 1 prefill:")
     evs = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:14]

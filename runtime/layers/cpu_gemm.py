@@ -10,7 +10,6 @@ the ops, a weight that changed after packing) falls back to `F.linear` with the 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
@@ -24,9 +23,10 @@ _PACK_BATCH_HINT = 32
 # shapes on the 2-core EPYC, M = 1: 11-33 us vs 22-60 us; M = 4: oneDNN ahead, 24-151 us vs 35-236 us)
 _PACKED_MIN_ROWS = 3
 _PACKABLE_DTYPES = (torch.float32,)
-_ENV_DISABLE = "BRAID_DISABLE_CPU_PREPACK"
 
 _available: Optional[bool] = None
+# ServerArgs.disable_cpu_prepack turns it off (kernel_switches.apply_kernel_switches); read when weights are packed
+_prepack_switch = True
 
 
 def prepack_available() -> bool:
@@ -45,7 +45,14 @@ def prepack_available() -> bool:
 
 
 def prepack_enabled() -> bool:
-    return prepack_available() and os.environ.get(_ENV_DISABLE, "0") in ("", "0", "false", "False")
+    return _prepack_switch and prepack_available()
+
+
+def set_prepack_enabled(on: bool) -> bool:
+    """Pack weights loaded from now on (layers packed before keep their copy); returns the previous setting."""
+    global _prepack_switch
+    previous, _prepack_switch = _prepack_switch, bool(on)
+    return previous
 
 
 class PackedLinearWeight:

@@ -6,7 +6,7 @@ free (heap trimming), so every step pays page faults for all of its activations;
 part of a CPU decode step. Raising the mmap threshold and the trim threshold keeps the freed memory in
 the heap for the next step instead (what a caching allocator does on GPU).
 
-Set BRAID_CPU_MALLOC_TUNING=0 to leave the C allocator alone.
+kernel_switches.apply_kernel_switches runs it on CPU unless ServerArgs.disable_cpu_malloc_tuning is set.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import sys
 
 logger = logging.getLogger(__name__)
@@ -36,8 +35,6 @@ def tune_malloc_for_cpu_inference() -> bool:
     global _applied
     if _applied:
         return True
-    if os.environ.get("BRAID_CPU_MALLOC_TUNING", "1") in ("0", "false", "False", ""):
-        return False
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from braid.runtime.layers import cpu_gemm, triton_gemv
+from braid.runtime.layers.quantization import LinearMethod, get_linear_method
 
 
 class VocabEmbedding(nn.Module):
@@ -18,23 +20,22 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """hidden [N, hidden] -> logits [N, vocab] in fp32. With tied embeddings the weight is the embedding's."""
+    """hidden [N, hidden] -> logits [N, vocab] in fp32. With tied embeddings the weight is the embedding's
+    (assigned after construction; the dense method then multiplies by it)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, logit_softcap: float = 0.0):
+    def __init__(self, vocab_size: int, hidden_size: int, logit_softcap: float = 0.0, *,
+                 linear_method: Optional[LinearMethod] = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
         self.logit_softcap = logit_softcap
-        self._packed = None
+        self.linear_method = linear_method if linear_method is not None else get_linear_method()
+        self.linear_method.create_weights(self, hidden_size, [vocab_size])
 
     def prepack_weights(self) -> None:
-        """After loading (and tying): a oneDNN-packed copy of the weight for CPU matmuls (no-op elsewhere)."""
-        self._packed = cpu_gemm.PackedLinearWeight.pack(self.weight)
+        """After loading (and tying): the method's post-load step (dense: a oneDNN-packed copy for CPU matmuls)."""
+        self.linear_method.process_weights_after_loading(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if triton_gemv.decode_gemv_applies(hidden, self.weight):
-            logits = triton_gemv.gemv(hidden, self.weight)[0].float()
-        else:
-            logits = cpu_gemm.linear(hidden, self.weight, None, self._packed).float()
+        logits = self.linear_method.apply(self, hidden).float()
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

@@ -23,13 +23,21 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ENABLED", "enabled", "launch_options", "let_next_kernel_launch", "wait_for_previous_kernel"]
+__all__ = ["enabled", "set_enabled", "launch_options", "let_next_kernel_launch", "wait_for_previous_kernel"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_GDC = hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
-# switch for A/B timing (env BRAID_PDL=0 turns it off)
-ENABLED = os.environ.get("BRAID_PDL", "1") == "1"
+# ServerArgs.disable_pdl turns it off (kernel_switches.apply_kernel_switches)
+_enabled = True
+
+
+def set_enabled(on: bool) -> bool:
+    """Launch the decode kernels with PDL where the device has it; returns the previous setting. Graphs captured
+    before keep the launches they captured."""
+    global _enabled
+    previous, _enabled = _enabled, bool(on)
+    return previous
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,7 +47,7 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL: CUDA, compute capability 9.0+, a Triton that has it."""
-    if not ENABLED or _INTERPRET or not _HAS_GDC or device.type != "cuda" or torch.version.hip is not None:
+    if not _enabled or _INTERPRET or not _HAS_GDC or device.type != "cuda" or torch.version.hip is not None:
         return False  # (ROCm devices also report as "cuda", with capabilities that are no NVIDIA generation)
     if torch.compiler.is_compiling():
         # Inductor launches the kernels of a compiled region itself, without the launch attribute

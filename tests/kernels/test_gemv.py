@@ -1,5 +1,5 @@
-"""The batch-1 Triton GEMV (plain, with RMSNorm fused before it, with SiLU-and-mul fused after it) vs the
-unfused layers (RMSNorm.forward_native, F.linear, SiluAndMul.forward_native).
+"""The batch-1 Triton GEMV (plain, with SiLU-and-mul fused after it) vs the unfused layers (F.linear,
+SiluAndMul.forward_native), and the switches that route matmuls to it and launch it with PDL.
 
 Small shapes run compiled on a GPU when there is one, else under TRITON_INTERPRET=1 on CPU tensors; the
 `gpu` cases use Llama-3-8B shapes.
@@ -11,9 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from braid.runtime.config import ServerArgs
+from braid.runtime.layers import pdl
 from braid.runtime.layers.activation import SiluAndMul
-from braid.runtime.layers.norm import RMSNorm
-from braid.runtime.layers.triton_gemv import decode_gemv_applies, gemv
+from braid.runtime.layers.gemv import decode_gemv_applies, gemv
+from braid.runtime.layers.kernel_switches import kernel_switches_applied
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -25,50 +27,30 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def tensors(n, k, dtype, device, seed, rows=None):
+def tensors(rows, k, dtype, device, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, k, generator=gen).to(device=device, dtype=dtype)
-    res = torch.randn(1, k, generator=gen).to(device=device, dtype=dtype)
-    w = (torch.randn(rows or n, k, generator=gen) / k ** 0.5).to(device=device, dtype=dtype)
-    norm = RMSNorm(k, 1e-5)
-    norm.weight.data = (torch.randn(k, generator=gen) * 0.3 + 1.0).to(device=device, dtype=dtype)
-    return x, res, w, norm
+    w = (torch.randn(rows, k, generator=gen) / k ** 0.5).to(device=device, dtype=dtype)
+    return x, w
 
 
-def reference(x, res, w, norm, use_norm, use_res, silu):
+def reference(x, w, silu):
     """The unfused path in float64 from the same rounded inputs, rounded where the layers round."""
-    res_out = None
-    if use_norm:
-        if use_res:
-            x, res_out = norm.forward_native(x, res)
-        else:
-            x, res_out = norm.forward_native(x), x
     y = F.linear(x.double(), w.double()).to(x.dtype)
     if silu:
         y = SiluAndMul().forward_native(y.double()).to(x.dtype)
-    return y, res_out
+    return y
 
 
 @pytest.mark.parametrize("n,k", [(48, 64), (37, 200), (5, 1), (16, 576)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("use_norm,use_res,silu", [(False, False, False), (True, True, False), (True, False, False),
-                                                   (True, True, True), (False, False, True)])
-def test_gemv_matches_unfused_layers(n, k, dtype, use_norm, use_res, silu):
-    x, res, w, norm = tensors(n, k, dtype, DEVICE, n * 1000 + k, rows=2 * n if silu else n)
-    want, want_res = reference(x, res, w, norm, use_norm, use_res, silu)
-    got, got_res = gemv(x, w, norm_weight=norm.weight if use_norm else None, residual=res if use_res else None,
-                        eps=norm.eps, silu_mul=silu)
+@pytest.mark.parametrize("silu", [False, True])
+def test_gemv_matches_unfused_layers(n, k, dtype, silu):
+    x, w = tensors(2 * n if silu else n, k, dtype, DEVICE, n * 1000 + k)
+    got = gemv(x, w, silu_mul=silu)
     # bf16: the GEMV accumulates in fp32 where the reference is float64; the interpreter truncates to bf16 at
-    # each of up to four rounding points where the GPU rounds to nearest
-    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2 if HAS_CUDA else 4e-2)
-    if use_norm and use_res:
-        # exact on a GPU; the interpreter truncates the bf16 sum where PyTorch rounds it (one ulp)
-        exact = HAS_CUDA or dtype == torch.float32
-        torch.testing.assert_close(got_res, want_res, rtol=0 if exact else 1e-2, atol=0 if exact else 1e-2)
-    elif use_norm:
-        assert got_res is x
-    else:
-        assert got_res is None
+    # each rounding point where the GPU rounds to nearest
+    assert rel_err(got, reference(x, w, silu)) < (1e-5 if dtype == torch.float32 else 1e-2 if HAS_CUDA else 4e-2)
 
 
 def test_gemv_rejects_bad_shapes():
@@ -77,10 +59,6 @@ def test_gemv_rejects_bad_shapes():
         gemv(x, torch.randn(4, 8))
     with pytest.raises(ValueError, match="2N"):
         gemv(x[:1], torch.randn(5, 8), silu_mul=True)
-    with pytest.raises(ValueError, match="norm_weight"):
-        gemv(x[:1], torch.randn(4, 8), norm_weight=torch.ones(7))
-    with pytest.raises(ValueError, match="residual"):
-        gemv(x[:1], torch.randn(4, 8), norm_weight=torch.ones(8), residual=torch.ones(1, 8, dtype=torch.float64))
 
 
 def test_decode_gemv_applies_only_to_batch1_half_cuda():
@@ -97,17 +75,34 @@ def test_decode_gemv_applies_only_to_batch1_half_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("n,k,use_norm,silu", [(6144, 4096, True, False), (4096, 4096, False, False),
-                                               (14336, 4096, True, True), (4096, 14336, False, False),
-                                               (128256, 4096, False, False)])
-def test_gpu_gemv_llama3_8b_shapes(n, k, use_norm, silu):
-    x, res, w, norm = tensors(n, k, torch.bfloat16, "cuda", n + k, rows=2 * n if silu else n)
-    want, want_res = reference(x, res, w, norm, use_norm, use_norm, silu)
-    got, got_res = gemv(x, w, norm_weight=norm.weight if use_norm else None, residual=res if use_norm else None,
-                        eps=norm.eps, silu_mul=silu)
-    assert rel_err(got, want) < 1e-2
-    if use_norm:
-        assert torch.equal(got_res, want_res)
+def test_gpu_disable_decode_gemv_routes_batch1_to_cublas(monkeypatch):
+    """ServerArgs.disable_decode_gemv through apply_kernel_switches: a batch-1 bf16 Linear stops calling the GEMV."""
+    from braid.runtime.layers import gemv as gemv_module
+    from braid.runtime.layers.linear import Linear
+
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lin = Linear(64, 32).to(device="cuda", dtype=torch.bfloat16)
+    lin.weight.data.normal_()
+    x = torch.randn(1, 64, device="cuda", dtype=torch.bfloat16)
+    with kernel_switches_applied(ServerArgs()):
+        on = lin(x)
+    assert calls == [1]
+    with kernel_switches_applied(ServerArgs(disable_decode_gemv=True)):
+        assert not decode_gemv_applies(x, lin.weight)
+        off = lin(x)
+    assert calls == [1]
+    torch.testing.assert_close(on, off, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("n,k,silu", [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True),
+                                      (4096, 14336, False), (128256, 4096, False)])
+def test_gpu_gemv_llama3_8b_shapes(n, k, silu):
+    x, w = tensors(2 * n if silu else n, k, torch.bfloat16, "cuda", n + k)
+    assert rel_err(gemv(x, w, silu_mul=silu), reference(x, w, silu)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -116,8 +111,7 @@ def test_gpu_pdl_chain_in_cuda_graph_matches_without_pdl():
     """A decode-shaped chain (add+RMSNorm -> GEMV -> GEMV(SiLU) -> GEMV, repeated) where every kernel reads
     the one before's output: captured and replayed with programmatic dependent launch it must give the
     bit-identical result of the same kernels launched without it."""
-    from braid.runtime.layers import pdl
-    from braid.runtime.layers.triton_fused import fused_add_rmsnorm
+    from braid.runtime.layers.norm_kernels import fused_add_rmsnorm
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     k, inter = 4096, 14336
@@ -131,15 +125,13 @@ def test_gpu_pdl_chain_in_cuda_graph_matches_without_pdl():
         residual = torch.zeros_like(x)
         for qkv, gate_up, down in layers:
             h, residual = fused_add_rmsnorm(x, residual, norm_w, 1e-5)
-            q = gemv(h, qkv)[0]
-            x = gemv(gemv(h + q[:, :k], gate_up, silu_mul=True)[0], down)[0]
+            q = gemv(h, qkv)
+            x = gemv(gemv(h + q[:, :k], gate_up, silu_mul=True), down)
         return x + residual
 
-    saved = pdl.ENABLED
-    try:
-        pdl.ENABLED = False
+    with kernel_switches_applied(ServerArgs(disable_pdl=True)):
         want = chain(x0)
-        pdl.ENABLED = True
+    with kernel_switches_applied(ServerArgs()):
         assert pdl.enabled(x0.device) == (torch.cuda.get_device_capability() >= (9, 0))
         static_x = x0.clone()
         chain(static_x)  # compile and autotune outside the capture
@@ -150,23 +142,28 @@ def test_gpu_pdl_chain_in_cuda_graph_matches_without_pdl():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, want)
-    finally:
-        pdl.ENABLED = saved
 
 
 def test_pdl_launch_options_only_where_the_gpu_has_it():
-    from braid.runtime.layers import pdl
-
     assert pdl.launch_options(torch.device("cpu")) == {"USE_PDL": False}
-    saved = pdl.ENABLED
-    try:
-        pdl.ENABLED = False
+    with kernel_switches_applied(ServerArgs(disable_pdl=True)):
         assert not pdl.enabled(torch.device("cuda", 0))
-        if HAS_CUDA:
-            pdl.ENABLED = True
+    if HAS_CUDA:
+        with kernel_switches_applied(ServerArgs()):
             hopper = torch.cuda.get_device_capability() >= (9, 0)
             assert pdl.enabled(torch.device("cuda")) == hopper
             assert pdl.launch_options(torch.device("cuda")) == (
                 {"USE_PDL": True, "launch_pdl": True} if hopper else {"USE_PDL": False})
-    finally:
-        pdl.ENABLED = saved
+
+
+def test_kernel_switches_follow_server_args_and_restore():
+    from braid.runtime.layers import cpu_gemm
+    from braid.runtime.layers import gemv as gemv_module
+
+    off = ServerArgs(disable_pdl=True, disable_decode_gemv=True, disable_cpu_prepack=True,
+                     disable_cpu_malloc_tuning=True)
+    with kernel_switches_applied(ServerArgs()):
+        with kernel_switches_applied(off):
+            assert not gemv_module.enabled() and not cpu_gemm.prepack_enabled()
+            assert pdl.set_enabled(False) is False  # set_enabled returns the setting it replaces
+        assert gemv_module.enabled() and pdl.set_enabled(True) is True

@@ -4,8 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from braid.runtime.config import ServerArgs
 from braid.runtime.layers import cpu_gemm
 from braid.runtime.layers.embedding import LMHead
+from braid.runtime.layers.kernel_switches import kernel_switches_applied
 from braid.runtime.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.prepack_available(), reason="torch build without oneDNN linear prepack")
@@ -38,7 +40,7 @@ def _count_packed_calls(monkeypatch):
 def test_packed_linear_is_used_and_matches_f_linear(monkeypatch, in_f, out_f, bias):
     lin = _filled(Linear(in_f, out_f, bias=bias), bias=bias)
     lin.prepack_weights()
-    assert lin._packed is not None
+    assert lin.cpu_packed_weight is not None
     calls = _count_packed_calls(monkeypatch)
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
@@ -98,31 +100,30 @@ def test_fallbacks(monkeypatch):
     # dtypes that are not packed, and a disabled switch
     half = _filled(Linear(32, 16)).to(torch.bfloat16)
     half.prepack_weights()
-    assert half._packed is None
-    monkeypatch.setenv("BRAID_DISABLE_CPU_PREPACK", "1")
-    lin.prepack_weights()
-    assert lin._packed is None
+    assert half.cpu_packed_weight is None
+    with kernel_switches_applied(ServerArgs(disable_cpu_prepack=True)):
+        lin.prepack_weights()
+    assert lin.cpu_packed_weight is None
 
 
 def test_missing_ops_fall_back(monkeypatch):
     monkeypatch.setattr(cpu_gemm, "_available", False)
     lin = _filled(Linear(32, 16))
     lin.prepack_weights()
-    assert lin._packed is None
+    assert lin.cpu_packed_weight is None
     x = torch.randn(3, 32)
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
 
 
 def test_loaded_model_layers_are_prepacked():
-    from braid.runtime.config import ServerArgs
     from braid.runtime.model_executor.model_runner import ModelRunner
 
     runner = ModelRunner(ServerArgs.from_kwargs(model_path="smollm2", load_format="dummy", max_total_tokens=256,
                                                 log_level="warning"))
     model = runner.model
     packed = [m for m in model.modules() if m is not model and hasattr(m, "prepack_weights")]
-    assert packed and all(m._packed is not None for m in packed)
-    assert model.lm_head._packed.source is model.lm_head.weight
+    assert packed and all(m.cpu_packed_weight is not None for m in packed)
+    assert model.lm_head.cpu_packed_weight.source is model.lm_head.weight
 
 
 def test_one_or_two_rows_take_the_blas_gemv(monkeypatch):

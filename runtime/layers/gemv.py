@@ -1,0 +1,159 @@
+"""Triton GEMV for decode at batch 1, with SiLU-and-mul after it fused in.
+
+At batch 1 a decode step is a stream over the weights, and the SiLU-and-mul after gate_up_proj costs as much
+as a few microseconds of weight streaming in launch latency alone. One kernel here does
+
+    y[1, N] = act(x @ W[N(, +N), K]^T)
+
+Every program owns BLOCK_N rows of W (coalesced along K) and keeps BLOCK_N x BLOCK_K partial products in
+registers. With SiLU-and-mul fused, a program owns the gate rows n and the up rows n + N of a [2N, K] weight
+and writes silu(gate) * up, rounding gate and up to the activation dtype where the unfused path
+(activation.py) rounds them. (Fusing the RMSNorm before a projection as well measured slower on the H200:
+every program then re-reads x and the residual from L2; see docs/benchmarks.md.)
+
+With programmatic dependent launch (PDL, Hopper and later; see pdl.py), a GEMV is launched while the
+kernel before it drains: every program loads its first weight chunk, which no earlier kernel writes, then
+waits (griddepcontrol.wait) for the previous kernel's results before touching x. The weight stream thus
+starts during the previous kernel's tail instead of after its completion and this launch's latency. Each
+GEMV also signals its dependents as soon as it starts, so the GEMV after it can do the same.
+
+Configs are autotuned per shape on first use, which the CUDA-graph runner's warm-up passes do before capture.
+Runs on CPU tensors under TRITON_INTERPRET=1 (the tests).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from braid.runtime.layers import pdl
+from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
+
+__all__ = ["gemv", "supports", "decode_gemv_applies", "enabled", "set_enabled"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+# whether batch-1 bf16/fp16 matmuls on CUDA go through this kernel (ServerArgs.disable_decode_gemv)
+_enabled = True
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def set_enabled(on: bool) -> bool:
+    """Route batch-1 bf16/fp16 CUDA matmuls through this kernel (or cuBLAS); returns the previous setting.
+    Graphs captured before keep the kernels they captured."""
+    global _enabled
+    previous, _enabled = _enabled, bool(on)
+    return previous
+
+
+def _configs():
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 64}, num_warps=1)]
+    # the best of a 44-config sweep per Llama-3-8B shape on an H200 (benchmarks/gpu/decode_b1.py), and neighbours
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bn, bk, w, st in ((4, 2048, 4, 1), (4, 2048, 4, 3), (2, 1024, 4, 3), (4, 1024, 4, 3),
+                                  (2, 2048, 4, 3), (8, 1024, 4, 1))]
+
+
+@triton.jit
+def _load_x_chunk(x_ptr, kk, k_mask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        x = tl.load(x_ptr + kk).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    let_next_kernel_launch(USE_PDL)
+    cols = tl.arange(0, BLOCK_K)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride
+    up_rows = w_rows + N.to(tl.int64) * w_row_stride  # SILU_MUL: the up half starts N rows further
+    # the first weight chunk: no earlier kernel writes W, so it streams before the wait for x
+    if EVEN_K:
+        w_mask0 = row_mask[:, None]
+    else:
+        w_mask0 = row_mask[:, None] & (cols < K)[None, :]
+    w0 = tl.load(w_rows + cols[None, :], mask=w_mask0, other=0.0, eviction_policy="evict_first")
+    u0 = w0
+    if SILU_MUL:
+        u0 = tl.load(up_rows + cols[None, :], mask=w_mask0, other=0.0, eviction_policy="evict_first")
+    wait_for_previous_kernel(USE_PDL)
+
+    x0 = _load_x_chunk(x_ptr, cols, cols < K, EVEN_K)
+    acc = w0.to(tl.float32) * x0[None, :]
+    acc_up = u0.to(tl.float32) * x0[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + cols
+        k_mask = kk < K
+        x = _load_x_chunk(x_ptr, kk, k_mask, EVEN_K)
+        if EVEN_K:
+            w_mask = row_mask[:, None]
+        else:
+            w_mask = row_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x[None, :]
+        if SILU_MUL:
+            u = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc_up += u.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if SILU_MUL:
+        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = tl.sum(acc_up, axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+_gemv_autotuned = triton.autotune(configs=_configs(), key=["N", "K", "SILU_MUL", "USE_PDL"])(_gemv_kernel)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """True when gemv(x, weight) applies: one row of x, a 2-D weight with unit stride along K, same dtype."""
+    return (x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and x.dtype == weight.dtype and weight.stride(1) == 1 and x.device == weight.device)
+
+
+def decode_gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
+    """Whether the runtime routes this matmul here: enabled, batch-1 bf16/fp16 on CUDA without a bias."""
+    return _enabled and bias is None and x.is_cuda and x.dtype in _HALF_DTYPES and supports(x, weight)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False,
+         config: Optional[dict] = None) -> torch.Tensor:
+    """x: [1, K]; weight: [N, K] (or [2N, K] = [gate; up] with silu_mul) -> y [1, N].
+
+    With silu_mul: y = silu(x @ Wg^T) * (x @ Wu^T). `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) skips
+    the autotuner (benchmarks sweep configs with it)."""
+    if not supports(x, weight):
+        raise ValueError(f"gemv needs x [1, K] and weight [N, K] of one dtype and device, got {tuple(x.shape)}, "
+                         f"{tuple(weight.shape)}")
+    rows, k = weight.shape
+    if silu_mul and rows % 2:
+        raise ValueError(f"silu_mul needs a [2N, K] weight, got {rows} rows")
+    n = rows // 2 if silu_mul else rows
+    x = x.contiguous()
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    args = (x, weight, y, n, k, weight.stride(0))
+    flags = dict(SILU_MUL=bool(silu_mul), **pdl.launch_options(x.device))
+    if config is None:
+        even_k = k % 2048 == 0 if not _INTERPRET else k % 64 == 0
+        _gemv_autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, EVEN_K=even_k)
+    else:
+        cfg = dict(config)
+        launch = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}
+        _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](*args, **flags, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
+                                                        **launch)
+    return y

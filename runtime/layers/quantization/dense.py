@@ -1,0 +1,38 @@
+"""Dense weights in the activation dtype (bf16/fp16/fp32).
+
+Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA (SiLU-and-mul fused after it; gemv.py), a
+oneDNN-prepacked copy of the weight on CPU (cpu_gemm.py), F.linear everywhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from braid.runtime.layers import cpu_gemm, gemv
+from braid.runtime.layers.activation import SiluAndMul
+from braid.runtime.layers.quantization.base import LinearMethod
+
+
+class DenseLinearMethod(LinearMethod):
+    name = "dense"
+
+    def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int]) -> None:
+        layer.weight = nn.Parameter(torch.empty(sum(output_sizes), in_features), requires_grad=False)
+        layer.cpu_packed_weight = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.cpu_packed_weight = cpu_gemm.PackedLinearWeight.pack(layer.weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              act: Optional[nn.Module] = None) -> torch.Tensor:
+        weight = layer.weight
+        if gemv.decode_gemv_applies(x, weight, bias):
+            if isinstance(act, SiluAndMul):
+                return gemv.gemv(x, weight, silu_mul=True)
+            y = gemv.gemv(x, weight)
+        else:
+            y = cpu_gemm.linear(x, weight, bias, layer.cpu_packed_weight)
+        return y if act is None else act(y)
