@@ -9,6 +9,8 @@ import torch
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import ForwardBatch, ForwardOutput
 from braid.runtime.layers.attention.registry import default_backend, get_backend_class
+from braid.runtime.layers.dtypes import kv_cache_dtype, model_dtype
+from braid.runtime.layers.kernel_switches import apply_kernel_switches
 from braid.runtime.layers.logits import compute_logits, last_token_rows, token_logprobs
 from braid.runtime.layers.sampler import Sampler, apply_penalties
 from braid.runtime.loader import load_model, load_model_config
@@ -16,8 +18,6 @@ from braid.runtime.mem_cache.pools import MHAKVPool, MLAKVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
-_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-              "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
 _CPU_DEFAULT_KV_TOKENS = 65536
 
 
@@ -25,8 +25,9 @@ class ModelRunner:
     def __init__(self, server_args: ServerArgs):
         self.server_args = server_args
         self.device = torch.device(server_args.resolved_device)
+        apply_kernel_switches(server_args)
         self.model_config = load_model_config(server_args)
-        self.dtype = self.model_config.torch_dtype(server_args.dtype, self.device.type)
+        self.dtype = model_dtype(server_args.dtype, self.device.type)
         torch.manual_seed(server_args.random_seed)
         self.model = load_model(self.model_config, server_args, self.device, self.dtype)
         self.vocab_size = self.model_config.vocab_size
@@ -43,14 +44,10 @@ class ModelRunner:
             self.cuda_graph_runner = CudaGraphRunner(self)
 
     # ---- memory ----
-    def _kv_cache_dtype(self) -> torch.dtype:
-        name = self.server_args.kv_cache_dtype
-        return self.dtype if name == "auto" else _KV_DTYPES[name]
-
     def _init_pools(self) -> None:
         mc = self.model_config
-        kv_dtype = self._kv_cache_dtype()
-        heads_kv = max(1, mc.num_key_value_heads // self.server_args.tp_size)
+        kv_dtype = kv_cache_dtype(self.server_args.kv_cache_dtype, self.dtype)
+        heads_kv = mc.num_key_value_heads
         if mc.attention_arch == "mla":
             per_token = (mc.kv_lora_rank + mc.qk_rope_head_dim) * mc.num_layers * kv_dtype.itemsize
         else:
@@ -71,7 +68,9 @@ class ModelRunner:
                                               mc.num_layers, self.device, kv_cache_dtype=kv_dtype)
         else:
             self.token_to_kv_pool = MHAKVPool(self.max_total_tokens, self.dtype, heads_kv, mc.head_dim, mc.num_layers,
-                                              self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype)
+                                              self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype,
+                                              fused_store=not self.server_args.disable_fused_kv_store,
+                                              fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store)
         logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", self.max_total_tokens,
                     self.max_total_tokens * per_token / 2**20, max_reqs)
 

@@ -47,6 +47,22 @@ class OutputProcessor:
         return mask
 
     # ---- after sampling ----
+    def commit(self, req: Req, host: dict, row: int) -> tuple[str, Optional[FinishReason]]:
+        """Append the token sampled in `row` of a ForwardOutput's host copy. -> where the request goes:
+        ("running", None) decodes on, ("resume_queue", None) needs an extend over jump-forward tokens,
+        ("finished", reason) ends."""
+        lp = None
+        if req.return_logprob:
+            n, top_v = req.top_logprobs_num, host.get("next_top_logprobs")
+            top = list(zip(top_v[row][:n], host["next_top_ids"][row][:n])) if n and top_v is not None else None
+            lp = (host["next_token_logprobs"][row], top)
+        reason = self.append_token(req, host["next_token_ids"][row], lp)
+        if reason is None:
+            jumped, reason = self.jump_forward(req)
+            if jumped and reason is None:
+                return "resume_queue", None
+        return ("finished", reason) if reason is not None else ("running", None)
+
     def append_token(self, req: Req, tok: int, logprobs: Optional[tuple]) -> Optional[FinishReason]:
         """Record a sampled token; the reason the request ends with it, if it does."""
         req.output_ids.append(tok)

@@ -78,14 +78,6 @@ class Scheduler:
         self.stats = dict(num_prompt_tokens_total=0, num_computed_prompt_tokens_total=0, num_cached_tokens_total=0,
                           num_forward_extend=0, num_tokens_through_model_total=0)
 
-    @property
-    def overlap(self) -> bool:
-        return self.decode.overlap
-
-    @overlap.setter
-    def overlap(self, on: bool) -> None:
-        self.decode.overlap = on
-
     # ---- requests ----
     def add_request(self, req: Req) -> None:
         self.waiting.extend(self.intake.add(req))
@@ -245,29 +237,16 @@ class Scheduler:
     # ---- commit and finish ----
     def _commit(self, reqs: list[Req], host: dict, rows: Optional[list[int]] = None) -> None:
         """Append each request's sampled token (host: ForwardOutput.host(); rows: each request's row in it)."""
-        rows = rows if rows is not None else range(len(reqs))
-        ids, lps = host["next_token_ids"], host.get("next_token_logprobs")
-        top_v, top_i = host.get("next_top_logprobs"), host.get("next_top_ids")
-        for req, row in zip(reqs, rows):
+        for req, row in zip(reqs, rows if rows is not None else range(len(reqs))):
             if req.finished:  # aborted while its step ran: its token is dropped
                 if req.req_pool_idx is not None:
                     self.finish(req, req.finished_reason)
                 continue
-            lp = None
-            if req.return_logprob:
-                n = req.top_logprobs_num
-                lp = (lps[row], list(zip(top_v[row][:n], top_i[row][:n])) if n and top_v is not None else None)
-            reason = self.output.append_token(req, ids[row], lp)
-            if reason is None:
-                jumped, reason = self.output.jump_forward(req)
-                if jumped and reason is None:
-                    self.resume_queue.append(req)
-                    self.emit(req)
-                    continue
+            goes_to, reason = self.output.commit(req, host, row)
             if reason is not None:
                 self.finish(req, reason)
             else:
-                self.running.append(req)
+                (self.running if goes_to == "running" else self.resume_queue).append(req)
                 self.emit(req)
 
     def finish(self, req: Req, reason: FinishReason) -> None:

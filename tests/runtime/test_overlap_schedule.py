@@ -39,7 +39,7 @@ def engine():
 
 
 def run(engine, overlap: bool):
-    engine.scheduler.overlap = overlap
+    engine.scheduler.decode.overlap = overlap
     engine.flush_cache()
     before = engine.get_stats()["num_decode_overlapped"]
     out = engine.generate(PROMPTS, PARAMS)
@@ -61,7 +61,7 @@ def test_overlapped_decode_equals_synchronous(engine):
 
 
 def test_overlapped_decode_streams_and_aborts_cleanly(engine):
-    engine.scheduler.overlap = True
+    engine.scheduler.decode.overlap = True
     sp = {"temperature": 0, "max_new_tokens": 40, "ignore_eos": True}
     prompt = "Tell me a story about a dragon."
     whole = engine.generate(prompt, sp)
