@@ -126,6 +126,25 @@ def test_loaded_model_layers_are_prepacked():
     assert model.lm_head.cpu_packed_weight.source is model.lm_head.weight
 
 
+def test_disable_cpu_prepack_reaches_the_model_runner(monkeypatch):
+    """ModelRunner applies its ServerArgs' kernel switches before loading: --disable-cpu-prepack leaves every
+    layer on F.linear."""
+    from braid.runtime.model_executor.model_runner import ModelRunner
+
+    calls = _count_packed_calls(monkeypatch)
+    args = ServerArgs.from_kwargs(model_path="smollm2", load_format="dummy", max_total_tokens=256,
+                                  log_level="warning", disable_cpu_prepack=True)
+    with kernel_switches_applied(ServerArgs()):  # prepack on before; the process's switches restored after
+        runner = ModelRunner(args)
+    model = runner.model
+    layers = [m for m in model.modules() if m is not model and hasattr(m, "prepack_weights")]
+    assert layers and all(m.cpu_packed_weight is None for m in layers)
+    x = torch.randn(4, model.lm_head.weight.shape[1])
+    with torch.inference_mode():
+        torch.testing.assert_close(model.lm_head(x), F.linear(x, model.lm_head.weight))
+    assert calls == []
+
+
 def test_one_or_two_rows_take_the_blas_gemv(monkeypatch):
     """At M <= 2 (batch-1/2 decode) the BLAS GEMV beats oneDNN's packed call; from M = 3 the packed path runs."""
     lin = _filled(Linear(576, 960))
