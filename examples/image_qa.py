@@ -35,8 +35,8 @@ def main():
     try:
         state = describe.run(images=images, backend=runtime, temperature=0)
         print(state["answer"])
-    except braid.BackendRequestError as e:
-        print(f"the server refused the images (is {model_path} a vision model?): {e}")
+    except (braid.BackendRequestError, braid.UnsupportedFeatureError) as e:
+        print(f"{model_path} cannot read these images (is it a vision model?): {e}")
     finally:
         runtime.shutdown()
 

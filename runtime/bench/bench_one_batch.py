@@ -175,11 +175,8 @@ def _median(xs: list[float]) -> float:
 
 
 def _greedy_next_ids(runner, fb: ForwardBatch) -> torch.Tensor:
-    """Each row's argmax token, left on the device. ModelRunner.forward samples on the device (greedy without
-    sampling_info); the fallback serves a runner that still returns logits, until that change is committed."""
-    out = runner.forward(fb)
-    ids = getattr(out, "next_token_ids", None)
-    return ids if ids is not None else torch.argmax(out.next_token_logits, dim=-1)
+    """Each row's argmax token, left on the device (ModelRunner.forward is greedy without sampling_info)."""
+    return runner.forward(fb).next_token_ids
 
 
 def random_prompts(vocab_size: int, batch_size: int, input_len: int, seed: int) -> list[list[int]]:

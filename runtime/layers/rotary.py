@@ -45,6 +45,8 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / self.scaling["factor"]
+        elif rope_type not in (None, "default"):
+            raise ValueError(f"rope scaling {rope_type!r} is not built yet (supported: llama3, linear)")
         t = torch.arange(max_pos, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
         # [max_pos, rotary_dim]: cos half then sin half

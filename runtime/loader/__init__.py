@@ -54,6 +54,10 @@ def load_model(model_config: ModelConfig, server_args, device: torch.device, dty
     from braid.runtime.models.registry import get_model_class
 
     cls = get_model_class(model_config.architecture)
+    if model_config.quantization is not None:
+        from braid.runtime.layers.quantization import get_linear_method
+
+        get_linear_method(model_config.quantization.method)  # a checkpoint braid cannot multiply fails here, loudly
     with torch.device("meta"):
         model = cls(model_config)
     if server_args.load_format == "dummy":

@@ -90,7 +90,8 @@ class PreNormDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], fb):
-        # each norm runs with the projection after it (one launch at decode batch 1, see norm_linear_act)
+        # each norm travels with the projection after it (norm_linear_act); the MLP's activation runs inside the
+        # gate_up matmul where the linear method fuses it (the batch-1 GEMV)
         qkv, residual = norm_linear_act(self.self_attn.qkv_proj, hidden, self.input_layernorm, residual)
         hidden = self.self_attn.attend(positions, qkv, fb)
         hidden, residual = norm_linear_act(self.mlp.gate_up_proj, hidden, self.post_attention_layernorm, residual,

@@ -14,14 +14,7 @@ from typing import Optional
 import torch
 
 from braid.runtime.core import FinishReason, Req
-
-
-class RequestError(ValueError):
-    """Bad input in a request (prompt too long, ...). `param` names the field."""
-
-    def __init__(self, message: str, param: Optional[str] = None):
-        super().__init__(message)
-        self.param = param
+from braid.runtime.server.prepare import RequestError
 
 
 def validate_request(req: Req, vocab_size: int, context_len: int, kv_pool_size: int, grammar_backend) -> None:

@@ -41,8 +41,9 @@ def _output(sp: dict, default: str = REPLY) -> str:
 
 
 class FakeServer:
-    def __init__(self, chat_template=None, model_path="fake-model", api_key=None):
+    def __init__(self, chat_template=None, model_path="fake-model", api_key=None, multimodal=False):
         self.requests: list[tuple[str, dict]] = []
+        self.multimodal = multimodal
         self.chat_template = chat_template
         self.model_path = model_path
         self.api_key = api_key
@@ -77,7 +78,8 @@ class FakeServer:
                     return
                 if self.path == "/get_model_info":
                     return self._send(200, {"model_path": server.model_path, "context_length": 2048,
-                                            "vocab_size": 256, "chat_template": server.chat_template})
+                                            "vocab_size": 256, "chat_template": server.chat_template,
+                                            "is_multimodal": server.multimodal})
                 if self.path == "/get_server_info":
                     return self._send(200, {"num_running_reqs": 0, "num_waiting_reqs": 0})
                 self._send(404, {"error": {"message": "no route", "type": "not_found"}})

@@ -30,7 +30,7 @@ def test_examples_exist():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_example_runs(path, monkeypatch, capsys):
-    server = FakeServer().start()
+    server = FakeServer(multimodal=path.stem == "image_qa").start()  # the fake server stands in for a vision model
     runtimes = []
 
     def make_runtime(model_path="smollm2", **kwargs):

@@ -48,6 +48,7 @@ except Exception as e:  # an import that fails for any reason (missing package, 
 import triton
 import triton.language as tl
 
+from braid.runtime.layers import pdl
 from braid.runtime.layers.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
@@ -182,7 +183,8 @@ class FlashInferAttnBackend(AttentionBackend):
             raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got {self.device}")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.enable_pdl = enable_pdl
+        # FlashInfer's own default would turn PDL on for Hopper whatever --disable-pdl says
+        self.enable_pdl = pdl.enabled(model_runner.device) if enable_pdl is None else enable_pdl
 
         with torch.inference_mode(False):
             # FlashInfer asks for a zeroed buffer before its first use

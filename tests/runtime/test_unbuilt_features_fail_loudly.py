@@ -1,0 +1,41 @@
+"""What braid does not build yet fails at start with a clear error instead of running wrong."""
+
+import json
+
+import pytest
+
+from braid.runtime.config import ServerArgs
+from braid.runtime.engine import Engine
+
+TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 49152,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "eos_token_id": 2}
+
+
+def _engine(**overrides):
+    return Engine(model_path="smollm2", load_format="dummy", model_config=json.dumps({**TINY, **overrides}),
+                  max_total_tokens=1024, log_level="warning")
+
+
+def test_a_quantized_checkpoint_is_refused():
+    with pytest.raises(ValueError, match="quantization 'fp8' is not supported"):
+        _engine(quantization_config={"quant_method": "fp8"})
+
+
+def test_an_unbuilt_rope_scaling_is_refused():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not built yet"):
+        _engine(rope_scaling=yarn)
+
+
+def test_a_plain_tiny_model_runs():
+    with _engine() as engine:
+        out = engine.generate("hello", {"max_new_tokens": 3, "temperature": 0})
+        assert len(out["output_ids"]) == 3
+        assert engine.get_stats()["kv_used_tokens"] == 0
+
+
+@pytest.mark.parametrize("field", ["tp_size", "dp_size"])
+def test_parallelism_other_than_one_is_refused(field):
+    with pytest.raises(ValueError, match="not built yet"):
+        ServerArgs(**{field: 2})
