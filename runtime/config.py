@@ -39,6 +39,8 @@ class ServerArgs:
     schedule_policy: str = _opt("lpm", "waiting-queue order", ["lpm", "fcfs"])
     schedule_conservativeness: float = _opt(1.0, "how much decode headroom to reserve when admitting")
     disable_radix_cache: bool = _opt(False, "use the chunk cache (no prefix sharing across requests)")
+    enable_mixed_chunk: bool = _opt(False, "run the running requests' decode tokens in the same forward pass as a "
+                                           "prefill batch instead of a pass of their own")
     disable_overlap_schedule: bool = _opt(False, "on CUDA, do each decode step's host bookkeeping after the GPU "
                                                  "finishes it instead of while it runs the next step")
 

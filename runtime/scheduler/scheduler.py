@@ -76,7 +76,7 @@ class Scheduler:
         self.in_flight: Optional[DecodeInFlight] = None
         self.outputs: list[ReqOutput] = []
         self.stats = dict(num_prompt_tokens_total=0, num_computed_prompt_tokens_total=0, num_cached_tokens_total=0,
-                          num_forward_extend=0, num_tokens_through_model_total=0)
+                          num_forward_extend=0, num_tokens_through_model_total=0, num_decode_tokens_mixed=0)
 
     # ---- requests ----
     def add_request(self, req: Req) -> None:
@@ -135,7 +135,7 @@ class Scheduler:
             self._commit(prev.reqs, prev.output.host())
         batch = self._admit()
         if batch:
-            self._run_extend(batch)
+            self._run_extend(batch, self._mix_in_running(batch))
         elif self.running:
             for victim in self.decode.retract(self.running):
                 self.waiting.insert(0, victim)
@@ -176,7 +176,20 @@ class Scheduler:
                     self.stats["num_cached_tokens_total"] += req.kv_committed_len
         return batch
 
-    def _run_extend(self, batch: list[Req]) -> None:
+    def _mix_in_running(self, prefill: list[Req]) -> list[Req]:
+        """--enable-mixed-chunk: the running requests, each as a one-token extend, when the pool holds their tokens."""
+        if not self.server_args.enable_mixed_chunk or not self.running:
+            return []
+        if self.tree_cache.available_slots() < sum(r.extend_input_len for r in prefill) + len(self.running):
+            return []
+        for req in self.running:
+            req.extend_input_len, req.is_chunked = 1, False
+        decoding, self.running = self.running, []
+        self.stats["num_decode_tokens_mixed"] += len(decoding)
+        return decoding
+
+    def _run_extend(self, prefill: list[Req], decoding: list[Req]) -> None:
+        batch = prefill + decoding
         built = self.prefill.build_batch(batch)
         if built is None:
             raise RuntimeError("KV pool exhausted during extend admission (scheduler accounting bug)")
@@ -194,8 +207,8 @@ class Scheduler:
         for req, n in zip(batch, fb.extend_seq_lens_cpu):
             req.kv_committed_len += n
         record_prompt_logprobs(logprob_slices, host)
-        rows = []
-        for i, req in enumerate(batch):
+        rows = list(range(len(prefill), len(batch)))
+        for i, req in enumerate(prefill):
             if req.is_chunked:
                 self.tree_cache.cache_unfinished_req(req)
                 self.resume_queue.append(req)
@@ -206,6 +219,7 @@ class Scheduler:
                 self.tree_cache.cache_unfinished_req(req)
                 rows.append(i)
         if rows:
+            rows.sort()
             self._commit([batch[i] for i in rows], host, rows)
 
     def _run_decode(self) -> None:
