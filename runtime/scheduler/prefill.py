@@ -1,13 +1,16 @@
 """Prefill: which waiting requests enter the next extend batch (queue order, token and KV budgets, chunking), and
 the extend batch's tensors.
 
-Order: `lpm` (longest cached prefix first) matches every waiting request against the radix tree and sorts; past
-LPM_MAX_QUEUE waiting requests that costs more per step than it saves, so the queue is taken in arrival order and
-each request is matched only when admission reaches it.
+Order: `lpm` (longest cached prefix first) matches every waiting request against the radix tree and sorts; a
+request that has waited LPM_MAX_WAIT_S goes ahead of the sort (in arrival order), so a stream of requests sharing
+a long prefix cannot starve one that shares none. Past LPM_MAX_QUEUE waiting requests matching the whole queue
+every step costs more than it saves: the queue is taken in arrival order and each request is matched only when
+admission reaches it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -17,6 +20,7 @@ import torch
 from braid.runtime.core import ForwardBatch, ForwardMode, Req, host_to_device
 
 LPM_MAX_QUEUE = 128
+LPM_MAX_WAIT_S = 5.0
 # a waiting request whose next this-many uncached tokens equal those of a request in the batch waits one round
 _IN_BATCH_PREFIX_MIN = 32
 
@@ -118,7 +122,9 @@ class PrefillPlanner:
             for req in waiting:
                 if req.req_pool_idx is None:
                     match_prefix(req, self.tree_cache)
-            return sorted(waiting, key=lambda r: -len(r.prefix_indices)), True  # stable: ties keep arrival order
+            overdue = time.time() - LPM_MAX_WAIT_S
+            # stable: ties keep arrival order
+            return sorted(waiting, key=lambda r: (r.created_time > overdue, -len(r.prefix_indices))), True
         return waiting, False
 
     def _admit(self, req: Req, prefix_len: int) -> None:
