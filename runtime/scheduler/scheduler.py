@@ -12,8 +12,6 @@ import logging
 from collections import deque
 from typing import Optional, Protocol
 
-import torch
-
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import FinishReason, Req, ReqOutput
 from braid.runtime.layers.sampler import SamplingBatchInfo
