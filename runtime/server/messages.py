@@ -141,31 +141,11 @@ def decode_from_scheduler(data: bytes) -> FromScheduler:
     return _from_scheduler.decode(data)
 
 
-_OUTPUT_FIELDS = Output.__struct_fields__
+def output_from_req_output(o: Any) -> Output:
+    """The wire form of a braid.runtime.core.ReqOutput. Its fields already hold plain Python values (ids from
+    .tolist(), logprobs as tuples, which msgspec writes as arrays), so they are passed through unconverted: this runs
+    for every streamed request on every step."""
+    return Output(o.rid, o.index, o.output_ids_offset, o.new_token_ids, o.finished, o.finish_reason, o.prompt_tokens,
+                  o.completion_tokens, o.cached_tokens, o.completion_tokens_wo_jump_forward, o.output_token_logprobs,
+                  o.output_top_logprobs, o.input_token_logprobs, o.input_top_logprobs)
 
-
-def output_from_req_output(req_output: Any) -> Output:
-    """Copy the fields Output knows from a ReqOutput (or any object with those attributes)."""
-    values = {}
-    for name in _OUTPUT_FIELDS:
-        if hasattr(req_output, name):
-            v = getattr(req_output, name)
-            if v is not None or name.endswith("logprobs") or name == "finish_reason":
-                values[name] = v
-    fr = values.get("finish_reason")
-    if fr is not None and not isinstance(fr, dict):
-        values["finish_reason"] = fr.to_json() if hasattr(fr, "to_json") else dataclasses.asdict(fr)
-    if "new_token_ids" in values:
-        values["new_token_ids"] = [int(t) for t in values["new_token_ids"]]
-    # tuples -> lists of plain numbers, so msgspec sees only builtins
-    return msgspec.convert(_plain(values), Output)
-
-
-def _plain(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    return x
