@@ -18,6 +18,7 @@ from braid.runtime.server.prepare import RequestError
 
 
 def validate_request(req: Req, vocab_size: int, context_len: int, kv_pool_size: int, grammar_backend) -> None:
+    """grammar_backend: a callable returning the GrammarBackend (started only for requests with a grammar)."""
     sp = req.sampling_params
     sp.verify(vocab_size)
     if not req.input_ids:
@@ -37,9 +38,9 @@ def validate_request(req: Req, vocab_size: int, context_len: int, kv_pool_size: 
     if req.logprob_start_len >= len(req.input_ids):
         raise RequestError("logprob_start_len must be < the prompt length", "logprob_start_len")
     if sp.regex is not None:
-        grammar_backend.validate("regex", sp.regex)
+        grammar_backend().validate("regex", sp.regex)
     if sp.json_schema is not None:
-        grammar_backend.validate("json", sp.json_schema)
+        grammar_backend().validate("json", sp.json_schema)
 
 
 def fan_out(req: Req, share_prefill: bool) -> tuple[Optional[Req], list[Req]]:
@@ -85,7 +86,7 @@ class RequestIntake:
     def add(self, req: Req) -> list[Req]:
         """Validate (raises RequestError / SamplingParamsError / GrammarError); the requests ready to wait for
         admission now (the others wait for their grammar)."""
-        validate_request(req, self.vocab_size, self.context_len, self.kv_pool_size, self.grammar_backend)
+        validate_request(req, self.vocab_size, self.context_len, self.kv_pool_size, lambda: self.grammar_backend)
         self.num_requests += 1
         if req.sampling_params.n == 1:
             return self.enqueue([req])
