@@ -76,10 +76,6 @@ class SamplingBatchInfo:
             info.repetition_penalties = _to_device([p.repetition_penalty for p in params], torch.float32, device).view(B, 1)
         return info
 
-    @property
-    def has_penalties(self) -> bool:
-        return self.output_counts is not None or self.seen_tokens is not None
-
     def filter(self, keep: list[int], keep_on_device: Optional[torch.Tensor]) -> "SamplingBatchInfo":
         """The rows `keep` (keep_on_device: the same indices as an int64 tensor, None when all greedy)."""
         out = replace(self, is_greedy=[self.is_greedy[i] for i in keep], generators=[self.generators[i] for i in keep],
