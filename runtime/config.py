@@ -68,6 +68,10 @@ class ServerArgs:
     constrained_json_whitespace_pattern: Optional[str] = _opt(None, "regex for whitespace allowed in JSON output (default: compact)")
     disable_jump_forward: bool = _opt(False, "sample every token of a constrained output")
     grammar_timeout_s: float = _opt(10.0, "give up compiling a regex/schema after this long")
+    grammar_workers: int = _opt(0, "grammar compile worker processes kept ready (0: min(4, CPU count), at least 2); "
+                                   "a compile running long gets a spare beside it, up to twice as many")
+    grammar_max_queued: int = _opt(32, "grammar compiles allowed to wait for a worker; more fail at once (400)")
+    grammar_cache_size: int = _opt(512, "compiled grammars kept, least recently used dropped first")
 
     # ---- server ----
     host: str = _opt("127.0.0.1", "HTTP host")

@@ -6,6 +6,7 @@ Names load lazily: the compile worker process imports `fsm` and must not pull in
 _EXPORTS = {
     "GrammarError": "fsm",
     "GrammarTimeoutError": "fsm",
+    "GrammarBusyError": "fsm",
     "GrammarBackend": "grammar",
     "CompiledGrammar": "grammar",
     "GrammarState": "grammar",

@@ -2,15 +2,20 @@
 
 A regex can blow up into an exponential DFA (`(a|b)*a(a|b){25}`), and outlines-core has no size limit.
 A thread running that could never be stopped, so compiles run in child processes: past the timeout
-the child is killed, the waiting future fails, and a fresh child takes the next job.
+the child is killed, the waiting future fails, and a fresh child replaces it at once.
+
+The pool keeps `num_workers` children ready for new compiles. A compile still running after
+`slow_after_s` no longer counts as ready: a spare child starts in its place (up to `max_workers`), so a
+few pathological regexes cannot hold back a trivial one. Compiles waiting for a child are capped;
+past the cap `submit` fails at once (`GrammarBusyError`).
 
 Importable without torch (the child imports this module).
 """
 
 from __future__ import annotations
 
+import collections
 import os
-import queue
 import re
 import subprocess
 import sys
@@ -32,6 +37,10 @@ class GrammarError(ValueError):
 
 class GrammarTimeoutError(GrammarError):
     """Compiling the grammar took longer than the backend's timeout."""
+
+
+class GrammarBusyError(GrammarError):
+    """Too many compiles are already waiting for a worker; the request may be retried later."""
 
 
 def check_regex_syntax(regex: str) -> None:
@@ -86,8 +95,8 @@ def _preview(regex: str, limit: int = 80) -> str:
     return repr(regex if len(regex) <= limit else regex[:limit] + "...")
 
 
-# The child loads this folder as a stand-alone package: no `braid` import (fast start, no torch); only
-# strings and outlines-core objects cross the pipe.
+# The child loads this folder as a stand-alone package: no `braid` import (fast start, no torch). Regexes go
+# to the child as UTF-8 bytes (no pickle of request data); the child answers with an outlines-core Index.
 _WORKER_BOOT = (
     "import sys, types; pkg = types.ModuleType('_grammar_worker'); pkg.__path__ = [sys.argv[1]]; "
     "sys.modules['_grammar_worker'] = pkg; from _grammar_worker.fsm import worker_main; worker_main(int(sys.argv[2]))"
@@ -104,11 +113,12 @@ def worker_main(fd: int) -> None:
     conn.send(("ready",))
     while True:
         try:
-            regex = conn.recv()
+            data = conn.recv_bytes()
         except EOFError:
             return
-        if regex is None:
+        if not data:  # the parent's request to exit
             return
+        regex = data.decode("utf-8")
         try:
             index = build_index(regex, vocabulary)
         except GrammarError as exc:
@@ -138,15 +148,19 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 class _Worker:
-    """One child process and its end of the pipe; driven by exactly one dispatcher thread."""
+    """One child process and its end of the pipe; driven by exactly one pool thread."""
 
     def __init__(self, vocabulary_payload):
         self._payload = vocabulary_payload
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
 
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
     def ensure_started(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        if self.alive:
             return
         self.stop()
         parent, child = Pipe(duplex=True)
@@ -163,6 +177,12 @@ class _Worker:
             raise GrammarError("the grammar compile worker did not start")
         parent.recv()
 
+    def kill(self) -> None:
+        """Safe from any thread: the owning thread sees EOF on its pipe and cleans up."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
     def stop(self) -> None:
         if self.conn is not None:
             self.conn.close()
@@ -174,9 +194,9 @@ class _Worker:
             self.proc = None
 
     def close(self) -> None:
-        if self.conn is not None and self.proc is not None and self.proc.poll() is None:
+        if self.conn is not None and self.alive:
             try:
-                self.conn.send(None)
+                self.conn.send_bytes(b"")
                 self.proc.wait(timeout=2.0)
             except (OSError, subprocess.TimeoutExpired):
                 pass
@@ -185,83 +205,210 @@ class _Worker:
 
 @dataclass
 class _Job:
-    regex: str
+    regex_bytes: bytes
     future: Future
 
 
-class CompilePool:
-    """Compiles regexes into outlines-core `Index`es on `num_workers` child processes; each job gets `timeout_s`."""
+class _Slot:
+    """A worker with the thread that feeds it; `busy_since` is when its current compile began (None: idle)."""
 
-    def __init__(self, vocabulary, num_workers: int = 1, timeout_s: float = 10.0):
+    def __init__(self, worker: _Worker):
+        self.worker = worker
+        self.busy_since: float | None = None
+        self.retired = False
+        self.thread: threading.Thread | None = None
+
+    def is_slow(self, now: float, slow_after_s: float) -> bool:
+        return self.busy_since is not None and now - self.busy_since >= slow_after_s
+
+
+class CompilePool:
+    """Compiles regexes into outlines-core `Index`es in child processes; each compile gets `timeout_s`.
+
+    `num_workers` children stay ready for new compiles; each compile running longer than `slow_after_s`
+    gets a spare child started beside it, up to `max_workers` children in all. At most `max_queued`
+    compiles wait for a child; `submit` fails beyond that.
+    """
+
+    IDLE_RETIRE_S = 5.0
+
+    def __init__(self, vocabulary, num_workers: int = 2, timeout_s: float = 10.0, *, max_workers: int | None = None,
+                 max_queued: int = 32, slow_after_s: float | None = None):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        max_workers = 2 * num_workers if max_workers is None else max_workers
+        if max_workers < num_workers:
+            raise ValueError(f"max_workers ({max_workers}) must be >= num_workers ({num_workers})")
+        if max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {max_queued}")
         self.timeout_s = timeout_s
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._workers = [_Worker(vocabulary) for _ in range(num_workers)]
-        self._threads = [
-            threading.Thread(target=self._dispatch, args=(w,), name=f"grammar-compile-{i}", daemon=True)
-            for i, w in enumerate(self._workers)
-        ]
+        self.num_workers = num_workers
+        self.max_workers = max_workers
+        self.max_queued = max_queued
+        self.slow_after_s = min(0.1, timeout_s / 4) if slow_after_s is None else slow_after_s
+        # Every key present from the start, so a reader copying it never sees the dict change size.
+        self.stats = collections.Counter(dict.fromkeys(
+            ("compiles", "timeouts", "errors", "rejected", "restarts", "spares_started"), 0))
+        self._vocabulary = vocabulary
+        self._cond = threading.Condition()
+        self._pending: collections.deque[_Job] = collections.deque()
+        self._slots: list[_Slot] = []
+        self._every_worker: list[_Worker] = []  # for the finalizer: also workers whose thread is still retiring
         self._closed = False
-        for thread in self._threads:
-            thread.start()
-        self._finalizer = weakref.finalize(self, _stop_all, list(self._workers))
+        with self._cond:
+            for _ in range(num_workers):
+                self._add_slot_locked()
+        self._supervisor = threading.Thread(target=self._supervise, name="grammar-compile-supervisor", daemon=True)
+        self._supervisor.start()
+        self._finalizer = weakref.finalize(self, _stop_all, self._every_worker)
+
+    # ---- public ----
 
     def submit(self, regex: str) -> Future:
-        if self._closed:
-            raise RuntimeError("the grammar compile pool is shut down")
+        try:
+            regex_bytes = regex.encode("utf-8")
+        except UnicodeEncodeError:
+            raise GrammarError(f"regex {_preview(regex)} is not valid UTF-8 text") from None
         future: Future = Future()
-        self._jobs.put(_Job(regex, future))
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the grammar compile pool is shut down")
+            if len(self._pending) >= self.max_queued:
+                self.stats["rejected"] += 1
+                raise GrammarBusyError(f"the grammar compiler is busy ({len(self._pending)} compiles waiting, the "
+                                       f"limit); try again later")
+            self._pending.append(_Job(regex_bytes, future))
+            self._cond.notify_all()  # notify() could wake only the supervisor, which waits on the same condition
         return future
 
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for _ in self._threads:
-            self._jobs.put(None)
-        for thread in self._threads:
-            thread.join(timeout=5.0)
-        self._finalizer()
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None and job.future.set_running_or_notify_cancel():
-                job.future.set_exception(GrammarError("the grammar backend is shut down"))
+    def worker_pids(self) -> list[int]:
+        """Pids of the live worker processes."""
+        with self._cond:
+            workers = [slot.worker for slot in self._slots]
+        return [w.proc.pid for w in workers if w.proc is not None and w.proc.poll() is None]
 
-    def _dispatch(self, worker: _Worker) -> None:
+    def num_queued(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            busy = [slot.worker for slot in self._slots if slot.busy_since is not None]
+            threads = [slot.thread for slot in self._slots]
+            pending = list(self._pending)
+            self._pending.clear()
+            self._cond.notify_all()
+        for worker in busy:  # a compile in progress is abandoned, not waited for
+            worker.kill()
+        for job in pending:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(GrammarError("the grammar backend is shut down"))
+        self._supervisor.join(timeout=5.0)
+        for thread in threads:
+            if thread is not None:
+                thread.join(timeout=5.0)
+        self._finalizer()
+
+    # ---- threads ----
+
+    def _add_slot_locked(self) -> _Slot:
+        worker = _Worker(self._vocabulary)
+        slot = _Slot(worker)
+        slot.thread = threading.Thread(target=self._serve, args=(slot,), daemon=True,
+                                       name=f"grammar-compile-{len(self._every_worker)}")
+        self._slots.append(slot)
+        self._every_worker.append(worker)
+        slot.thread.start()
+        return slot
+
+    def _ready_count_locked(self, now: float, excluding: _Slot | None = None) -> int:
+        return sum(1 for s in self._slots if s is not excluding and not s.is_slow(now, self.slow_after_s))
+
+    def _supervise(self) -> None:
+        tick = max(0.01, self.slow_after_s / 5)
+        with self._cond:
+            while not self._closed:
+                self._cond.wait(timeout=tick)
+                if self._closed:
+                    return
+                missing = self.num_workers - self._ready_count_locked(time.monotonic())
+                for _ in range(min(missing, self.max_workers - len(self._slots))):
+                    self._add_slot_locked()
+                    self.stats["spares_started"] += 1
+
+    def _may_retire_locked(self, slot: _Slot) -> bool:
+        """A spare leaves once enough other workers are ready without it."""
+        return len(self._slots) > self.num_workers and \
+            self._ready_count_locked(time.monotonic(), excluding=slot) >= self.num_workers
+
+    def _retire_locked(self, slot: _Slot) -> None:
+        slot.retired = True
+        self._slots.remove(slot)
+
+    def _serve(self, slot: _Slot) -> None:
+        worker = slot.worker
         try:
             worker.ensure_started()
         except (GrammarError, OSError):
             pass  # retried on the first job, whose future then carries the error
         while True:
-            job = self._jobs.get()
-            if job is None or self._closed:
-                if job is not None and job.future.set_running_or_notify_cancel():
-                    job.future.set_exception(GrammarError("the grammar backend is shut down"))
-                worker.close()
-                return
-            if not job.future.set_running_or_notify_cancel():
-                continue
+            with self._cond:
+                while not self._pending and not self._closed:
+                    if not self._cond.wait(timeout=self.IDLE_RETIRE_S) and self._may_retire_locked(slot):
+                        self._retire_locked(slot)
+                        break
+                if self._closed or slot.retired:
+                    break
+                job = self._pending.popleft()
+                slot.busy_since = time.monotonic()
             try:
-                job.future.set_result(self._run(worker, job.regex))
-            except GrammarError as exc:
-                job.future.set_exception(exc)
-            except Exception as exc:  # noqa: BLE001 - a broken worker must fail the request, not the thread
-                worker.stop()
-                job.future.set_exception(GrammarError(f"grammar compile worker failed: {_first_line(exc)}"))
+                if job.future.set_running_or_notify_cancel():
+                    self._compile(worker, job)
+            finally:
+                with self._cond:
+                    slot.busy_since = None
+                    closed = self._closed
+                    if not closed and self._may_retire_locked(slot):
+                        self._retire_locked(slot)
+            if closed or slot.retired:
+                break
+            if not worker.alive:  # killed on timeout or died: replace it now, not on the next job
+                try:
+                    worker.ensure_started()
+                    self.stats["restarts"] += 1
+                except (GrammarError, OSError):
+                    pass
+        worker.close()
+        with self._cond:
+            if worker in self._every_worker:
+                self._every_worker.remove(worker)
 
-    def _run(self, worker: _Worker, regex: str):
+    def _compile(self, worker: _Worker, job: _Job) -> None:
+        self.stats["compiles"] += 1
+        try:
+            job.future.set_result(self._run(worker, job.regex_bytes))
+        except GrammarError as exc:
+            if self._closed:
+                exc = GrammarError("the grammar backend is shut down")
+            self.stats["timeouts" if isinstance(exc, GrammarTimeoutError) else "errors"] += 1
+            job.future.set_exception(exc)
+        except Exception as exc:  # noqa: BLE001 - a broken worker must fail the request, not the thread
+            worker.stop()
+            self.stats["errors"] += 1
+            job.future.set_exception(GrammarError(f"grammar compile worker failed: {_first_line(exc)}"))
+
+    def _run(self, worker: _Worker, regex_bytes: bytes):
         worker.ensure_started()
-        conn = worker.conn
         deadline = time.monotonic() + self.timeout_s
-        conn.send(regex)
+        worker.conn.send_bytes(regex_bytes)
         reply = self._receive(worker, deadline)
         if reply is None:
+            regex = regex_bytes.decode("utf-8")
             raise GrammarTimeoutError(
                 f"compiling regex {_preview(regex)} took longer than {self.timeout_s:g}s (the grammar is too complex)"
             )
@@ -276,7 +423,7 @@ class CompilePool:
         try:
             if conn.poll(max(0.0, deadline - time.monotonic())):
                 return conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
             worker.stop()
             raise GrammarError("the grammar compile worker died (out of memory?)") from None
         worker.stop()
@@ -284,9 +431,8 @@ class CompilePool:
 
 
 def _stop_all(workers: list[_Worker]) -> None:
-    for worker in workers:
+    for worker in list(workers):
         try:
             worker.stop()
         except OSError:
             pass
-

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import os
 import threading
+import time
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 
-from .fsm import WORKER_START_TIMEOUT_S, CompilePool, GrammarError, GrammarTimeoutError, check_regex_syntax
+from .fsm import (WORKER_START_TIMEOUT_S, CompilePool, GrammarBusyError, GrammarError, GrammarTimeoutError,
+                  check_regex_syntax)
 from .json_schema import json_schema_to_regex, schema_to_json_text
 from .jump_forward import ForcedBytes, JumpForward, retokenize_candidates
 from .vocabulary import TokenVocabulary, build_token_vocabulary
 
 KINDS = ("regex", "json")
+
+
+def default_grammar_workers() -> int:
+    """min(4, CPUs), and at least 2 so one slow compile never leaves nobody for the next."""
+    return max(2, min(4, os.cpu_count() or 1))
 
 
 class _Cursor(NamedTuple):
@@ -195,15 +204,26 @@ def apply_vocab_mask(logits: torch.Tensor, mask: torch.Tensor) -> None:
 
 
 class GrammarBackend:
-    """Compiles and caches grammars for one tokenizer; `vocab_size` is the model's logits width."""
+    """Compiles and caches grammars for one tokenizer; `vocab_size` is the model's logits width.
+
+    Compiles run in a pool of worker processes (`num_workers`, 0 or None: `default_grammar_workers()`);
+    at most `max_queued` wait for a worker, more fail at once. Compiled grammars (and compile errors) are
+    kept in an LRU of `cache_size` entries keyed by (kind, spec); a timeout is remembered for
+    `timeout_retry_after_s`, so a repeated pathological regex fails at once instead of taking a worker again.
+    """
 
     def __init__(self, tokenizer, vocab_size: int, whitespace_pattern: str | None = None, timeout_s: float = 10.0,
-                 num_workers: int = 1, *, eos_token_id: int | None = None, cache_size: int = 512):
+                 num_workers: int | None = None, *, eos_token_id: int | None = None, cache_size: int = 512,
+                 max_queued: int = 32, timeout_retry_after_s: float = 60.0):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.whitespace_pattern = whitespace_pattern
         self.timeout_s = timeout_s
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
         self.cache_size = cache_size
+        self.timeout_retry_after_s = timeout_retry_after_s
+        num_workers = num_workers or default_grammar_workers()
         full = build_token_vocabulary(tokenizer, eos_token_id)
         if not 0 <= full.eos_token_id < vocab_size:
             raise ValueError(f"EOS token id {full.eos_token_id} is outside the model's vocabulary ({vocab_size})")
@@ -211,9 +231,27 @@ class GrammarBackend:
         self.vocabulary = TokenVocabulary(full.token_bytes[:vocab_size], full.eos_token_id)
         self._tables = _VocabTables(self.vocabulary)
         self.eos_token_id = self.vocabulary.eos_token_id
-        self._pool = CompilePool(self.vocabulary.to_outlines(), num_workers=num_workers, timeout_s=timeout_s)
+        self._pool = CompilePool(self.vocabulary.to_outlines(), num_workers=num_workers, timeout_s=timeout_s,
+                                 max_queued=max_queued)
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
+        self._timed_out_at: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
+        self._counts = collections.Counter()
+
+    @property
+    def pool(self) -> CompilePool:
+        return self._pool
+
+    def stats(self) -> dict[str, int]:
+        """Counters: cache_hits, cache_misses, cached (entries now) and the pool's (compiles, timeouts, rejected,
+        restarts, spares_started, errors)."""
+        out = dict.fromkeys(("cache_hits", "cache_misses", "compiles", "timeouts", "errors", "rejected", "restarts",
+                             "spares_started"), 0)
+        with self._lock:
+            out.update(self._counts)
+            out["cached"] = len(self._cache)
+        out.update(self._pool.stats)
+        return out
 
     def validate(self, kind: str, spec) -> None:
         self._to_regex(kind, spec)
@@ -228,9 +266,14 @@ class GrammarBackend:
             return outer
         with self._lock:
             cached = self._cache.get(key)
+            if cached is not None and self._timeout_expired_locked(key):
+                del self._cache[key]
+                cached = None
             if cached is not None:
                 self._cache.move_to_end(key)
+                self._counts["cache_hits"] += 1
                 return cached
+            self._counts["cache_misses"] += 1
             self._cache[key] = outer
             self._evict_locked()
         try:
@@ -286,8 +329,11 @@ class GrammarBackend:
             self._forget(key, outer)  # a caller cancelled the shared future
 
     def _set_exception(self, key, outer: concurrent.futures.Future, exc: GrammarError) -> None:
-        if isinstance(exc, GrammarTimeoutError):
-            self._forget(key, outer)  # a later request may try again (e.g. with more time or less load)
+        if isinstance(exc, GrammarBusyError) or "shut down" in str(exc):
+            self._forget(key, outer)  # not the grammar's fault: the next request compiles it
+        elif isinstance(exc, GrammarTimeoutError):
+            with self._lock:  # retried after a while (the timeout may have come from load, not the grammar)
+                self._timed_out_at[key] = time.monotonic()
         try:
             outer.set_exception(exc)
         except concurrent.futures.InvalidStateError:
@@ -297,10 +343,20 @@ class GrammarBackend:
         with self._lock:
             if self._cache.get(key) is outer:
                 del self._cache[key]
+                self._timed_out_at.pop(key, None)
+
+    def _timeout_expired_locked(self, key) -> bool:
+        timed_out_at = self._timed_out_at.get(key)
+        if timed_out_at is None or time.monotonic() - timed_out_at < self.timeout_retry_after_s:
+            return False
+        del self._timed_out_at[key]
+        return True
 
     def _evict_locked(self) -> None:
-        while len(self._cache) > self.cache_size:
-            oldest_key, oldest = next(iter(self._cache.items()))
-            if not oldest.done():
-                break
-            del self._cache[oldest_key]
+        """Drop the least recently used finished entries; compiles in flight stay (their number is capped)."""
+        excess = len(self._cache) - self.cache_size
+        if excess <= 0:
+            return
+        for key in [k for k, fut in self._cache.items() if fut.done()][:excess]:
+            del self._cache[key]
+            self._timed_out_at.pop(key, None)
