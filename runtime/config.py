@@ -76,8 +76,17 @@ class ServerArgs:
     # ---- server ----
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
-    api_key: Optional[str] = _opt(None, "require 'Authorization: Bearer <key>' on every route but /health")
-    max_body_bytes: int = _opt(32 * 1024 * 1024, "largest request body accepted")
+    api_key: Optional[str] = _opt(None, "require 'Authorization: Bearer <key>' on every route but /health (also "
+                                        "from --api-key-file or the BRAID_API_KEY environment variable, which stay "
+                                        "out of `ps`)")
+    api_key_file: Optional[str] = _opt(None, "read the API key from this file (its first line)")
+    max_body_bytes: int = _opt(8 * 1024 * 1024, "largest request body accepted (413 beyond it)")
+    max_prompt_chars: int = _opt(1_000_000, "longest prompt text, or chat messages' text together, in characters "
+                                            "(400 beyond it, checked before tokenizing)")
+    tokenizer_threads: int = _opt(0, "threads that tokenize and apply chat templates off the event loop "
+                                     "(0: min(4, CPU count))")
+    max_queued_requests: Optional[int] = _opt(None, "most requests in flight beyond --max-running-requests; new "
+                                                    "generation requests past it get 429 with Retry-After (None: no limit)")
     shutdown_timeout_s: float = _opt(10.0, "on SIGTERM, wait this long for in-flight requests")
     log_level: str = _opt("info", "logging level")
     log_requests: bool = _opt(False, "log every request")
@@ -100,6 +109,14 @@ class ServerArgs:
                              "(--dp-size 1)")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
+        if self.max_body_bytes < 1 or self.max_prompt_chars < 1:
+            raise ValueError("max_body_bytes and max_prompt_chars must be >= 1")
+        if self.tokenizer_threads < 0:
+            raise ValueError("tokenizer_threads must be >= 0")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("max_queued_requests must be >= 0")
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("give the API key once: --api-key or --api-key-file")
 
     # ---- derived ----
     @property

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 _MAX_TOP_LOGPROBS = 20
+# Stop strings are matched on every generated token: the work per token grows with their number and length.
+# OpenAI allows 4 strings; 16 leaves room for SGLang-style stop lists, and 1,000 characters for long delimiters.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1000
+_MAX_INT32 = 2**31 - 1  # token counts and ids travel to the scheduler as 64-bit ints and index int32 tensors
 
 
 class SamplingParamsError(ValueError):
@@ -85,7 +90,7 @@ class SamplingParams:
     def normalize(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.stop is not None:
+        if isinstance(self.stop, list):
             self.stop = [s for s in self.stop if s]
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             self.json_schema = _schema_to_json(self.json_schema)
@@ -104,24 +109,32 @@ class SamplingParams:
             num(p, integer=True)
         for p in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             num(p)
-        need(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0")
+        need(0 <= self.max_new_tokens <= _MAX_INT32, "max_new_tokens", f"must be in [0, {_MAX_INT32}]")
         need(0 <= self.min_new_tokens, "min_new_tokens", "must be >= 0")
         need(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be <= max_new_tokens")
         need(0.0 <= self.temperature <= 100.0, "temperature", f"must be in [0, 100], got {self.temperature}")
         need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
-        need(self.top_k == -1 or self.top_k >= 1, "top_k", f"must be -1 (disabled) or >= 1, got {self.top_k}")
+        need(self.top_k == -1 or 1 <= self.top_k <= _MAX_INT32, "top_k",
+             f"must be -1 (disabled) or in [1, {_MAX_INT32}], got {self.top_k}")
         need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         need(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
         need(1 <= self.n <= 128, "n", f"must be in [1, 128], got {self.n}")
         need(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed", "must be an integer")
+        need(self.seed is None or -(2**63) <= self.seed < 2**63, "seed", "must fit in a signed 64-bit integer")
         if self.stop is not None:
             need(isinstance(self.stop, list) and all(isinstance(s, str) for s in self.stop), "stop", "must be a string or a list of strings")
-            need(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+            need(len(self.stop) <= MAX_STOP_STRINGS, "stop",
+                 f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            longest = max(map(len, self.stop), default=0)
+            need(longest <= MAX_STOP_STRING_CHARS, "stop",
+                 f"each stop string must be at most {MAX_STOP_STRING_CHARS} characters, got one of {longest}")
         if self.stop_token_ids is not None:
-            need(isinstance(self.stop_token_ids, list) and all(isinstance(t, int) for t in self.stop_token_ids),
+            need(isinstance(self.stop_token_ids, list)
+                 and all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids),
                  "stop_token_ids", "must be a list of integers")
+            need(all(0 <= t <= _MAX_INT32 for t in self.stop_token_ids), "stop_token_ids", "token id out of range")
             if vocab_size is not None:
                 need(all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids", "token id out of range")
         need(not (self.regex is not None and self.json_schema is not None), "regex",

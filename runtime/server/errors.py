@@ -9,8 +9,9 @@ class APIError(Exception):
     """An error answered to the client as `{"error": {"message", "type", "param", "code"}}`."""
 
     def __init__(self, message: str, status: int = 400, *, type: Optional[str] = None,
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
         super().__init__(message)
+        self.headers = headers
         self.message = message
         self.status = status
         self.type = type or _default_type(status)
@@ -29,6 +30,8 @@ def _default_type(status: int) -> str:
         return "authentication_error"
     if status == 404:
         return "not_found_error"
+    if status == 429:
+        return "rate_limit_error"
     if status == 503:
         return "service_unavailable_error"
     if status >= 500:
@@ -46,6 +49,11 @@ def model_not_found(model: str) -> APIError:
 
 def body_too_large(limit: int) -> APIError:
     return APIError(f"Request body is larger than the limit of {limit} bytes", 413, code="request_too_large")
+
+
+def too_many_requests(limit: int, retry_after_s: int = 1) -> APIError:
+    return APIError(f"The server has {limit} requests queued (--max-queued-requests); retry later", 429,
+                    code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
 
 
 def unauthorized() -> APIError:

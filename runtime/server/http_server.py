@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import os
 import signal
 import socket
 from typing import Any, Optional
@@ -28,6 +29,7 @@ TM_KEY = web.AppKey("tokenizer_manager", TokenizerManager)
 OPENAI_KEY = web.AppKey("openai_serving", OpenAIServing)
 
 _PUBLIC_PATHS = frozenset({"/health"})
+SCHEDULER_DEATH_GRACE_S = 2.0
 
 
 def json_response(body, status: int = 200) -> web.Response:
@@ -35,7 +37,9 @@ def json_response(body, status: int = 200) -> web.Response:
 
 
 def error_response(err: APIError) -> web.Response:
-    return json_response(err.to_dict(), status=err.status)
+    resp = json_response(err.to_dict(), status=err.status)
+    resp.headers.update(err.headers or {})
+    return resp
 
 
 async def read_json(request: web.Request) -> Any:
@@ -50,6 +54,8 @@ async def read_json(request: web.Request) -> Any:
         return msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise bad_request(f"Request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad_request("Request body is nested too deeply") from None
 
 
 @web.middleware
@@ -89,14 +95,18 @@ def auth_middleware(api_key: str):
 # ---- native API -------------------------------------------------------------------------------------
 
 
-def prepare_generate(tm: TokenizerManager, req: GenerateRequest) -> list[Req]:
+async def prepare_generate(tm: TokenizerManager, req: GenerateRequest) -> list[Req]:
     """One prepared request per prompt of a /generate body (all checked before any is submitted)."""
     prompt_param = "text" if isinstance(req.prompts[0], str) else "input_ids"
     media_param = "video_data" if req.is_video else "image_data"
     param_names = {"prompt": prompt_param, "video_data": "image_data"}
-    return [tm.prepare(prompt, sp, param_names=param_names, rid=req.rids[i] if req.rids else None,
-                       return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                       top_logprobs_num=req.top_logprobs_num, stream=req.stream, **{media_param: req.image_data[i]})
+    for prompt in req.prompts:  # all of a batch before any is tokenized
+        if isinstance(prompt, str):
+            tm.check_prompt_chars(len(prompt), prompt_param)
+    return [await tm.prepare(prompt, sp, param_names=param_names, rid=req.rids[i] if req.rids else None,
+                             return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+                             top_logprobs_num=req.top_logprobs_num, stream=req.stream,
+                             **{media_param: req.image_data[i]})
             for i, (prompt, sp) in enumerate(zip(req.prompts, req.sampling_params))]
 
 
@@ -106,7 +116,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await read_json(request)
     req = parse_generate(body)
     token_text = tm.token_text if body.get("return_text_in_logprobs", False) else None
-    prepared = prepare_generate(tm, req)
+    prepared = await prepare_generate(tm, req)
     handles: list[RequestHandle] = []
     try:
         for r in prepared:
@@ -146,9 +156,12 @@ async def _stream_generate(request: web.Request, handles: list[RequestHandle], t
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while the server takes requests; 503 from the moment it drains or its scheduler died, until exit."""
     tm = request.app[TM_KEY]
-    if tm.dead:
-        return error_response(unavailable(f"the scheduler is not running: {tm.dead}"))
+    try:
+        tm.check_accepting()
+    except APIError as e:
+        return error_response(e)
     return json_response({"status": "ok"})
 
 
@@ -156,7 +169,7 @@ async def health_generate(request: web.Request) -> web.Response:
     """Runs one real token through the model."""
     tm = request.app[TM_KEY]
     tm.check_accepting()
-    handle = await tm.submit(tm.prepare("Hi", {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}))
+    handle = await tm.submit(await tm.prepare("Hi", {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}))
 
     async def drain() -> None:
         async for _ in handle.updates():
@@ -182,6 +195,7 @@ def _public_server_args(server_args) -> dict:
     d = dataclasses.asdict(server_args)
     if d.get("api_key"):
         d["api_key"] = "<redacted>"
+    d["api_key_set"] = resolve_api_key(server_args) is not None
     return d
 
 
@@ -235,11 +249,28 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     return await request.app[OPENAI_KEY].chat_completions(request, await read_json(request))
 
 
+API_KEY_ENV = "BRAID_API_KEY"
+
+
+def resolve_api_key(server_args) -> Optional[str]:
+    """--api-key, else the first line of --api-key-file, else $BRAID_API_KEY (the last two stay out of `ps`)."""
+    if server_args.api_key:
+        return server_args.api_key
+    if server_args.api_key_file:
+        with open(server_args.api_key_file) as f:
+            key = f.readline().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {server_args.api_key_file} holds no key on its first line")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
+
+
 def create_app(tm: TokenizerManager) -> web.Application:
     args = tm.server_args
     middlewares = [error_middleware]
-    if args.api_key:
-        middlewares.append(auth_middleware(args.api_key))
+    api_key = resolve_api_key(args)
+    if api_key:
+        middlewares.append(auth_middleware(api_key))
     # +1: aiohttp rejects at >= client_max_size; read_json answers 413 with an error object
     app = web.Application(middlewares=middlewares, client_max_size=args.max_body_bytes + 1)
     app[TM_KEY] = tm
@@ -272,6 +303,7 @@ async def serve(server_args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     _check_port_free(server_args.host, server_args.port)  # before minutes of model loading, not after
+    resolve_api_key(server_args)  # an unreadable key file fails now, not after the model loads
     tm = TokenizerManager(server_args)
     runner: Optional[web.AppRunner] = None
     stop_wait = asyncio.ensure_future(stop.wait())
@@ -294,6 +326,9 @@ async def serve(server_args) -> int:
         dead_wait.cancel()
         if tm.dead:
             logger.error("exiting: %s", tm.dead)
+            # a moment of 503s (health and generation) lets a supervisor or load balancer see why, and lets
+            # in-flight handlers answer their clients before the listener goes away
+            await asyncio.sleep(SCHEDULER_DEATH_GRACE_S)
             return 1
         logger.info("shutting down")
         await tm.shutdown(server_args.shutdown_timeout_s)

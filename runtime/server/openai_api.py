@@ -83,6 +83,11 @@ def _param_names(req, prompt_param: str) -> dict:
             "image_data": prompt_param, "video_data": prompt_param, "audio_data": prompt_param}
 
 
+def _rename_response_format(err: APIError, req) -> None:
+    if err.param == "json_schema" and req.response_format is not None:
+        err.param = "response_format"  # the name the client used
+
+
 def _json_response(body: dict) -> web.Response:
     return web.Response(body=json_bytes(body), content_type="application/json")
 
@@ -162,11 +167,13 @@ class OpenAIServing:
         check_chat_supported(req)
         return_logprob, top_n = chat_logprob_options(req)
         messages, media = template_messages(req.messages)
-        prompt = self.tm.apply_chat_template(messages)
-        prepared = self.tm.prepare(prompt, openai_sampling_overrides(req), param_names=_param_names(req, "messages"),
-                                   rid=req.rid, return_logprob=return_logprob, top_logprobs_num=top_n,
-                                   stream=req.stream, add_special_tokens=False, max_new_tokens_fills_context=True,
-                                   **media)
+        overrides = openai_sampling_overrides(req)
+        self.tm.check_admission()  # before the chat template's work
+        prompt = await self.tm.apply_chat_template(messages)
+        prepared = await self.tm.prepare(prompt, overrides, param_names=_param_names(req, "messages"), rid=req.rid,
+                                         prompt_chars_checked=True, return_logprob=return_logprob,
+                                         top_logprobs_num=top_n, stream=req.stream, add_special_tokens=False,
+                                         max_new_tokens_fills_context=True, **media)
         handle = await self.tm.submit(prepared)
         try:
             rid = f"chatcmpl-{handle.rid}"
@@ -187,8 +194,7 @@ class OpenAIServing:
             return _json_response({"id": rid, "object": "chat.completion", "created": int(handle.created),
                                    "model": model, "choices": choices, "usage": self._usage([handle])})
         except APIError as e:
-            if e.param == "json_schema" and req.response_format is not None:
-                e.param = "response_format"  # the name the client used
+            _rename_response_format(e, req)
             raise
         finally:
             await self.tm.release(handle)
@@ -239,7 +245,8 @@ class OpenAIServing:
         return resp
 
     # ---- completions ---------------------------------------------------------------------------------
-    def _completion_prompts(self, req: CompletionRequest, return_logprob: bool, top_n: int) -> list[tuple[Req, str]]:
+    async def _completion_prompts(self, req: CompletionRequest, return_logprob: bool,
+                                  top_n: int) -> list[tuple[Req, str]]:
         """[(prepared request, prompt text)] for each prompt of the request."""
         prompt = req.prompt
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt)):
@@ -250,12 +257,15 @@ class OpenAIServing:
             raise bad_request("prompt must be a non-empty string, list of strings, or token ids", param="prompt")
         overrides = openai_sampling_overrides(req)
         logprob_start_len = 0 if (req.echo and return_logprob) else -1
+        for p in prompts:  # all before any is tokenized
+            if isinstance(p, str):
+                self.tm.check_prompt_chars(len(p), "prompt")
         out = []
         for p in prompts:
-            prepared = self.tm.prepare(p, overrides, param_names=_param_names(req, "prompt"),
-                                       rid=req.rid if len(prompts) == 1 else None, return_logprob=return_logprob,
-                                       logprob_start_len=logprob_start_len, top_logprobs_num=top_n, stream=req.stream,
-                                       max_new_tokens_fills_context=True)
+            prepared = await self.tm.prepare(p, overrides, param_names=_param_names(req, "prompt"),
+                                             rid=req.rid if len(prompts) == 1 else None, return_logprob=return_logprob,
+                                             logprob_start_len=logprob_start_len, top_logprobs_num=top_n,
+                                             stream=req.stream, max_new_tokens_fills_context=True)
             out.append((prepared, p if isinstance(p, str) else self.tm.tokenizer.decode(p)))
         return out
 
@@ -264,7 +274,7 @@ class OpenAIServing:
         model = self.check_model(req.model)
         check_completion_supported(req)
         return_logprob, top_n = completion_logprob_options(req)
-        prompts = self._completion_prompts(req, return_logprob, top_n)
+        prompts = await self._completion_prompts(req, return_logprob, top_n)
         handles: list[RequestHandle] = []
         try:
             for prepared, _ in prompts:
@@ -281,6 +291,9 @@ class OpenAIServing:
                     choices.append(self._completion_choice(p * n + c.index, c, prompt_text, req.echo, return_logprob, top_n))
             return _json_response({"id": rid, "object": "text_completion", "created": int(handles[0].created),
                                    "model": model, "choices": choices, "usage": self._usage(handles)})
+        except APIError as e:
+            _rename_response_format(e, req)
+            raise
         finally:
             for h in handles:
                 await self.tm.release(h)

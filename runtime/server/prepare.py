@@ -14,6 +14,8 @@ from typing import Any, Optional, Union
 from braid.runtime.core import Req
 from braid.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
 
+_MAX_INT32 = 2**31 - 1
+
 
 class RequestError(ValueError):
     """A request a user got wrong. `param` names the field (in `prepare_request`'s own names), `code` is
@@ -165,8 +167,8 @@ def _check_length(model: ServedModel, prompt_len: int, max_new_tokens: int) -> N
 
 def _check_logprobs(prompt_len: int, return_logprob: bool, logprob_start_len: int, top_logprobs_num: int) -> None:
     for name, value, low in (("logprob_start_len", logprob_start_len, -1), ("top_logprobs_num", top_logprobs_num, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < low:
-            raise RequestError(f"{name} must be an integer >= {low}, got {value!r}", name)
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= _MAX_INT32:
+            raise RequestError(f"{name} must be an integer in [{low}, {_MAX_INT32}], got {value!r}", name)
     if top_logprobs_num > MAX_TOP_LOGPROBS:
         raise RequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}",
                            "top_logprobs_num")

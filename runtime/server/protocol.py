@@ -48,6 +48,7 @@ class _OpenAIRequest(_Base):
     max_tokens: Optional[int] = None
     min_tokens: Optional[int] = None
     rid: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
 
     @property
     def include_usage(self) -> bool:
@@ -62,7 +63,6 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    response_format: Optional[ResponseFormat] = None
     tools: Optional[list] = None
 
     @field_validator("messages")
@@ -124,7 +124,7 @@ def openai_sampling_overrides(req: _OpenAIRequest) -> dict:
     param = "max_completion_tokens"
     if max_tokens is None:
         max_tokens, param = req.max_tokens, "max_tokens"
-    _check_int(max_tokens, param, 0)
+    _check_int(max_tokens, param, 0, 2**31 - 1)
     if max_tokens is not None:
         d["max_new_tokens"] = max_tokens
     if req.min_tokens is not None:

@@ -46,6 +46,7 @@ class RequestHandle:
         self._last_token_time: Optional[float] = None
         self.num_finished = 0
         self.released = False
+        self.abort_message: Optional[str] = None  # replaces the scheduler's message when it reports an abort
 
     @property
     def finished(self) -> bool:
@@ -77,6 +78,8 @@ class RequestHandle:
         c = self.choices[out.index]
         if c.finished:
             return None
+        if self.abort_message and out.finished and (out.finish_reason or {}).get("type") == "abort":
+            out.finish_reason = {**out.finish_reason, "message": self.abort_message}
         if out.new_token_ids and self.stream:  # non-streamed requests report all tokens at once: no latencies
             now = time.perf_counter()
             if self._last_token_time is None:

@@ -1,7 +1,8 @@
 """The server process's side of the runtime: the scheduler process's client, the tokenizer, the served model.
 
-`TokenizerManager.prepare()` turns a route's input into a `Req` (`prepare.prepare_request`, errors as
-HTTP 400s); `submit(req)` sends it to the scheduler and returns a `RequestHandle`
+`await TokenizerManager.prepare()` turns a route's input into a `Req` (`prepare.prepare_request` on a
+tokenizer thread, so a big prompt never stalls the event loop; errors as HTTP 400s, 429 past
+--max-queued-requests); `submit(req)` sends it to the scheduler and returns a `RequestHandle`
 (runtime/server/request_handle.py); `release(handle)` aborts it in the scheduler if it has not finished
 (a client that went away frees its KV).
 """
@@ -9,6 +10,8 @@ HTTP 400s); `submit(req)` sends it to the scheduler and returns a `RequestHandle
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import itertools
 import logging
 import os
@@ -25,12 +28,14 @@ from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.server import messages as M
 from braid.runtime.scheduler import process as scheduler_process
-from braid.runtime.server.errors import APIError, bad_request, internal, unavailable
+from braid.runtime.server.errors import APIError, bad_request, internal, too_many_requests, unavailable
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.prepare import RequestError, ServedModel, prepare_request
 from braid.runtime.server.request_handle import RequestHandle
 
 logger = logging.getLogger("braid.server")
+
+SHUTDOWN_ABORT_MESSAGE = "the server is shutting down; the text is what was generated before"
 
 
 class SchedulerStartError(RuntimeError):
@@ -60,6 +65,9 @@ class TokenizerManager:
         self._tasks: list[asyncio.Task] = []
         self._idle = asyncio.Event()
         self._idle.set()
+        self._preparing = 0  # prepare() calls under way: they count against --max-queued-requests too
+        threads = server_args.tokenizer_threads or min(4, os.cpu_count() or 1)
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="braid-tokenize")
 
     # ---- start / stop -------------------------------------------------------------------------
     async def start(self, timeout_s: float = 900.0) -> None:
@@ -115,17 +123,26 @@ class TokenizerManager:
                 await asyncio.wait_for(self._idle.wait(), timeout_s)
             except asyncio.TimeoutError:
                 logger.warning("aborting %d request(s) still running after %.0fs", len(self.handles), timeout_s)
+                # the scheduler's abort output carries the tokens generated so far (a non-streamed request has
+                # received none yet); a local abort only finishes what the scheduler did not answer for in time
                 for handle in list(self.handles.values()):
+                    handle.abort_message = SHUTDOWN_ABORT_MESSAGE
                     await self._send_quietly(M.AbortReq(handle.rid))
-                    handle.abort_locally("server shutting down")
-                # give the handlers a moment to write their final chunks
-                try:
-                    await asyncio.wait_for(self._idle.wait(), 2.0)
-                except asyncio.TimeoutError:
-                    pass
+                if not await self._wait_idle(2.0):
+                    for handle in list(self.handles.values()):
+                        handle.abort_locally(SHUTDOWN_ABORT_MESSAGE)
+                    await self._wait_idle(2.0)  # the handlers write their final chunks
         await self.close()
 
+    async def _wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     async def close(self) -> None:
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         for t in self._tasks:
             t.cancel()
         self._tasks = []
@@ -155,35 +172,55 @@ class TokenizerManager:
             self._ipc_dir = None
 
     # ---- tokenization and request preparation -----------------------------------------------------
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        limit = self.server_args.max_prompt_chars
+        if num_chars > limit:
+            what = "the messages' text is" if param == "messages" else "the prompt is"
+            raise bad_request(f"{what} {num_chars} characters; this server accepts at most {limit} "
+                              "(--max-prompt-chars)", param=param, code="prompt_too_long")
+
+    async def apply_chat_template(self, messages: list[dict]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+        self.check_prompt_chars(sum(len(m.get("content") or "") for m in messages), "messages")
+        apply = functools.partial(self.tokenizer.apply_chat_template, messages, tokenize=False,
+                                  add_generation_prompt=True)
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, apply)
         except Exception as e:  # jinja errors from a template that rejects the conversation
             raise bad_request(f"chat template failed on these messages: {e}", param="messages") from None
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def prepare(self, prompt: Union[str, list[int]], sampling_params: Union[None, dict, SamplingParams], *,
-                param_names: Optional[Mapping[str, str]] = None, rid: Optional[str] = None, **options: Any) -> Req:
-        """`prepare_request` for this server's model; its errors become 400s, with parameters renamed to the
-        route's names through `param_names` (e.g. {"max_new_tokens": "max_tokens"})."""
+    async def prepare(self, prompt: Union[str, list[int]], sampling_params: Union[None, dict, SamplingParams], *,
+                      param_names: Optional[Mapping[str, str]] = None, rid: Optional[str] = None,
+                      prompt_chars_checked: bool = False, **options: Any) -> Req:
+        """`prepare_request` for this server's model, on a tokenizer thread; its errors become 400s, with
+        parameters renamed to the route's names through `param_names` (e.g. {"max_new_tokens": "max_tokens"}).
+        `prompt_chars_checked`: the caller already held the prompt's source against --max-prompt-chars (a chat
+        template's output is longer than the messages it was made from)."""
         self.check_accepting()
+        self.check_admission()
+        param_names = param_names or {}
+        if isinstance(prompt, str) and not prompt_chars_checked:
+            self.check_prompt_chars(len(prompt), param_names.get("prompt", "prompt"))
         rid = rid or uuid.uuid4().hex
         if rid in self.handles:
             raise bad_request(f"a request with rid {rid!r} is already running", param="rid")
+        run = functools.partial(prepare_request, self.served_model, prompt, sampling_params, rid=rid, **options)
+        self._preparing += 1
         try:
-            return prepare_request(self.served_model, prompt, sampling_params, rid=rid, **options)
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, run)
         except (RequestError, SamplingParamsError) as e:
             message, param = str(e), e.param
-            param_names = param_names or {}
             if param in param_names:
                 if "_" in param:  # a field name the message quotes (max_new_tokens -> max_tokens)
                     message = message.replace(param, param_names[param])
                 param = param_names[param]
             raise bad_request(message, param=param, code=getattr(e, "code", None)) from None
+        finally:
+            self._preparing -= 1
 
     # ---- requests ---------------------------------------------------------------------------------
     def check_accepting(self) -> None:
@@ -191,6 +228,16 @@ class TokenizerManager:
             raise unavailable(f"the scheduler is not running: {self.dead}")
         if self.draining:
             raise unavailable("the server is shutting down")
+
+    def check_admission(self) -> None:
+        """429 once the requests in flight (prepared, queued or running) pass --max-running-requests by
+        --max-queued-requests."""
+        queued_limit = self.server_args.max_queued_requests
+        if queued_limit is None:
+            return
+        in_flight = len(self.handles) + self._preparing
+        if in_flight >= self.server_args.max_running_requests + queued_limit:
+            raise too_many_requests(queued_limit)
 
     async def submit(self, req: Req) -> RequestHandle:
         """Send a prepared request to the scheduler."""
@@ -202,6 +249,11 @@ class TokenizerManager:
         self._idle.clear()
         try:
             await self._send_msg(M.generate_req(req))
+        except OverflowError:  # a number prepare_request's range checks missed; msgspec holds 64-bit ints only
+            self.handles.pop(req.rid, None)
+            if not self.handles:
+                self._idle.set()
+            raise bad_request("a number in the request is out of range (integers must fit in 64 bits)") from None
         except APIError:
             self.handles.pop(req.rid, None)
             if not self.handles:

@@ -1,6 +1,7 @@
 """Request validation and conversion to SamplingParams through the server's request preparation (a stand-in
 tokenizer, no model, no server)."""
 
+import asyncio
 import json
 
 import pytest
@@ -47,18 +48,22 @@ def manager(vocab_size: int = 100) -> TokenizerManager:
     return tm
 
 
+def prepare(tm: TokenizerManager, *args, **kw):
+    return asyncio.run(tm.prepare(*args, **kw))
+
+
 def chat(**body):
     return parse_openai(ChatCompletionRequest, {"model": "m", "messages": MSGS, **body})
 
 
 def chat_sp(**body) -> SamplingParams:
     req = chat(**body)
-    return manager().prepare("hi", openai_sampling_overrides(req), param_names=_param_names(req, "messages"),
+    return prepare(manager(), "hi", openai_sampling_overrides(req), param_names=_param_names(req, "messages"),
                              max_new_tokens_fills_context=True).sampling_params
 
 
 def native(body: dict, vocab_size: int = 100):
-    return prepare_generate(manager(vocab_size), parse_generate(body))
+    return asyncio.run(prepare_generate(manager(vocab_size), parse_generate(body)))
 
 
 def status_param(fn):
@@ -206,7 +211,7 @@ def test_over_context_is_context_length_exceeded_in_the_routes_names():
     assert ei.value.code == "context_length_exceeded" and "max_new_tokens" in ei.value.message
     req = chat(max_tokens=CONTEXT)
     with pytest.raises(APIError) as ei:
-        manager().prepare("hi", openai_sampling_overrides(req), param_names=_param_names(req, "messages"))
+        prepare(manager(), "hi", openai_sampling_overrides(req), param_names=_param_names(req, "messages"))
     assert (ei.value.param, ei.value.code) == ("max_tokens", "context_length_exceeded")
     assert "max_tokens" in ei.value.message and "max_new_tokens" not in ei.value.message
 
@@ -214,7 +219,7 @@ def test_over_context_is_context_length_exceeded_in_the_routes_names():
 def test_media_for_a_text_only_model_is_a_400_naming_the_model():
     for kind in ("image_data", "video_data", "audio_data"):
         with pytest.raises(APIError) as ei:
-            manager().prepare("hi", None, param_names=_param_names(chat(), "messages"), **{kind: ["u"]})
+            prepare(manager(), "hi", None, param_names=_param_names(chat(), "messages"), **{kind: ["u"]})
         assert ei.value.status == 400 and ei.value.param == "messages"
         assert "model m takes no " + kind.split("_")[0] + " input" in ei.value.message
 
