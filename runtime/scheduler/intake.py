@@ -78,9 +78,12 @@ class RequestIntake:
         if self._grammar_backend is None:
             from braid.runtime.constrained.grammar import GrammarBackend
 
+            args = self.server_args
             self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size,
-                                                   self.server_args.constrained_json_whitespace_pattern,
-                                                   timeout_s=self.server_args.grammar_timeout_s)
+                                                   args.constrained_json_whitespace_pattern,
+                                                   timeout_s=args.grammar_timeout_s, num_workers=args.grammar_workers,
+                                                   max_queued=args.grammar_max_queued,
+                                                   cache_size=args.grammar_cache_size)
         return self._grammar_backend
 
     def add(self, req: Req) -> list[Req]:
