@@ -94,8 +94,19 @@ class OutputProcessor:
     def _match_stop_str(self, req: Req) -> Optional[str]:
         stops = req.sampling_params.stop
         longest = max(len(s) for s in stops)
-        # a token is at least one character: the last longest + 2 tokens hold any stop string that just completed
-        tail = self.tokenizer.decode(req.output_ids[-(longest + 2):], skip_special_tokens=False)
+        ids = req.output_ids
+        # a token is at least one character: the last longest + 2 tokens hold any stop string that just completed.
+        # Most tokens are several characters, so decode a shorter tail first and widen it only while it could miss
+        # one: such a stop lies in the last token's text plus the longest - 1 characters before it, and the start
+        # of a tail may decode differently (a cut multi-byte character, a dropped leading space).
+        max_tokens = min(longest + 2, len(ids))
+        num_tokens = min(max_tokens, longest // 4 + 8)
+        tail = self.tokenizer.decode(ids[-num_tokens:], skip_special_tokens=False)
+        if num_tokens < max_tokens:
+            needed = longest + len(self.tokenizer.decode(ids[-1:], skip_special_tokens=False)) + 4
+            while num_tokens < max_tokens and len(tail) < needed:
+                num_tokens = min(max_tokens, 2 * num_tokens)
+                tail = self.tokenizer.decode(ids[-num_tokens:], skip_special_tokens=False)
         for s in stops:
             if s in tail:
                 return s

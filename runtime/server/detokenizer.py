@@ -1,4 +1,8 @@
-"""Incremental, UTF-8-safe detokenization with stop strings matched across token boundaries."""
+"""Incremental, UTF-8-safe detokenization with stop strings matched across token boundaries.
+
+Stop matching costs O(new characters + longest stop) per update, never O(text so far): a stop that completes
+with new text starts at most len(stop) - 1 characters before it, and the held-back tail (a possible stop
+prefix) is tracked per stop with a Knuth-Morris-Pratt automaton fed only the new characters."""
 
 from __future__ import annotations
 
@@ -7,6 +11,59 @@ from typing import Optional
 from braid.runtime.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
+
+
+def _failure_table(pattern: str) -> list[int]:
+    """failure[i]: length of the longest proper prefix of pattern[:i + 1] that is also its suffix."""
+    failure = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = failure[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        failure[i] = k
+    return failure
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # invariant: a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class _StopPrefixTracker:
+    """Length of the longest suffix of the text fed so far that is a proper prefix of `stop`."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.failure = _failure_table(stop)
+        self.matched = 0
+
+    def reset_to_tail(self, text: str) -> None:
+        # a proper prefix of stop is shorter than stop, so the last len(stop) - 1 characters determine it
+        self.matched = 0
+        self.feed(text[len(text) - (len(self.stop) - 1):] if len(self.stop) > 1 else "")
+
+    def feed(self, chars: str) -> None:
+        stop, failure, k = self.stop, self.failure, self.matched
+        for c in chars:
+            if k == len(stop):
+                k = failure[k - 1]
+            while k and c != stop[k]:
+                k = failure[k - 1]
+            if c == stop[k]:
+                k += 1
+        self.matched = k
 
 
 class IncrementalDetokenizer:
@@ -24,6 +81,10 @@ class IncrementalDetokenizer:
         self.read_offset = 0
         self.emitted = 0  # characters of the visible text already returned
         self.stopped_at: Optional[int] = None
+        self.scanned = 0  # decoded[:scanned] holds no stop string and the prefix trackers have seen it
+        self._prefix_trackers = [_StopPrefixTracker(s) for s in self.stops]
+        self._trackers_stale = False
+        self.chars_searched = 0  # characters passed to stop searches so far (the per-update cost, for tests)
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -36,34 +97,61 @@ class IncrementalDetokenizer:
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
 
-    def _visible(self, final: bool) -> str:
+    def _replace_decoded(self, text: str) -> None:
+        """Swap in re-decoded text; the part that stayed the same needs no second stop search."""
+        unchanged = _common_prefix_length(self.decoded, text)
+        if unchanged < self.scanned:
+            self.scanned = unchanged
+            self._trackers_stale = True
+        self.decoded = text
+
+    def _scan(self) -> None:
+        """Search the text decoded since the last scan for stop strings; feed it to the prefix trackers."""
         text = self.decoded
-        if self.stopped_at is not None:
-            return text[: self.stopped_at]
+        if self.stopped_at is not None or not self.stops:
+            return
+        if self.scanned >= len(text) and not self._trackers_stale:
+            return
         for s in self.stops:
-            pos = text.find(s)
+            start = max(0, self.scanned - len(s) + 1)
+            self.chars_searched += len(text) - start
+            pos = text.find(s, start)
             if pos != -1:
                 end = pos + len(s) if self.no_stop_trim else pos
                 if self.stopped_at is None or end < self.stopped_at:
                     self.stopped_at = end
         if self.stopped_at is not None:
+            return
+        for tracker in self._prefix_trackers:
+            if self._trackers_stale or len(text) - self.scanned >= len(tracker.stop):
+                tracker.reset_to_tail(text)
+                self.chars_searched += min(len(text), len(tracker.stop) - 1)
+            else:
+                tracker.feed(text[self.scanned:])
+                self.chars_searched += len(text) - self.scanned
+        self._trackers_stale = False
+        self.scanned = len(text)
+
+    def _visible(self, final: bool) -> str:
+        self._scan()
+        text = self.decoded
+        if self.stopped_at is not None:
             return text[: self.stopped_at]
         if final or not self.stops:
             return text
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
+        hold = max(tracker.matched for tracker in self._prefix_trackers)
         return text[: len(text) - hold]
 
     def update(self, offset: int, new_ids: list[int]) -> str:
         self.ids = self.ids[:offset] + list(new_ids)
         if offset < self.read_offset:
             # jump-forward retokenized ids that were already decoded: decode again from the start
-            self.decoded, self.prefix_offset, self.read_offset = "", 0, 0
-        self._advance()
+            previous, self.decoded, self.prefix_offset, self.read_offset = self.decoded, "", 0, 0
+            self._advance()
+            redecoded, self.decoded = self.decoded, previous
+            self._replace_decoded(redecoded)
+        else:
+            self._advance()
         visible = self._visible(final=False)
         delta = visible[self.emitted:]
         self.emitted = max(self.emitted, len(visible))
@@ -72,7 +160,7 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """Flush the rest. Callers leave a matched stop token out of the ids they feed in."""
         ids = self.ids
-        self.decoded = self._decode(ids).rstrip(_REPLACEMENT) if ids else ""
+        self._replace_decoded(self._decode(ids).rstrip(_REPLACEMENT) if ids else "")
         visible = self._visible(final=True)
         delta = visible[self.emitted:]
         self.emitted = len(visible)
