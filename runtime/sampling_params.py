@@ -109,6 +109,8 @@ class SamplingParams:
             num(p, integer=True)
         for p in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             num(p)
+        for p in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            need(isinstance(getattr(self, p), bool), p, f"must be a boolean, got {getattr(self, p)!r}")
         need(0 <= self.max_new_tokens <= _MAX_INT32, "max_new_tokens", f"must be in [0, {_MAX_INT32}]")
         need(0 <= self.min_new_tokens, "min_new_tokens", "must be >= 0")
         need(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be <= max_new_tokens")
