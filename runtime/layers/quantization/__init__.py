@@ -1,7 +1,8 @@
 """How linear layers store and multiply their weights, chosen per layer when the model is built.
 
-`get_linear_method(None)` is the dense method; quantized methods register here under the name that
-`--quantization` will take (fp8 is the next one).
+`get_linear_method(None)` is the dense method; quantized methods register here under the name a checkpoint's
+`quantization_config.quant_method` gives (fp8 is the next one; a `--quantization` flag comes with it). Until then a
+quantized checkpoint is refused at load.
 """
 
 from __future__ import annotations
