@@ -31,7 +31,8 @@ class ServerArgs:
     random_seed: int = _opt(0, "seed for dummy weights and unseeded sampling")
 
     # ---- memory and scheduling ----
-    max_total_tokens: Optional[int] = _opt(None, "KV pool size in tokens (default: from mem_fraction_static on GPU, 65536 on CPU)")
+    max_total_tokens: Optional[int] = _opt(None, "KV pool size in tokens (default: from mem_fraction_static on GPU; on CPU "
+                                                      "10% of available memory, 4096..65536 tokens)")
     mem_fraction_static: float = _opt(0.85, "fraction of GPU memory for weights + KV pool")
     max_running_requests: int = _opt(256, "max requests decoding at once")
     max_prefill_tokens: int = _opt(16384, "max new tokens in one extend batch")
@@ -89,6 +90,8 @@ class ServerArgs:
                                                     "generation requests past it get 429 with Retry-After (None: no limit)")
     shutdown_timeout_s: float = _opt(10.0, "on SIGTERM, wait this long for in-flight requests")
     log_level: str = _opt("info", "logging level")
+    log_stats_interval_s: float = _opt(10.0, "while serving, log running/queued requests, tokens/s, KV usage and "
+                                             "cache hit rate at most this often (0: never)")
     log_requests: bool = _opt(False, "log every request")
     stream_interval: int = _opt(1, "streamed requests get an update every this many tokens (and when they finish)")
 

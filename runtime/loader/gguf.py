@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
+import time
 from typing import Iterator
 
 import numpy as np
@@ -27,6 +29,8 @@ _LLAMA_BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+logger = logging.getLogger(__name__)
 
 
 @functools.lru_cache(maxsize=2)
@@ -134,14 +138,24 @@ def iter_gguf_tensors(path: str, config: dict) -> Iterator[tuple[str, torch.Tens
         yield hf, arr.contiguous()
 
 
-def iter_gguf_tensors_cached(path: str, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """Same tensors as iter_gguf_tensors, read from a dequantized safetensors copy made on first use."""
+def gguf_dequantized_dir(path: str, config: dict) -> str:
+    """A folder holding the GGUF's tensors dequantized, under HF names, as safetensors (made on first use)."""
     from safetensors.torch import save_file
 
     from braid.runtime.loader.cache import cached_dir
-    from braid.runtime.loader.hf import iter_safetensors
 
     def convert(out_dir: str) -> None:
+        started = time.perf_counter()
+        logger.info("first use of %s: dequantizing %d GGUF tensors into the cache (once)", path,
+                    len(_reader(path).tensors))
         save_file(dict(iter_gguf_tensors(path, config)), os.path.join(out_dir, "model.safetensors"))
+        logger.info("dequantized in %.1f s", time.perf_counter() - started)
 
-    return iter_safetensors(cached_dir(path, "gguf-dequantized", convert))
+    return cached_dir(path, "gguf-dequantized", convert)
+
+
+def iter_gguf_tensors_cached(path: str, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Same tensors as iter_gguf_tensors, read from a dequantized safetensors copy made on first use."""
+    from braid.runtime.loader.hf import iter_safetensors
+
+    return iter_safetensors(gguf_dequantized_dir(path, config))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import struct
 from typing import Iterator
 
 import torch
@@ -18,13 +19,28 @@ def hf_config(folder: str) -> dict:
         return json.load(f)
 
 
-def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
+def _safetensors_files(folder: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{folder} has no *.safetensors files")
-    for file in files:
+    return files
+
+
+def safetensors_tensor_count(folder: str) -> int:
+    """How many tensors the folder's *.safetensors files hold, from their JSON headers (no tensor is read)."""
+    count = 0
+    for file in _safetensors_files(folder):
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        count += sum(1 for name in header if name != "__metadata__")
+    return count
+
+
+def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in _safetensors_files(folder):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -18,7 +18,28 @@ from braid.runtime.mem_cache.pools import MHAKVPool, MLAKVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
-_CPU_DEFAULT_KV_TOKENS = 65536
+_CPU_DEFAULT_KV_TOKENS = 65536  # the most a CPU pool gets by default, and the figure where MemAvailable is unknown
+_CPU_MIN_KV_TOKENS = 4096
+_CPU_KV_MEMORY_FRACTION = 0.10
+
+
+def cpu_default_kv_tokens(mem_available_bytes, bytes_per_token: int) -> int:
+    """The CPU KV pool's default size: a tenth of the available memory, within [4096, 65536] tokens."""
+    if mem_available_bytes is None:
+        return _CPU_DEFAULT_KV_TOKENS
+    fitting = int(mem_available_bytes * _CPU_KV_MEMORY_FRACTION) // bytes_per_token
+    return max(_CPU_MIN_KV_TOKENS, min(_CPU_DEFAULT_KV_TOKENS, fitting))
+
+
+def _mem_available_bytes():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the figure is in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class ModelRunner:
@@ -59,7 +80,12 @@ class ModelRunner:
                 budget = free - capacity * (1 - self.server_args.mem_fraction_static)
                 total = max(int(budget // per_token), 1024)
             else:
-                total = _CPU_DEFAULT_KV_TOKENS
+                available = _mem_available_bytes()
+                total = cpu_default_kv_tokens(available, per_token)
+                logger.info("CPU KV pool default: %.0f%% of %s available memory, within %d..%d tokens "
+                            "(--max-total-tokens sets it)", _CPU_KV_MEMORY_FRACTION * 100,
+                            "unknown" if available is None else f"{available / 2**30:.1f} GiB",
+                            _CPU_MIN_KV_TOKENS, _CPU_DEFAULT_KV_TOKENS)
         self.max_total_tokens = int(total)
         max_reqs = min(self.server_args.max_running_requests + 32, max(self.max_total_tokens // 2, 8))
         self.req_to_token_pool = ReqToTokenPool(max_reqs, self.context_len + 8, self.device)

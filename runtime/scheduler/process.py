@@ -23,6 +23,7 @@ from typing import Optional
 
 import zmq
 
+from braid.runtime.scheduler.stats_log import ServingStatsLog
 from braid.runtime.server import messages as M
 
 logger = logging.getLogger("braid.scheduler")
@@ -58,7 +59,8 @@ def _die_with_parent() -> None:
 class SchedulerLoop:
     """The scheduler loop's I/O over ZMQ: requests and queries in, batched outputs and answers out."""
 
-    def __init__(self, scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socket, parent_pid: Optional[int]):
+    def __init__(self, scheduler, recv_sock: zmq.Socket, send_sock: zmq.Socket, parent_pid: Optional[int],
+                 log_stats_interval_s: float = 0.0):
         self.scheduler = scheduler
         self.recv_sock = recv_sock
         self.send_sock = send_sock
@@ -66,6 +68,7 @@ class SchedulerLoop:
         self.poller = zmq.Poller()
         self.poller.register(recv_sock, zmq.POLLIN)
         self.running = True
+        self.stats_log = ServingStatsLog(log_stats_interval_s)
 
     def run(self) -> None:
         from braid.runtime.scheduler.scheduler import run_scheduler_loop
@@ -77,6 +80,7 @@ class SchedulerLoop:
 
     # ---- SchedulerIO ----
     def receive(self, scheduler, block: bool) -> bool:
+        self.stats_log.maybe_log(scheduler)  # once per loop iteration, so on every step's path
         if self.poller.poll(_IDLE_POLL_MS if block else 0):
             self._drain()
         elif block and not self._parent_alive():
@@ -118,15 +122,12 @@ class SchedulerLoop:
     def _add(self, msg: M.GenerateReq) -> None:
         from braid.runtime.core import Req
         from braid.runtime.sampling_params import SamplingParams
-        from braid.runtime.scheduler.intake import RequestError
 
         try:
             req = Req(rid=msg.rid, input_ids=list(msg.input_ids),
                       sampling_params=SamplingParams.from_dict(msg.sampling_params),
                       return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
                       top_logprobs_num=msg.top_logprobs_num, stream=msg.stream)
-            if msg.image_data is not None:  # the server refuses media first; this is the last line of defence
-                raise RequestError("this runtime takes no image input yet", "image_data")
             self.scheduler.add_request(req)
         except ValueError as e:
             self.send(M.ReqError(msg.rid, str(e), getattr(e, "param", None) or _grammar_param(e, msg), True))
@@ -190,8 +191,9 @@ def run(config: dict) -> int:
 
         t0 = time.time()
         scheduler = Scheduler(server_args)
-        logger.info("model loaded in %.1fs", time.time() - t0)
-        loop = SchedulerLoop(scheduler, recv_sock, send_sock, config.get("parent_pid"))
+        logger.info("scheduler started in %.1f s", time.time() - t0)
+        loop = SchedulerLoop(scheduler, recv_sock, send_sock, config.get("parent_pid"),
+                             server_args.log_stats_interval_s)
         loop.send(M.Ready(int(scheduler.context_len), int(scheduler.vocab_size), server_args.model_path,
                           _model_info(scheduler, server_args)))
         loop.run()
