@@ -24,7 +24,6 @@ class GenerateReq(msgspec.Struct, tag=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
-    image_data: Any = None  # never set: prepare_request refuses media until multimodal preprocessing exists
 
 
 def generate_req(req: Any) -> GenerateReq:

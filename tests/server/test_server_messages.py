@@ -21,7 +21,7 @@ from braid.runtime.scheduler.process import SchedulerLoop
 
 def test_messages_round_trip_with_their_type():
     msgs = [M.GenerateReq(rid="r", input_ids=[1, 2], sampling_params=SamplingParams(stop=["x"]).to_dict(),
-                          return_logprob=True, image_data=["u"]),
+                          return_logprob=True),
             M.AbortReq("r"), M.FlushCacheReq(3), M.GetStatsReq(4), M.ShutdownReq()]
     for m in msgs:
         back = M.decode_to_scheduler(M.encode(m))
