@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Optional, Sequence
 
-_USAGE = """usage: braid serve [server args]            (same flags as python -m braid.launch_server)
+_USAGE = """usage: braid serve [MODEL] [server args]    (same flags as python -m braid.launch_server)
        braid bench serving [args]          (python -m braid.bench_serving)
        braid bench one-batch [args]        (python -m braid.bench_one_batch)
        braid bench offline [args]          (python -m braid.bench_offline_throughput)
@@ -37,7 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if command == "serve":
         from braid.runtime.launch import main as serve
 
-        return serve(rest) or 0
+        return serve(rest, prog="braid serve") or 0
     if command == "bench" and rest:
         return _bench(rest[0], rest[1:])
     print(f"braid: unknown command '{' '.join(args[:2])}'\n{_USAGE}", file=sys.stderr)

@@ -4,30 +4,42 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Optional
 
 
-def _opt(default, help: str, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _opt(default, help: str, choices=None, aliases: tuple = ()):
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
+# other projects' spellings of a value -> ours (`--dtype half` is vLLM's and SGLang's float16)
+VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}}
 
 
 @dataclass(frozen=True)
 class ServerArgs:
     # ---- model ----
-    model_path: str = _opt("smollm2", "HF folder, .gguf file, or 'smollm2' (the embedded SmolLM2-135M-Instruct)")
+    model_path: str = _opt("smollm2", "HF folder, .gguf file, or 'smollm2' (the embedded SmolLM2-135M-Instruct); "
+                                      "also positional: braid serve MODEL", aliases=("--model",))
     tokenizer_path: Optional[str] = _opt(None, "tokenizer folder/file; defaults to the model's")
     load_format: str = _opt("auto", "weight format", ["auto", "safetensors", "gguf", "dummy"])
     model_config: Optional[str] = _opt(None, "config.json (path or inline JSON) for --load-format dummy; overrides the model's config")
-    dtype: str = _opt("auto", "weights and activations dtype (auto: bf16 on GPU, fp32 on CPU)",
+    dtype: str = _opt("auto", "weights and activations dtype (auto: bf16 on GPU, fp32 on CPU; half = float16, "
+                              "float = float32)",
                       ["auto", "float32", "bfloat16", "float16"])
     kv_cache_dtype: str = _opt("auto", "KV cache dtype", ["auto", "float32", "bfloat16", "float16", "fp8_e5m2", "fp8_e4m3"])
     device: str = _opt("auto", "cpu, cuda or auto")
     context_length: Optional[int] = _opt(None, "override the model's context length")
-    trust_remote_code: bool = _opt(False, "unused; kept for CLI compatibility")
-    served_model_name: Optional[str] = _opt(None, "model name reported by the API")
+    trust_remote_code: bool = _opt(False, "accepted for compatibility; has no effect (braid never runs code from a "
+                                          "model folder)")
+    served_model_name: Optional[str] = _opt(None, "model name reported by the API (default: the model folder's or "
+                                                  "file's name)")
+    chat_template: Optional[str] = _opt(None, "Jinja chat template (a file path or the template text) used by the chat "
+                                              "routes instead of the tokenizer's")
     random_seed: int = _opt(0, "seed for dummy weights and unseeded sampling")
 
     # ---- memory and scheduling ----
@@ -62,12 +74,13 @@ class ServerArgs:
                                                   "(braid raises them so decode temporaries are reused)")
 
     # ---- parallelism ----
-    tp_size: int = _opt(1, "tensor-parallel degree (not built yet: only 1)")
-    dp_size: int = _opt(1, "data-parallel degree (not built yet: only 1)")
+    tp_size: int = _opt(1, "tensor-parallel degree (not built yet: only 1)", aliases=("--tp",))
+    dp_size: int = _opt(1, "data-parallel degree (not built yet: only 1)", aliases=("--dp",))
 
     # ---- constrained decoding ----
     constrained_json_whitespace_pattern: Optional[str] = _opt(None, "regex for whitespace allowed in JSON output (default: compact)")
-    disable_jump_forward: bool = _opt(False, "sample every token of a constrained output")
+    disable_jump_forward: bool = _opt(False, "sample every token of a constrained output",
+                                      aliases=("--disable-regex-jump-forward",))
     grammar_timeout_s: float = _opt(10.0, "give up compiling a regex/schema after this long")
     grammar_workers: int = _opt(0, "grammar compile worker processes kept ready (0: min(4, CPU count), at least 2); "
                                    "a compile running long gets a spare beside it, up to twice as many")
@@ -96,6 +109,10 @@ class ServerArgs:
     stream_interval: int = _opt(1, "streamed requests get an update every this many tokens (and when they finish)")
 
     def __post_init__(self):
+        for name, aliases in VALUE_ALIASES.items():
+            value = getattr(self, name)
+            if value in aliases:
+                object.__setattr__(self, name, aliases[value])
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ValueError("chunked_prefill_size must be -1 or >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
@@ -132,7 +149,9 @@ class ServerArgs:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model_path
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(os.path.normpath(self.model_path)) or self.model_path
 
     def model_config_overrides(self) -> Optional[dict]:
         if self.model_config is None:
@@ -151,14 +170,18 @@ class ServerArgs:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help", "")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+            help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
             typ = hints[f.name]
             if typ is bool:
-                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+                parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=help_text)
                 continue
             base = typing.get_args(typ)[0] if typing.get_origin(typ) is typing.Union else typ
-            parser.add_argument(flag, type=base, default=f.default, choices=f.metadata.get("choices"), help=help_text)
+            if f.name in VALUE_ALIASES:
+                base = functools.partial(lambda aliases, text: aliases.get(text, text), VALUE_ALIASES[f.name])
+                base.__name__ = "str"  # argparse names the type in its errors
+            parser.add_argument(*flags, dest=f.name, type=base, default=f.default, choices=f.metadata.get("choices"),
+                                help=help_text)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

@@ -1,4 +1,4 @@
-"""`python -m braid.launch_server`: parse ServerArgs from the command line and serve."""
+"""`python -m braid.launch_server` (and `braid serve`): parse ServerArgs from the command line and serve."""
 
 from __future__ import annotations
 
@@ -9,25 +9,37 @@ from typing import Optional, Sequence
 from braid.runtime.config import ServerArgs
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog="braid.launch_server", description="Serve a model over HTTP (native + OpenAI API)")
+def build_parser(prog: str = "braid.launch_server") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Serve a model over HTTP (native + OpenAI API)")
+    parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as with --model-path (vLLM's `serve MODEL` form)")
     ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "braid.launch_server") -> ServerArgs:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
+    default_model_path = ServerArgs.model_path
+    if args.model is not None:
+        if args.model_path not in (default_model_path, args.model):
+            parser.exit(2, f"{parser.prog}: error: two models given: {args.model} and --model-path "
+                           f"{args.model_path}; give one\n")
+        args.model_path = args.model
     try:
         return ServerArgs.from_cli_args(args)
     except ValueError as e:  # one line, without argparse's usage text for every flag
-        print(f"{parser.prog}: error: {e}", file=sys.stderr)
-        sys.exit(2)
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from braid.runtime.server.http_server import launch_server
+def main(argv: Optional[Sequence[str]] = None, prog: str = "braid.launch_server") -> int:
+    from braid.runtime.server.http_server import StartRefused, launch_server
     from braid.runtime.server.tokenizer_manager import SchedulerStartError
 
-    server_args = parse_args(sys.argv[1:] if argv is None else argv)
+    server_args = parse_args(sys.argv[1:] if argv is None else argv, prog)
     try:
         return launch_server(server_args)
-    except SchedulerStartError as e:
+    except (StartRefused, SchedulerStartError) as e:
         print(f"braid: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # e.g. the port is taken

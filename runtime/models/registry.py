@@ -15,8 +15,13 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def get_model_class(architecture: str):
+def check_architecture(architecture: str) -> None:
     if architecture not in _MODELS:
-        raise ValueError(f"architecture {architecture} is not supported; supported: {', '.join(supported_architectures())}")
+        raise ValueError(f"architecture {architecture} is not supported by braid; supported: "
+                         f"{', '.join(supported_architectures())}")
+
+
+def get_model_class(architecture: str):
+    check_architecture(architecture)
     module, cls = _MODELS[architecture]
     return getattr(importlib.import_module(module), cls)

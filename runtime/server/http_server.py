@@ -209,6 +209,10 @@ async def get_server_info(request: web.Request) -> web.Response:
     return json_response(info)
 
 
+async def get_server_args(request: web.Request) -> web.Response:
+    return json_response(_public_server_args(request.app[TM_KEY].server_args))
+
+
 async def flush_cache(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     ok = await tm.flush_cache()
@@ -279,6 +283,8 @@ def create_app(tm: TokenizerManager) -> web.Application:
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", get_model_info)
     app.router.add_get("/get_server_info", get_server_info)
+    app.router.add_get("/get_server_args", get_server_args)
+    app.router.add_route("GET", "/flush_cache", flush_cache)  # SGLang v0.3 flushes on GET
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/metrics", metrics)
@@ -287,6 +293,28 @@ def create_app(tm: TokenizerManager) -> web.Application:
     app.router.add_post("/v1/completions", v1_completions)
     app.router.add_post("/v1/chat/completions", v1_chat_completions)
     return app
+
+
+class StartRefused(Exception):
+    """The server cannot start with these arguments; the message says why and what to change."""
+
+
+def check_before_start(server_args) -> None:
+    """Refuse in one line, before the scheduler process starts, what this process can already see is wrong."""
+    from braid.runtime.layers.attention.registry import check_backend_device
+    from braid.runtime.loader.model_path import check_model_source
+    from braid.runtime.server.tokenizer_manager import load_chat_template
+
+    if server_args.trust_remote_code:
+        logger.info("--trust-remote-code has no effect: braid never runs code from a model folder")
+    try:
+        check_model_source(server_args)
+        if server_args.attention_backend is not None:
+            check_backend_device(server_args.attention_backend, server_args.resolved_device)
+        if server_args.chat_template is not None:
+            load_chat_template(server_args.chat_template)
+    except (ValueError, OSError) as e:
+        raise StartRefused(str(e)) from e
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -304,6 +332,7 @@ async def serve(server_args) -> int:
         loop.add_signal_handler(sig, stop.set)
     _check_port_free(server_args.host, server_args.port)  # before minutes of model loading, not after
     resolve_api_key(server_args)  # an unreadable key file fails now, not after the model loads
+    check_before_start(server_args)
     tm = TokenizerManager(server_args)
     runner: Optional[web.AppRunner] = None
     stop_wait = asyncio.ensure_future(stop.wait())

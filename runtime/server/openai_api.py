@@ -103,7 +103,7 @@ class OpenAIServing:
         return self.tm.server_args.model_name
 
     def check_model(self, model: Optional[str]) -> str:
-        names = {self.model_name, self.tm.server_args.model_path}
+        names = {self.model_name, self.tm.server_args.model_path, "default"}  # "default": SGLang's any-model name
         if model is not None and model not in names:
             raise model_not_found(model)
         return self.model_name

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import functools
 import itertools
 import logging
@@ -40,6 +41,31 @@ SHUTDOWN_ABORT_MESSAGE = "the server is shutting down; the text is what was gene
 
 class SchedulerStartError(RuntimeError):
     pass
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a file holding a Jinja template, or the template's text itself."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template (no {{{{ or {{% in it)")
+
+
+def with_chat_template(tokenizer, chat_template: Optional[str]):
+    """The tokenizer with --chat-template in place of its own; a copy, since tokenizers are cached and shared."""
+    if chat_template is None:
+        return tokenizer
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = load_chat_template(chat_template)
+    return tokenizer
+
+
+def last_line(traceback_text: str) -> str:
+    """A traceback's last line: the exception and its message."""
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else traceback_text
 
 
 class TokenizerManager:
@@ -88,7 +114,7 @@ class TokenizerManager:
         tokenizer_task = asyncio.ensure_future(asyncio.to_thread(get_tokenizer, self.server_args))
         try:
             ready = await self._wait_ready(timeout_s)
-            self.tokenizer = await tokenizer_task
+            self.tokenizer = with_chat_template(await tokenizer_task, self.server_args.chat_template)
         except BaseException:
             tokenizer_task.cancel()
             await self.close()
@@ -109,7 +135,8 @@ class TokenizerManager:
                 if isinstance(msg, M.Ready):
                     return msg
                 if isinstance(msg, M.Fatal):
-                    raise SchedulerStartError(f"scheduler failed to start:\n{msg.message}")
+                    logger.debug("scheduler start-up failed:\n%s", msg.message)
+                    raise SchedulerStartError(f"scheduler failed to start: {last_line(msg.message)}")
             elif self.proc.poll() is not None:
                 raise SchedulerStartError(f"scheduler process exited with code {self.proc.returncode} before it was ready")
         raise SchedulerStartError(f"scheduler not ready after {timeout_s:.0f}s")
@@ -181,7 +208,8 @@ class TokenizerManager:
 
     async def apply_chat_template(self, messages: list[dict]) -> str:
         if not getattr(self.tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+            raise bad_request("this model has no chat template; start the server with --chat-template, or use "
+                              "/v1/completions", param="messages")
         self.check_prompt_chars(sum(len(m.get("content") or "") for m in messages), "messages")
         apply = functools.partial(self.tokenizer.apply_chat_template, messages, tokenize=False,
                                   add_generation_prompt=True)

@@ -18,3 +18,71 @@ def test_serve_help_lists_server_args():
     out = subprocess.run([sys.executable, "-m", "braid.cli", "serve", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
     assert "--model-path" in out.stdout and "--disable-radix-cache" in out.stdout
+
+
+def test_sglang_and_vllm_spellings_parse_to_the_same_server_args():
+    from braid.runtime.launch import parse_args
+
+    ours = parse_args(["--model-path", "/models/Qwen2-0.5B", "--tp-size", "1", "--dp-size", "1",
+                       "--disable-jump-forward", "--dtype", "float16"])
+    for theirs in (["/models/Qwen2-0.5B", "--tp", "1", "--dp", "1", "--disable-regex-jump-forward", "--dtype", "half"],
+                   ["--model", "/models/Qwen2-0.5B", "--tp", "1", "--dp", "1", "--disable-regex-jump-forward",
+                    "--dtype", "half"]):
+        assert parse_args(theirs) == ours
+    assert parse_args(["--dtype", "float"]).dtype == "float32"
+    assert parse_args(["--trust-remote-code"]).trust_remote_code is True
+
+
+def test_dtype_aliases_also_through_keyword_arguments():
+    from braid.runtime.config import ServerArgs
+
+    assert ServerArgs(dtype="half") == ServerArgs(dtype="float16")
+    assert ServerArgs.from_kwargs(dtype="float").dtype == "float32"
+
+
+def test_two_different_models_are_refused(capsys):
+    import pytest
+
+    from braid.runtime.launch import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(["/models/a", "--model-path", "/models/b"])
+    assert e.value.code == 2 and "two models given" in capsys.readouterr().err
+    assert parse_args(["/models/a", "--model-path", "/models/a"]).model_path == "/models/a"
+
+
+def test_served_model_name_defaults_to_the_folder_name():
+    from braid.runtime.config import ServerArgs
+
+    assert ServerArgs().model_name == "smollm2"
+    assert ServerArgs(model_path="/models/Qwen2-0.5B-Instruct/").model_name == "Qwen2-0.5B-Instruct"
+    assert ServerArgs(model_path="/models/Qwen2-0.5B-Instruct", served_model_name="qwen").model_name == "qwen"
+
+
+def test_chat_template_from_a_file_or_inline(tmp_path):
+    import pytest
+
+    from braid.runtime.server.tokenizer_manager import load_chat_template, with_chat_template
+
+    inline = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(inline)
+    assert load_chat_template(str(path)) == load_chat_template(inline) == inline
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        load_chat_template("/no/such/template.jinja")
+
+    class Tokenizer:
+        chat_template = None
+
+    shared = Tokenizer()
+    assert with_chat_template(shared, None) is shared
+    overridden = with_chat_template(shared, inline)
+    assert overridden.chat_template == inline and shared.chat_template is None
+
+
+def test_braid_serve_help_shows_the_positional_model_and_aliases():
+    out = subprocess.run([sys.executable, "-m", "braid.cli", "serve", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage: braid serve")
+    for flag in ("MODEL", "--model", "--tp", "--dp", "--disable-regex-jump-forward", "--chat-template"):
+        assert flag in out.stdout

@@ -19,13 +19,54 @@ def test_port_in_use_fails_before_loading_anything():
     assert r.returncode == 1 and f"cannot serve on 127.0.0.1:{port}" in r.stderr
 
 
-def test_bad_model_path_reports_the_schedulers_error():
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = launch("--port", str(port), "--model-path", "/no/such/model")
+        return s.getsockname()[1]
+
+
+def assert_one_line_refusal(r: subprocess.CompletedProcess, *words: str) -> None:
     assert r.returncode == 1, r.stderr
-    assert "scheduler failed to start" in r.stderr and "/no/such/model" in r.stderr
+    assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("braid: "), r.stderr
+    assert "Traceback" not in r.stderr and all(w in r.stderr for w in words), r.stderr
+
+
+def test_missing_model_path_fails_in_one_line():
+    r = launch("--port", str(free_port()), "--model-path", "/no/such/model", timeout=60)
+    assert_one_line_refusal(r, "model path not found: /no/such/model", "smollm2")
+
+
+def test_unknown_architecture_fails_in_one_line_listing_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["FooForCausalLM"], "model_type": "foo"}')
+    r = launch(str(tmp_path), "--port", str(free_port()), timeout=60)
+    assert_one_line_refusal(r, "FooForCausalLM is not supported", "LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def test_gpu_only_attention_backends_are_refused_on_cpu_at_start():
+    for backend in ("triton", "flashinfer"):
+        r = launch("--port", str(free_port()), "--device", "cpu", "--attention-backend", backend, timeout=60)
+        assert_one_line_refusal(r, f"--attention-backend {backend} needs a CUDA GPU", "--attention-backend torch")
+
+
+def test_trust_remote_code_says_it_has_no_effect():
+    r = launch("--port", str(free_port()), "--trust-remote-code", "--model-path", "/no/such/model", timeout=60)
+    assert r.returncode == 1
+    notice, refusal = r.stderr.splitlines()
+    assert "INFO" in notice and "--trust-remote-code has no effect" in notice
+    assert refusal.startswith("braid: model path not found")
+
+
+def test_unreadable_chat_template_is_refused_at_start():
+    r = launch("--port", str(free_port()), "--chat-template", "/no/such/template.jinja", timeout=60)
+    assert_one_line_refusal(r, "--chat-template", "neither a file nor a Jinja template")
+
+
+def test_scheduler_failure_shows_the_exceptions_last_line_only():
+    from braid.runtime.server.tokenizer_manager import last_line
+
+    traceback_text = ('Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\n'
+                      'ValueError: architecture Foo is not supported\n')
+    assert last_line(traceback_text) == "ValueError: architecture Foo is not supported"
 
 
 def test_unbuilt_parallelism_fails_at_start_in_one_line():

@@ -25,5 +25,15 @@ def get_backend_class(name: str):
         raise ValueError(f"attention backend '{name}' is not available here: {e}") from e
 
 
+_CUDA_ONLY = {"triton": "Triton kernels", "flashinfer": "FlashInfer kernels"}
+
+
+def check_backend_device(name: str, device: str) -> None:
+    """Refuse at start a backend whose kernels cannot run on `device` (otherwise the first request fails)."""
+    if name in _CUDA_ONLY and not device.startswith("cuda"):
+        raise ValueError(f"--attention-backend {name} needs a CUDA GPU ({_CUDA_ONLY[name]}); this server runs on "
+                         f"{device}: use --attention-backend torch, or leave it unset")
+
+
 def default_backend(device: str) -> str:
     return "triton" if device.startswith("cuda") else "torch"
