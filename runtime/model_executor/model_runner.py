@@ -8,7 +8,7 @@ import torch
 
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import ForwardBatch, ForwardOutput
-from braid.runtime.layers.attention.registry import default_backend, get_backend_class
+from braid.runtime.layers.attention.registry import check_backend_device, default_backend, get_backend_class
 from braid.runtime.layers.dtypes import kv_cache_dtype, model_dtype
 from braid.runtime.layers.kernel_switches import apply_kernel_switches
 from braid.runtime.layers.logits import compute_logits, last_token_rows, token_logprobs
@@ -46,6 +46,8 @@ class ModelRunner:
     def __init__(self, server_args: ServerArgs):
         self.server_args = server_args
         self.device = torch.device(server_args.resolved_device)
+        self.attn_backend_name = server_args.attention_backend or default_backend(self.device.type)
+        check_backend_device(self.attn_backend_name, self.device.type)  # before minutes of loading, not after
         apply_kernel_switches(server_args)
         self.model_config = load_model_config(server_args)
         self.dtype = model_dtype(server_args.dtype, self.device.type)
@@ -54,9 +56,7 @@ class ModelRunner:
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self.model_config.context_len
         self._init_pools()
-        name = server_args.attention_backend or default_backend(self.device.type)
-        self.attn_backend_name = name
-        self.attn_backend = get_backend_class(name)(self)
+        self.attn_backend = get_backend_class(self.attn_backend_name)(self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:

@@ -200,7 +200,8 @@ def run(config: dict) -> int:
         return 0
     except Exception:
         msg = traceback.format_exc()
-        logger.error("scheduler crashed:\n%s", msg)
+        logger.error("scheduler stopped: %s", msg.strip().splitlines()[-1])
+        logger.debug("%s", msg)
         send_sock.send(M.encode(M.Fatal(msg)))
         return 1
     finally:

@@ -39,3 +39,9 @@ def test_a_plain_tiny_model_runs():
 def test_parallelism_other_than_one_is_refused(field):
     with pytest.raises(ValueError, match="not built yet"):
         ServerArgs(**{field: 2})
+
+
+def test_a_gpu_only_attention_backend_is_refused_on_cpu():
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        Engine(model_path="smollm2", device="cpu", attention_backend="triton", max_total_tokens=1024,
+               log_level="warning")
