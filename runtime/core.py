@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from braid.runtime.mem_cache.pools import KVPool, ReqToTokenPool
 
 __all__ = ["SamplingParams", "ForwardMode", "FinishReason", "Req", "ReqOutput", "ForwardBatch", "ForwardOutput",
-           "host_to_device"]
+           "host_to_device", "RequestError"]
 
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -41,6 +41,16 @@ class ForwardMode(enum.IntEnum):
 
     def is_extend(self) -> bool:
         return self == ForwardMode.EXTEND
+
+
+class RequestError(ValueError):
+    """A request a user got wrong. `param` names the field (in `prepare_request`'s own names), `code` is
+    the OpenAI error code when there is one."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 @dataclass

@@ -13,8 +13,7 @@ from typing import Optional
 
 import torch
 
-from braid.runtime.core import FinishReason, Req
-from braid.runtime.server.prepare import RequestError
+from braid.runtime.core import FinishReason, Req, RequestError
 
 
 def validate_request(req: Req, vocab_size: int, context_len: int, kv_pool_size: int, grammar_backend) -> None:

@@ -11,20 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from braid.runtime.core import Req
+from braid.runtime.core import Req, RequestError
 from braid.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
 
 _MAX_INT32 = 2**31 - 1
-
-
-class RequestError(ValueError):
-    """A request a user got wrong. `param` names the field (in `prepare_request`'s own names), `code` is
-    the OpenAI error code when there is one."""
-
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.param = param
-        self.code = code
 
 
 @dataclass(frozen=True)
