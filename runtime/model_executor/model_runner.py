@@ -14,6 +14,7 @@ from braid.runtime.layers.kernel_switches import apply_kernel_switches
 from braid.runtime.layers.logits import compute_logits, last_token_rows, token_logprobs
 from braid.runtime.layers.sampler import Sampler, apply_penalties
 from braid.runtime.loader import load_model, load_model_config
+from braid.runtime.mem_cache.kv_sizing import mha_kv_bytes_per_token, mla_kv_bytes_per_token
 from braid.runtime.mem_cache.pools import MHAKVPool, MLAKVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,9 @@ class ModelRunner:
         kv_dtype = kv_cache_dtype(self.server_args.kv_cache_dtype, self.dtype)
         heads_kv = mc.num_key_value_heads
         if mc.attention_arch == "mla":
-            per_token = (mc.kv_lora_rank + mc.qk_rope_head_dim) * mc.num_layers * kv_dtype.itemsize
+            per_token = mla_kv_bytes_per_token(mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_layers, kv_dtype)
         else:
-            per_token = heads_kv * (mc.head_dim + mc.v_head_dim) * mc.num_layers * kv_dtype.itemsize
+            per_token = mha_kv_bytes_per_token(heads_kv, mc.head_dim, mc.num_layers, kv_dtype, mc.v_head_dim)
         total = self.server_args.max_total_tokens
         if total is None:
             if self.device.type == "cuda":
