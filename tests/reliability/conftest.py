@@ -1,50 +1,17 @@
 """Real SmolLM2 servers with reliability-sized limits, started per test module (or per test when a test
 stops its server)."""
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import dataclass
 
 import pytest
-import requests
+import real_server
+from real_server import Server
 
 API_KEY = "reliability-key"
 BASE_FLAGS = ["--max-total-tokens", "8192", "--log-level", "warning"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base_url: str
-    log_path: str
-    api_key: str = API_KEY
-
-    @property
-    def headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.api_key}"}
-
-    def get(self, path: str, timeout: float = 120, **kw) -> requests.Response:
-        return requests.get(self.base_url + path, headers=kw.pop("headers", self.headers), timeout=timeout, **kw)
-
-    def post(self, path: str, json=None, timeout: float = 120, **kw) -> requests.Response:  # noqa: A002
-        return requests.post(self.base_url + path, json=json, headers=kw.pop("headers", self.headers),
-                             timeout=timeout, **kw)
-
-    def log_tail(self, n: int = 4000) -> str:
-        with open(self.log_path, errors="replace") as f:
-            return f.read()[-n:]
-
+class ReliabilityServer(Server):
     def scheduler_pid(self) -> int:
         with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
             return int(f.read().split()[0])
@@ -59,39 +26,11 @@ class Server:
                 return info
             time.sleep(0.2)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        os.unlink(self.log_path)
 
-
-def start_server(*flags: str, env: dict | None = None, api_key: str = API_KEY) -> Server:
-    port = _free_port()
-    log = tempfile.NamedTemporaryFile(prefix="braid-reliability-", suffix=".log", delete=False)
+def start_server(*flags: str, env: dict | None = None, api_key: str = API_KEY) -> ReliabilityServer:
     # the API key comes from the environment: it must work without --api-key on the command line
-    full_env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("BRAID_TEST_SERVER_THREADS", "1"),
-                "BRAID_API_KEY": api_key, **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "braid.runtime.launch", "--port", str(port), *BASE_FLAGS, *flags],
-                            stdout=log, stderr=subprocess.STDOUT, env=full_env)
-    srv = Server(proc, f"http://127.0.0.1:{port}", log.name, api_key)
-    deadline = time.time() + 400
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode} during start-up:\n{srv.log_tail()}")
-        try:
-            if requests.get(srv.base_url + "/health", timeout=2).status_code == 200:
-                return srv
-        except requests.ConnectionError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"server not healthy after 400s:\n{srv.log_tail()}")
-        time.sleep(0.3)
+    return real_server.start_server([*BASE_FLAGS, *flags], api_key, "braid-reliability-",
+                                    env={"BRAID_API_KEY": api_key, **(env or {})}, server_cls=ReliabilityServer)
 
 
 MAX_PROMPT_CHARS = 3_000_000

@@ -1,57 +1,29 @@
 """A real server's log, written to a file (not a terminal): each start-up step once, in order, then "ready"; a
 stats line while it serves; no carriage returns."""
 
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
+from pathlib import Path
 
 import pytest
 import requests
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from real_server import start_server
 
 
 @pytest.fixture(scope="module")
-def served_log(tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("startup") / "server.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "braid.runtime.launch", "--port", str(port),
-                                 "--max-total-tokens", "2048", "--log-stats-interval-s", "1"],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+def served_log():
+    srv = start_server(["--max-total-tokens", "2048", "--log-stats-interval-s", "1"], api_key="",
+                       log_prefix="braid-startup-")
     try:
-        deadline = time.time() + 400
-        while True:
-            assert proc.poll() is None, f"server exited during start-up:\n{log_path.read_text()[-3000:]}"
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.time() < deadline, f"server not healthy after 400 s:\n{log_path.read_text()[-3000:]}"
-            time.sleep(0.5)
-        startup_log = log_path.read_text()
+        startup_log = Path(srv.log_path).read_text()
         for _ in range(3):  # ~1 s each on 2 CPU cores: the stats line (every 1 s) falls inside
-            r = requests.post(base + "/generate", json={"text": "Count to twenty:", "sampling_params": {
+            r = requests.post(srv.base_url + "/generate", json={"text": "Count to twenty:", "sampling_params": {
                 "max_new_tokens": 24, "temperature": 0, "ignore_eos": True}}, timeout=120)
             assert r.status_code == 200, r.text
         time.sleep(0.5)
-        yield startup_log, log_path.read_text()
+        yield startup_log, Path(srv.log_path).read_text()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        srv.stop()
 
 
 STARTUP_STEPS = [r"loading model \S+ \(LlamaForCausalLM, dtype float32, device cpu\)",
