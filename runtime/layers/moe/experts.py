@@ -1,0 +1,69 @@
+"""The routed experts' computation: out[t] = sum_j topk_weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)),
+e = topk_ids[t, j]; a PyTorch reference (`moe_forward_torch`) and the fused Triton path (fused_moe_kernels.py),
+which `fused_experts` picks for CUDA tensors."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ACTIVATIONS = ("silu",)
+
+
+def check_expert_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, activation: str) -> None:
+    if activation not in SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"MoE activation {activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
+    if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"expected hidden [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(hidden.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    num_experts, two_inter, hidden_size = w13.shape
+    if two_inter % 2 or hidden.shape[1] != hidden_size or w2.shape != (num_experts, hidden_size, two_inter // 2):
+        raise ValueError(f"expert weight shapes disagree: hidden {tuple(hidden.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
+                         f"be [T={hidden.shape[0]}, k]")
+    if hidden.dtype != w13.dtype or hidden.dtype != w2.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and expert weights ({w13.dtype}, {w2.dtype}) must share a dtype")
+
+
+def moe_forward_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The reference: per selected expert, gather its tokens and run two matmuls. Sums in fp32.
+    hidden [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I] -> [T, H] in hidden's dtype.
+    Reads the per-expert token counts on the host: not for CUDA graphs."""
+    check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids, activation)
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat_ids, stable=True)  # [T*k] positions into the flattened (token, slot) pairs
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        pairs = order[start:start + count]
+        start += count
+        tokens = pairs // top_k
+        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
+        expert_out = F.linear(F.silu(gate) * up, w2[expert])  # [count, H]
+        out.index_add_(0, tokens, expert_out.float() * topk_weights.reshape(-1)[pairs, None].float())
+    return out.to(hidden.dtype)
+
+
+def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, activation: str = "silu", config: Optional[dict] = None) -> torch.Tensor:
+    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k] int -> [T, H].
+
+    CUDA tensors take the fused Triton kernels (no host sync, CUDA-graph capturable; `config` overrides the block
+    sizes picked by T, see fused_moe_kernels.MoEKernelConfig); anything else the PyTorch reference."""
+    if hidden.is_cuda:
+        from braid.runtime.layers.moe.fused_moe_kernels import fused_moe_triton
+
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, config)
+    if config is not None:
+        raise ValueError("a kernel config applies to the fused Triton path (CUDA tensors) only")
+    return moe_forward_torch(hidden, w13, w2, topk_weights, topk_ids, activation)

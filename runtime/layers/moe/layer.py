@@ -1,0 +1,142 @@
+"""FusedMoE: the router gate and the routed experts of one MoE layer, the experts stacked into two tensors.
+
+Checkpoint names (relative to the layer's `mlp`): `gate.weight` [E, H] loads as an ordinary parameter;
+`experts.{e}.{gate,up,down}_proj.weight` go through `FusedMoE.weight_loader` into `w13_weight` [E, 2I, H] (gate
+rows then up rows) and `w2_weight` [E, H, I]. A model wraps its checkpoint iterator in `route_expert_weights` so
+those names reach the right layer before CausalLM.load_weights sees the rest.
+
+Shared experts (DeepSeek's `mlp.shared_experts.*`) are the model's: build a blocks.GatedMLP of intermediate size
+`moe_intermediate_size * n_shared_experts` and pass it as `shared_experts`; FusedMoE adds its output to the routed
+sum, and because it is a submodule named `shared_experts` its checkpoint names load through the model's
+GATE_UP_STACKED_PARAMS like any GatedMLP.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from braid.runtime.distributed import parallel_state as ps
+from braid.runtime.layers.moe.experts import SUPPORTED_ACTIVATIONS, fused_experts
+from braid.runtime.layers.moe.router import check_routing_supported, select_experts
+from braid.runtime.loader.config_specs import MoESpec
+
+EXPERT_WEIGHT_NAME = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
+                                r"\.weight$")
+
+
+class MoEGate(nn.Module):
+    """The router: hidden [T, H] -> logits [T, E] in fp32 (the weight is kept in fp32 after loading)."""
+
+    def __init__(self, num_experts: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def prepack_weights(self) -> None:
+        if self.weight.dtype != torch.float32:
+            self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.float(), self.weight.float())
+
+
+class FusedMoE(nn.Module):
+    """hidden [T, H] -> fp32 router -> select_experts -> fused_experts (+ shared_experts(hidden)) -> [T, H].
+
+    Under tensor parallelism each rank holds every expert's slice of the intermediate dim (I / tp) and the routed
+    sum is all-reduced; shared_experts all-reduce in their own RowParallelLinear."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, spec: MoESpec,
+                 shared_experts: Optional[nn.Module] = None, activation: str = "silu"):
+        super().__init__()
+        if (num_experts, top_k, intermediate_size) != (spec.n_routed_experts, spec.num_experts_per_tok,
+                                                       spec.moe_intermediate_size):
+            raise ValueError(f"FusedMoE({num_experts} experts, top-{top_k}, intermediate {intermediate_size}) "
+                             f"disagrees with its MoESpec {spec}")
+        check_routing_supported(spec)
+        if activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"MoE activation {activation!r} is not supported; expected one of "
+                             f"{SUPPORTED_ACTIVATIONS}")
+        self.tp_size, self.tp_rank = ps.tp_size(), ps.tp_rank()
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"moe_intermediate_size {intermediate_size} does not split over tp {self.tp_size}")
+        self.spec = spec
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_per_rank = intermediate_size // self.tp_size
+        self.activation = activation
+        self.gate = MoEGate(num_experts, hidden_size)
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_per_rank, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_per_rank),
+                                      requires_grad=False)
+        self.shared_experts = shared_experts
+        # which (expert, proj) slices the checkpoint filled, so that a partial checkpoint fails at post_load
+        self._loaded_slices: set[tuple[int, str]] = set()
+
+    def weight_loader(self, proj: str, expert: int, loaded: torch.Tensor, device) -> None:
+        """One HF expert matrix into the stacked tensors: gate_proj / up_proj [I, H] -> w13 rows [0, I) / [I, 2I);
+        down_proj [H, I] -> w2[expert]. The first call materializes both tensors on `device` in loaded's dtype."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"checkpoint has expert {expert}; this layer has {self.num_experts}")
+        inter, rank = self.intermediate_per_rank, self.tp_rank
+        for attr in ("w13_weight", "w2_weight"):
+            param = getattr(self, attr)
+            if param.is_meta:
+                setattr(self, attr, nn.Parameter(torch.empty(param.shape, device=device, dtype=loaded.dtype),
+                                                 requires_grad=False))
+        if proj == "down_proj":
+            expected, target = (self.hidden_size, inter * self.tp_size), self.w2_weight.data[expert]
+            part = loaded.narrow(1, rank * inter, inter) if loaded.shape == expected else None
+        elif proj in ("gate_proj", "up_proj"):
+            expected = (inter * self.tp_size, self.hidden_size)
+            offset = 0 if proj == "gate_proj" else inter
+            target = self.w13_weight.data[expert].narrow(0, offset, inter)
+            part = loaded.narrow(0, rank * inter, inter) if loaded.shape == expected else None
+        else:
+            raise ValueError(f"unknown expert projection {proj!r}")
+        if part is None:
+            raise ValueError(f"expert {expert} {proj}: checkpoint shape {tuple(loaded.shape)}, expected {expected}")
+        target.copy_(part)
+        self._loaded_slices.add((expert, proj))
+
+    def prepack_weights(self) -> None:
+        """After loading: every expert's three matrices must have come (a dummy load fills none through here)."""
+        if self._loaded_slices and len(self._loaded_slices) != 3 * self.num_experts:
+            missing = sorted({(e, p) for e in range(self.num_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+                             - self._loaded_slices)
+            raise ValueError(f"expert weights missing from the checkpoint: {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [T, H] -> [T, H]
+        topk_weights, topk_ids = select_experts(self.gate(hidden), self.spec)
+        out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
+        if self.tp_size > 1:
+            out = ps.all_reduce(out)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
+
+
+def route_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         device) -> Iterator[tuple[str, torch.Tensor]]:
+    """Loads `<layer>.experts.{e}.{gate,up,down}_proj.weight` into the FusedMoE at `<layer>` and yields every other
+    (name, tensor) unchanged: `super().load_weights(route_expert_weights(self, weights, device), device)`."""
+    for name, loaded in weights:
+        match = EXPERT_WEIGHT_NAME.match(name)
+        if match is None:
+            yield name, loaded
+            continue
+        try:
+            layer = model.get_submodule(match["layer"])
+        except AttributeError:
+            layer = None
+        if not isinstance(layer, FusedMoE):
+            raise ValueError(f"checkpoint tensor {name}: {match['layer']} is not a FusedMoE layer in "
+                             f"{type(model).__name__}")
+        layer.weight_loader(match["proj"], int(match["expert"]), loaded, device)

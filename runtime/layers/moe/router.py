@@ -1,0 +1,45 @@
+"""Expert selection from router logits: greedy and group-limited greedy top-k over softmax scores (DeepSeek-V2).
+
+The order of operations follows HF transformers' DeepseekV2TopkRouter: softmax in fp32, (group mask,) top-k, then
+the weights are scaled by routed_scaling_factor. HF's DeepseekV2 router does not read norm_topk_prob; here
+norm_topk_prob renormalizes the k weights to sum to 1 before the scaling (as DeepSeek-V3 and SGLang/vLLM do). The
+released DeepSeek-V2 / V2-Lite / Coder-V2 configs all have norm_topk_prob false, where both agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from braid.runtime.loader.config_specs import MoESpec
+
+SUPPORTED_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+def check_routing_supported(spec: MoESpec) -> None:
+    if spec.topk_method not in SUPPORTED_TOPK_METHODS:
+        raise ValueError(f"MoE topk_method {spec.topk_method!r} is not implemented; braid routes with "
+                         f"{SUPPORTED_TOPK_METHODS}")
+
+
+def select_experts(router_logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (fp32) -> (topk_weights [T, k] fp32, topk_ids [T, k] int32); k = num_experts_per_tok.
+
+    No host synchronization: usable inside CUDA graphs. The k ids of a token come in no particular order."""
+    check_routing_supported(spec)
+    num_tokens, num_experts = router_logits.shape
+    if num_experts != spec.n_routed_experts:
+        raise ValueError(f"router logits have {num_experts} experts, the MoE spec {spec.n_routed_experts}")
+    scores = router_logits.float().softmax(dim=-1)
+    if spec.topk_method == "group_limited_greedy":
+        # a group's score is its best expert's; only experts of the topk_group best groups stay selectable
+        grouped = scores.view(num_tokens, spec.n_group, num_experts // spec.n_group)
+        best_groups = grouped.amax(dim=-1).topk(spec.topk_group, dim=-1, sorted=False).indices  # [T, topk_group]
+        keep = torch.zeros(num_tokens, spec.n_group, dtype=torch.bool, device=scores.device)
+        keep.scatter_(1, best_groups, True)
+        scores = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view(num_tokens, num_experts)
+    topk_weights, topk_ids = scores.topk(spec.num_experts_per_tok, dim=-1, sorted=False)
+    if spec.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if spec.routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * spec.routed_scaling_factor
+    return topk_weights, topk_ids.to(torch.int32)
