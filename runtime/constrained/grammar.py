@@ -15,6 +15,7 @@ import torch
 from .fsm import (WORKER_START_TIMEOUT_S, CompilePool, GrammarBusyError, GrammarError, GrammarTimeoutError,
                   check_regex_syntax)
 from .json_schema import json_schema_to_regex, schema_to_json_text
+from .regex_classes import ascii_shorthand_classes
 from .jump_forward import ForcedBytes, JumpForward, retokenize_candidates
 from .vocabulary import TokenVocabulary, build_token_vocabulary
 
@@ -308,8 +309,8 @@ class GrammarBackend:
         kind, spec = self._cache_key(kind, spec)
         if kind == "regex":
             check_regex_syntax(spec)
-            return spec
-        return json_schema_to_regex(spec, self.whitespace_pattern)
+            return ascii_shorthand_classes(spec)
+        return ascii_shorthand_classes(json_schema_to_regex(spec, self.whitespace_pattern))
 
     def _finish(self, key, regex: str, outer: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
         exc = done.exception()
