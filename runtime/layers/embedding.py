@@ -10,13 +10,20 @@ from braid.runtime.layers.quantization import LinearMethod, get_linear_method
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
+    """input ids [T] -> rows [T, hidden], times `scale` when given (Gemma: sqrt(hidden), rounded to the weight dtype
+    first as HF does: 55.4256 is 55.5 in bf16)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, scale: Optional[float] = None):
         super().__init__()
         self.vocab_size = vocab_size
+        self.scale = scale
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        rows = F.embedding(input_ids, self.weight)
+        if self.scale is None:
+            return rows
+        return rows * torch.tensor(self.scale, dtype=self.weight.dtype).item()
 
 
 class LMHead(nn.Module):

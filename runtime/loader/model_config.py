@@ -59,6 +59,7 @@ class ModelConfig:
     vision: Optional[VisionConfig] = None
     quantization: Optional[QuantizationSpec] = None
     num_tensors_hint: Optional[int] = None
+    mla_expanded: bool = False  # --disable-mla: MLA layers cache per-head K and V (the MHA layout), not the latent
 
     def __post_init__(self):
         if not self.layers:
@@ -84,16 +85,17 @@ class ModelConfig:
 
     @property
     def attention_arch(self) -> AttentionKind:
-        return "mla" if self.mla is not None else "mha"
+        """How the KV cache and attention backends see the layers: 'mla' (one latent per token) or 'mha'."""
+        return "mla" if self.mla is not None and not self.mla_expanded else "mha"
 
     @property
     def head_dim(self) -> int:
         """K per token and KV head as the KV cache holds it (MLA: the latent plus the rope part)."""
-        return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim if self.mla is not None else self.layers[0].head_dim
+        return self.mla.kv_lora_rank + self.mla.qk_rope_head_dim if self.attention_arch == "mla" else self.layers[0].head_dim
 
     @property
     def v_head_dim(self) -> int:
-        return self.mla.kv_lora_rank if self.mla is not None else self.layers[0].v_head_dim
+        return self.mla.kv_lora_rank if self.attention_arch == "mla" else self.layers[0].v_head_dim
 
     @property
     def kv_lora_rank(self) -> int:
@@ -112,10 +114,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict, server_args=None, path: Optional[str] = None) -> "ModelConfig":
-        return _parse(raw, getattr(server_args, "context_length", None), path)
+        return _parse(raw, getattr(server_args, "context_length", None), path, getattr(server_args, "disable_mla", False))
 
 
-def _parse(raw: dict, context_length: Optional[int], path: Optional[str]) -> ModelConfig:
+def _parse(raw: dict, context_length: Optional[int], path: Optional[str], disable_mla: bool = False) -> ModelConfig:
     text = raw.get("text_config") or raw
     family = text.get("model_type") or raw.get("model_type") or "llama"
 
@@ -129,12 +131,17 @@ def _parse(raw: dict, context_length: Optional[int], path: Optional[str]) -> Mod
     kv_heads = int(text.get("num_key_value_heads") or heads)
     num_layers = int(need("num_hidden_layers"))
     mla = _parse_mla(text, need)
+    if mla is not None:
+        kv_heads = heads  # expanded MLA keys and values are per query head
     head_dim = int(text.get("head_dim") or hidden // heads)
     rope = _parse_rope(text, family, mla.qk_rope_head_dim if mla else head_dim)
     moe = _parse_moe(text, need)
     layers = _parse_layers(text, family, num_layers, heads, kv_heads, head_dim, mla, moe, rope)
     eos = raw.get("eos_token_id", text.get("eos_token_id"))
     qkv_bias = family == "qwen2" or bool(text.get("attention_bias", False))
+    if text.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (an encoder-style variant) is not supported: braid runs causal "
+                         "decoders")
     act = text.get("hidden_activation") or text.get("hidden_act") or "silu"
     if act not in _HF_HIDDEN_ACTS:
         raise ValueError(f"hidden_act {act!r} is not supported; expected one of {sorted(_HF_HIDDEN_ACTS)}")
@@ -164,6 +171,7 @@ def _parse(raw: dict, context_length: Optional[int], path: Optional[str]) -> Mod
         moe=moe,
         vision=_parse_vision(raw),
         quantization=_parse_quantization(raw.get("quantization_config") or text.get("quantization_config")),
+        mla_expanded=mla is not None and bool(disable_mla),
     )
 
 
@@ -193,6 +201,9 @@ def _parse_rope(text: dict, family: str, head_dim: int) -> RopeSpec:
     hf_type = params.get("rope_type") or params.get("type") or "default"
     if hf_type not in _HF_ROPE_TYPES:
         raise ValueError(f"rope scaling type {hf_type!r} is not supported; expected one of {sorted(_HF_ROPE_TYPES)}")
+    if hf_type in ("yarn", "deepseek_yarn") and (params.get("attention_factor") is not None
+                                                 or params.get("truncate", True) is False):
+        raise ValueError("yarn rope with attention_factor or truncate=false is not supported")
     scaling = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
                                       "mscale", "mscale_all_dim") if params.get(k) is not None}
     original = params.get("original_max_position_embeddings")

@@ -79,6 +79,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+def attention_and_mlp(layer_id: int, spec: LayerSpec, config: ModelConfig) -> tuple[Attention, GatedMLP]:
+    """One layer's MHA/GQA attention and gated MLP as the config describes them (biases, activation, rope)."""
+    attention = Attention(layer_id, spec, config.rope, config.hidden_size, qkv_bias=config.attention_bias,
+                          out_bias=config.attention_out_bias)
+    return attention, GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
+
+
 class PreNormDecoderLayer(nn.Module):
     """hidden + attn(norm(hidden)), then + mlp(norm(...)); the residual sum travels with the next norm."""
 
@@ -102,11 +109,12 @@ class PreNormDecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Token embedding, the decoder layers, the final norm: input ids -> final-normed hidden [T, hidden]."""
 
-    def __init__(self, config: ModelConfig, layers: list[nn.Module]):
+    def __init__(self, config: ModelConfig, layers: list[nn.Module], embed_scale: Optional[float] = None,
+                 norm_unit_offset: bool = False):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, scale=embed_scale)
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, add_unit_offset=norm_unit_offset)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb,
                 input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -119,12 +127,20 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(CausalLM):
-    """A DecoderModel and its LM head (tied to the embedding when the config says so); families give build_layer."""
+    """A DecoderModel and its LM head (tied to the embedding when the config says so); families give build_layer.
+
+    Gemma-style families set `scale_embeddings` (embedding rows times sqrt(hidden)) and `norm_unit_offset` (the
+    final norm multiplies by 1 + weight)."""
+
+    scale_embeddings = False
+    norm_unit_offset = False
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.model_config = config
-        self.model = DecoderModel(config, [self.build_layer(i, spec) for i, spec in enumerate(config.layers)])
+        self.model = DecoderModel(config, [self.build_layer(i, spec) for i, spec in enumerate(config.layers)],
+                                  embed_scale=config.hidden_size ** 0.5 if self.scale_embeddings else None,
+                                  norm_unit_offset=self.norm_unit_offset)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, logit_softcap=config.final_logit_softcap)
 

@@ -7,8 +7,8 @@ tie_word_embeddings): every layer is the pre-norm block of an MHA/GQA attention 
 from __future__ import annotations
 
 from braid.runtime.loader.model_config import LayerSpec
-from braid.runtime.models.blocks import (GATE_UP_STACKED_PARAMS, QKV_STACKED_PARAMS, Attention, DecoderForCausalLM,
-                                         GatedMLP, PreNormDecoderLayer)
+from braid.runtime.models.blocks import (GATE_UP_STACKED_PARAMS, QKV_STACKED_PARAMS, DecoderForCausalLM,
+                                         PreNormDecoderLayer, attention_and_mlp)
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -16,7 +16,4 @@ class LlamaForCausalLM(DecoderForCausalLM):
 
     def build_layer(self, layer_id: int, spec: LayerSpec) -> PreNormDecoderLayer:
         c = self.model_config
-        attention = Attention(layer_id, spec, c.rope, c.hidden_size, qkv_bias=c.attention_bias,
-                              out_bias=c.attention_out_bias)
-        mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias)
-        return PreNormDecoderLayer(attention, mlp, c.hidden_size, c.rms_norm_eps)
+        return PreNormDecoderLayer(*attention_and_mlp(layer_id, spec, c), c.hidden_size, c.rms_norm_eps)
