@@ -69,6 +69,9 @@ class ServerArgs:
     disable_decode_gemv: bool = _opt(False, "batch-1 bf16/fp16 matmuls on CUDA through cuBLAS instead of braid's Triton GEMV")
     disable_fused_kv_store: bool = _opt(False, "on CUDA, store K and V with two copies instead of one fused kernel")
     disable_fused_rotary_kv_store: bool = _opt(False, "at decode, apply rotary and store K/V in separate launches")
+    disable_mla: bool = _opt(False, "MLA models (DeepSeek-V2): keep per-head K and V in the cache and attend in the expanded "
+                                    "multi-head form instead of over the compressed latent (the baseline MLA is measured "
+                                    "against; ~9x more KV per token)")
     disable_cpu_prepack: bool = _opt(False, "on CPU, multiply with the dense weights instead of oneDNN-prepacked copies")
     disable_cpu_malloc_tuning: bool = _opt(False, "on CPU, keep glibc's default malloc thresholds "
                                                   "(braid raises them so decode temporaries are reused)")

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (neox/HF half-split layout), with llama3 / linear / dynamic-free scalings."""
+"""Rotary position embeddings (neox half-split or interleaved pairs), with llama3 / linear / yarn scalings."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from braid.runtime.loader.config_specs import yarn_mscale
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -22,6 +24,31 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     mid = (1 - smooth) * scaled / factor + smooth * scaled
     is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(is_mid, mid, scaled)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, scaling: dict, rotary_dim: int, base: float) -> tuple[torch.Tensor, float]:
+    """YaRN as HF transformers computes it (DeepSeek's yarn too): per pair, blend the interpolated (inv_freq / factor)
+    and the original frequency by a linear ramp over the pairs between the beta_fast and beta_slow rotation counts.
+    -> (inv_freq, attention factor that cos and sin are multiplied by)."""
+    factor = scaling["factor"]
+    old_ctx = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32.0, scaling.get("beta_slow") or 1.0
+
+    def pair_of(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times into old_ctx
+        return rotary_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(pair_of(beta_fast)), 0)
+    high = min(math.ceil(pair_of(beta_slow)), rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    else:
+        attention_factor = yarn_mscale(factor, 1.0)
+    return inv_freq, attention_factor
 
 
 class RotaryEmbedding(nn.Module):
@@ -41,16 +68,20 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (self.base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device="cpu") / self.rotary_dim))
         rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type"))
         max_pos = self.max_position
+        attention_factor = 1.0
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, self.scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / self.scaling["factor"]
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(inv_freq, self.scaling, self.rotary_dim, self.base)
         elif rope_type not in (None, "default"):
-            raise ValueError(f"rope scaling {rope_type!r} is not built yet (supported: llama3, linear)")
+            raise ValueError(f"rope scaling {rope_type!r} is not built yet (supported: llama3, linear, yarn)")
         t = torch.arange(max_pos, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
-        # [max_pos, rotary_dim]: cos half then sin half
-        self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device=device, dtype=torch.float32)
+        # [max_pos, rotary_dim]: cos half then sin half (yarn: both times its attention factor)
+        self.cos_sin_cache = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor).to(
+            device=device, dtype=torch.float32)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions: [T]; q: [T, H*D]; k: [T, Hkv*D]

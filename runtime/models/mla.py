@@ -1,0 +1,103 @@
+"""Multi-head latent attention (DeepSeek-V2): keys and values are compressed into one latent per token.
+
+Per token: q = q_b(norm(q_a(x))) (or q_proj(x) without q_lora), latent = norm(kv_a(x)[:R]) and one rope key
+k_pe = kv_a(x)[R:] shared by all heads. Expanded, head h's key is [W_uk[h] latent ; k_pe] and its value
+W_uv[h] latent (kv_b_proj holds W_uk and W_uv). Absorbed (the default), W_uk moves into the query
+(q_nope[h] W_uk[h]) and W_uv after the attention, so every head attends over the same cached row
+[latent ; k_pe]: MQA with one KV head, Dk = R + rope, Dv = R, and the cache holds only that row.
+`--disable-mla` (ModelConfig.mla_expanded) runs the expanded form over a per-head MHA cache instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from braid.runtime.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from braid.runtime.layers.norm import RMSNorm
+from braid.runtime.layers.radix_attention import RadixAttention
+from braid.runtime.layers.rotary import RotaryEmbedding
+from braid.runtime.loader.config_specs import LayerSpec, MLASpec
+
+# (fused param, HF name, shard) rows for CausalLM.load_weights: the projections that read the layer input
+MLA_STACKED_PARAMS = [("qkv_proj", "q_a_proj", 0), ("qkv_proj", "q_proj", 0), ("qkv_proj", "kv_a_proj_with_mqa", 1)]
+
+
+class MLAttention(nn.Module):
+    """One MLA layer. `qkv_proj` fuses the two projections of the layer input (q_a_proj or q_proj, and
+    kv_a_proj_with_mqa) so that the pre-attention norm travels with one matmul (norm_linear_act)."""
+
+    def __init__(self, layer_id: int, spec: LayerSpec, mla: MLASpec, rotary: RotaryEmbedding, hidden_size: int,
+                 rms_norm_eps: float, absorbed: bool, bias: bool = False):
+        super().__init__()
+        if spec.attention != "mla":
+            raise ValueError(f"layer {layer_id} is {spec.attention!r} attention; this block builds 'mla' layers")
+        self.num_heads = spec.num_heads
+        self.kv_lora_rank = mla.kv_lora_rank
+        self.nope_dim = mla.qk_nope_head_dim
+        self.rope_dim = mla.qk_rope_head_dim
+        self.v_head_dim = mla.v_head_dim
+        self.absorbed = absorbed
+        qk_dim = self.nope_dim + self.rope_dim
+        self.q_lora_rank = mla.q_lora_rank
+        # the q part of qkv_proj: the q latent (q_lora) or q itself
+        self.q_in = mla.q_lora_rank or self.num_heads * qk_dim
+        # q_proj has no bias in DeepSeek's checkpoints, q_a_proj and kv_a_proj_with_mqa have one with attention_bias
+        if bias and not mla.q_lora_rank:
+            raise ValueError("attention_bias without q_lora_rank is not supported (q_proj has no bias)")
+        self.qkv_proj = ColumnParallelLinear(hidden_size, [self.q_in, self.kv_lora_rank + self.rope_dim], bias=bias)
+        if mla.q_lora_rank:
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [self.num_heads * qk_dim])
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, rms_norm_eps)
+        # [H * (nope + v), R]; absorbed, it becomes w_kc / w_vc in absorb_weights and is dropped
+        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim))
+        self.o_proj = RowParallelLinear(self.num_heads * self.v_head_dim, hidden_size, bias=bias)
+        self.rotary_emb = rotary
+        self.w_kc = None  # [H, nope, R]: q_nope -> the latent query
+        self.w_vc = None  # [H, R, v]: latent output -> the head's value output
+        if absorbed:
+            self.attn = RadixAttention(layer_id, self.num_heads, self.kv_lora_rank + self.rope_dim, 1,
+                                       scaling=spec.scaling, v_head_dim=self.kv_lora_rank)
+        else:
+            self.attn = RadixAttention(layer_id, self.num_heads, qk_dim, self.num_heads, scaling=spec.scaling,
+                                       v_head_dim=self.v_head_dim)
+
+    @torch.no_grad()
+    def absorb_weights(self) -> None:
+        """After loading: split kv_b_proj into the per-head absorbed matrices (absorbed mode only)."""
+        if not self.absorbed or self.kv_b_proj is None:
+            return
+        if self.kv_b_proj.weight.is_meta:
+            raise ValueError("weights missing from the checkpoint: self_attn.kv_b_proj.weight")
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        self.w_kc = w[:, : self.nope_dim].contiguous()  # [H, nope, R]
+        self.w_vc = w[:, self.nope_dim:].transpose(1, 2).contiguous()  # [H, R, v]
+        self.kv_b_proj = None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(hidden), fb)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb) -> torch.Tensor:
+        # qkv: [T, q_in + R + rope], the qkv_proj output -> [T, hidden]
+        T, H = qkv.shape[0], self.num_heads
+        q, latent, k_pe = qkv.split([self.q_in, self.kv_lora_rank, self.rope_dim], dim=-1)
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q_nope, q_pe = q.view(T, H, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)  # [T, R]
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, H * rope], [T, rope]
+        q_pe = q_pe.view(T, H, self.rope_dim)
+        if self.absorbed:
+            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc)  # [H, T, R]
+            q_full = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, H, R + rope]
+            k_full = torch.cat([latent, k_pe], dim=-1)  # [T, R + rope]
+            out = self.attn(q_full.view(T, -1), k_full, latent, fb)  # [T, H * R]
+            out = torch.bmm(out.view(T, H, self.kv_lora_rank).transpose(0, 1), self.w_vc)  # [H, T, v]
+            return self.o_proj(out.transpose(0, 1).reshape(T, H * self.v_head_dim))
+        kv = self.kv_b_proj(latent).view(T, H, self.nope_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.view(T, 1, self.rope_dim).expand(T, H, self.rope_dim)], dim=-1)
+        q_full = torch.cat([q_nope, q_pe], dim=-1)
+        out = self.attn(q_full.view(T, -1), k.view(T, -1), v.reshape(T, -1), fb)  # [T, H * v]
+        return self.o_proj(out)

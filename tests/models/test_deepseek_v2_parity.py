@@ -1,0 +1,188 @@
+"""DeepSeek-V2 (MLA + MoE) on tiny random configs: braid loads HF's safetensors and matches HF DeepseekV2ForCausalLM.
+
+A driver feeds ForwardBatches to the ModelRunner directly so that logits are compared at every step: a prefill,
+then 50 decode steps teacher-forced with HF's greedy tokens (HF scores the whole sequence in one pass), then the
+same sequence again as chunked prefill and as an extend on top of the first request's cached prefix. The
+absorbed form (default) and the expanded one (--disable-mla) must agree with HF and so with each other.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from braid.runtime.config import ServerArgs
+from braid.runtime.core import ForwardBatch, ForwardMode
+
+VOCAB = 512
+PROMPT_LEN = 21
+DECODE_STEPS = 50
+ATOL = 1e-3
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.707, "mscale_all_dim": 0.707}
+
+
+def _config(q_lora: bool, moe: str, dense_layers: int):
+    import transformers
+
+    routing = {"greedy": dict(topk_method="greedy"),
+               "group_limited": dict(topk_method="group_limited_greedy", n_group=4, topk_group=2)}[moe]
+    return transformers.DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, kv_lora_rank=32, q_lora_rank=24 if q_lora else None, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+        first_k_dense_replace=dense_layers, routed_scaling_factor=1.5, max_position_embeddings=128,
+        rope_scaling=YARN, rms_norm_eps=1e-6, tie_word_embeddings=False, **routing)
+
+
+def _checkpoint(path, q_lora: bool, moe: str = "greedy", dense_layers: int = 1):
+    import transformers
+
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV2ForCausalLM(_config(q_lora, moe, dense_layers)).eval()
+    with torch.no_grad():  # larger weights than HF's init so that logits and routing are far from uniform
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.5 if "gate.weight" in name else 0.15)
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
+
+
+def _runner(path, **kw):
+    from braid.runtime.model_executor.model_runner import ModelRunner
+
+    args = ServerArgs(model_path=str(path), tokenizer_path="smollm2", device="cpu", dtype="float32",
+                      max_total_tokens=1024, max_running_requests=4, log_level="warning", **kw)
+    return ModelRunner(args)
+
+
+class Driver:
+    """Runs extends and decodes of single requests on a ModelRunner and returns fp32 logits [T, V]."""
+
+    def __init__(self, runner):
+        self.r = runner
+
+    def _logits(self, fb: ForwardBatch) -> torch.Tensor:
+        r = self.r
+        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r.req_to_token_pool, r.token_to_kv_pool, r.attn_backend
+        with torch.inference_mode():
+            r.attn_backend.init_forward_metadata(fb)
+            return r.model.lm_head(r.model(fb)).float()
+
+    def extend(self, row: int, ids: list[int], prefix_len: int) -> torch.Tensor:
+        """ids are the new tokens after `prefix_len` tokens whose KV slots the row already lists."""
+        n = len(ids)
+        loc = self.r.token_to_kv_pool.alloc(n)
+        self.r.req_to_token_pool.req_to_token[row, prefix_len:prefix_len + n] = loc.to(torch.int32)
+        i32 = lambda v: torch.tensor([v], dtype=torch.int32)  # noqa: E731
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=torch.tensor(ids),
+            positions=torch.arange(prefix_len, prefix_len + n), req_pool_indices=torch.tensor([row]),
+            seq_lens=i32(prefix_len + n), out_cache_loc=loc, seq_lens_cpu=[prefix_len + n],
+            extend_prefix_lens=i32(prefix_len), extend_seq_lens=i32(n), extend_start_loc=i32(0),
+            extend_prefix_lens_cpu=[prefix_len], extend_seq_lens_cpu=[n])
+        return self._logits(fb)
+
+    def decode(self, rows: list[int], ids: list[int], positions: list[int]) -> torch.Tensor:
+        B = len(rows)
+        loc = self.r.token_to_kv_pool.alloc(B)
+        for b in range(B):
+            self.r.req_to_token_pool.req_to_token[rows[b], positions[b]] = int(loc[b])
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=B, input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions), req_pool_indices=torch.tensor(rows),
+            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32), out_cache_loc=loc,
+            seq_lens_cpu=[p + 1 for p in positions])
+        return self._logits(fb)
+
+
+def _hf_sequence(hf, prompt: list[int]):
+    """HF's greedy continuation (DECODE_STEPS + 1 tokens) and its logits over prompt + continuation [L, V]."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        seq = out[0].tolist()
+        logits = hf(torch.tensor([seq])).logits[0].float()
+    return seq, logits
+
+
+def _prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _check_prefill_and_decode(runner, seq: list[int], ref: torch.Tensor) -> None:
+    """Prefill PROMPT_LEN tokens, then DECODE_STEPS decodes fed with HF's tokens; every step's logits vs HF."""
+    d = Driver(runner)
+    row = runner.req_to_token_pool.alloc()
+    got = [d.extend(row, seq[:PROMPT_LEN], 0)]
+    for step in range(DECODE_STEPS):
+        pos = PROMPT_LEN + step
+        got.append(d.decode([row], [seq[pos]], [pos]))
+    got = torch.cat(got)  # [PROMPT_LEN + DECODE_STEPS, V], rows align with ref's
+    delta = (got - ref[: got.shape[0]]).abs().max().item()
+    assert delta <= ATOL, f"max |logit delta| {delta}"
+    # greedy tokens: braid's argmax at each step is HF's next token
+    assert got[PROMPT_LEN - 1:].argmax(-1).tolist() == seq[PROMPT_LEN: PROMPT_LEN + DECODE_STEPS + 1]
+
+
+def _check_chunked_and_prefix(runner, seq: list[int], ref: torch.Tensor) -> None:
+    d = Driver(runner)
+    total = PROMPT_LEN + DECODE_STEPS
+    # chunked prefill: three extends, each over the previous chunks' cached KV
+    row = runner.req_to_token_pool.alloc()
+    bounds = [0, 9, 30, total]
+    chunks = [d.extend(row, seq[a:b], a) for a, b in zip(bounds, bounds[1:])]
+    delta = (torch.cat(chunks) - ref[:total]).abs().max().item()
+    assert delta <= ATOL, f"chunked prefill: max |logit delta| {delta}"
+    # prefix reuse: a second request lists the first one's slots for its first 40 tokens and extends the rest
+    other = runner.req_to_token_pool.alloc()
+    rtt = runner.req_to_token_pool.req_to_token
+    rtt[other, :40] = rtt[row, :40]
+    tail = d.extend(other, seq[40:total], 40)
+    delta = (tail - ref[40:total]).abs().max().item()
+    assert delta <= ATOL, f"extend over a cached prefix: max |logit delta| {delta}"
+    # both requests decode one more token in one batch (different lengths: 71 and 71 from a shared prefix)
+    both = d.decode([row, other], [seq[total], seq[total]], [total, total])
+    delta = (both - ref[total].expand(2, -1)).abs().max().item()
+    assert delta <= ATOL, f"batched decode over a shared prefix: max |logit delta| {delta}"
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "no_q_lora"])
+def test_dense_matches_hf_absorbed_and_expanded(tmp_path, q_lora):
+    hf = _checkpoint(tmp_path, q_lora, dense_layers=3)
+    seq, ref = _hf_sequence(hf, _prompt(1))
+    for disable_mla in (False, True):
+        runner = _runner(tmp_path, disable_mla=disable_mla)
+        assert runner.model_config.attention_arch == ("mha" if disable_mla else "mla")
+        _check_prefill_and_decode(runner, seq, ref)
+        _check_chunked_and_prefix(runner, seq, ref)
+
+
+def test_yarn_rope_and_softmax_scale_follow_hf(tmp_path):
+    """The DeepSeek YaRN table (interleaved pairs, mscale ratio on cos/sin) and softmax scale x mscale^2."""
+    hf = _checkpoint(tmp_path, q_lora=False, dense_layers=3)
+    runner = _runner(tmp_path)
+    attn = runner.model.model.layers[0].self_attn
+    hf_attn = hf.model.layers[0].self_attn
+    assert math.isclose(attn.attn.scaling, hf_attn.scaling, rel_tol=1e-12)
+    assert not math.isclose(hf_attn.scaling, 24 ** -0.5)  # mscale_all_dim is in effect
+    positions = torch.arange(100)
+    freqs = hf.model.rotary_emb(torch.zeros(1), positions[None])[0]  # complex [P, rope / 2], times the factor
+    table = attn.rotary_emb.cos_sin_cache[:100]
+    assert torch.allclose(table, torch.cat([freqs.real, freqs.imag], -1).float(), atol=1e-5)
+
+
+@pytest.mark.parametrize("q_lora,moe", [(True, "greedy"), (False, "group_limited")],
+                         ids=["q_lora_greedy", "no_q_lora_group_limited"])
+def test_moe_matches_hf(tmp_path, q_lora, moe):
+    """Layer 0 dense (first_k_dense_replace=1), layers 1-2 MoE with a shared expert and routed_scaling_factor."""
+    hf = _checkpoint(tmp_path, q_lora, moe, dense_layers=1)
+    seq, ref = _hf_sequence(hf, _prompt(2))
+    runner = _runner(tmp_path)
+    assert [type(layer.mlp).__name__ for layer in runner.model.model.layers] == ["GatedMLP", "FusedMoE", "FusedMoE"]
+    _check_prefill_and_decode(runner, seq, ref)
+    _check_chunked_and_prefix(runner, seq, ref)
