@@ -10,6 +10,8 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 
 from braid.runtime.layers.moe import FusedMoE, fused_experts, moe_forward_torch, route_expert_weights, select_experts
+from braid.runtime.layers.moe.fused_moe_kernels import (MoEKernelConfig, fused_moe_triton, moe_align_block_size,
+                                                        pick_config)
 from braid.runtime.loader.config_specs import MoESpec
 from braid.runtime.loader.hf import iter_safetensors
 from braid.runtime.loader.model_config import ModelConfig
@@ -17,7 +19,7 @@ from braid.runtime.models.base import CausalLM
 from braid.runtime.models.blocks import GATE_UP_STACKED_PARAMS, GatedMLP
 
 HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA else "cpu"
+DEVICE = "cuda" if HAS_CUDA else "cpu"  # the tiny fused cases run compiled on a GPU, interpreted without one
 
 ROUTINGS = {
     "greedy": dict(topk_method="greedy"),
@@ -166,3 +168,111 @@ def test_torch_reference_matches_dense_loop():
             expected[t] += weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(moe_forward_torch(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape and torch.isfinite(out.float()).all()
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def fp32_reference(x, w13, w2, weights, ids):
+    return moe_forward_torch(x.float(), w13.float(), w2.float(), weights, ids)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_moe_align_block_size_groups_and_pads_pairs(block_m):
+    gen = torch.Generator().manual_seed(3)
+    num_experts, tokens, top_k = 6, 11, 3
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    sorted_pairs, block_experts, padded_total = (t.cpu() for t in moe_align_block_size(ids.to(DEVICE), block_m,
+                                                                                          num_experts))
+    num_pairs = tokens * top_k
+    counts = torch.bincount(ids.flatten().long(), minlength=num_experts)
+    assert sorted_pairs.numel() == num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    assert int(padded_total) == int(((counts + block_m - 1) // block_m * block_m).sum())
+    used = sorted_pairs[:int(padded_total)]
+    # every pair exactly once; padding (= num_pairs) only inside the used rows' blocks and after them
+    assert sorted(used[used < num_pairs].tolist()) == list(range(num_pairs))
+    assert (sorted_pairs[int(padded_total):] == num_pairs).all()
+    for block, expert in enumerate(block_experts[:int(padded_total) // block_m].tolist()):
+        rows = used[block * block_m:(block + 1) * block_m]
+        rows = rows[rows < num_pairs].long()
+        assert len(rows) > 0 and (ids.flatten()[rows] == expert).all()
+
+
+TINY_CONFIGS = [MoEKernelConfig(16, 16, 32, 1, 4, 1), MoEKernelConfig(32, 32, 16, 4, 4, 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+@pytest.mark.parametrize("config", TINY_CONFIGS, ids=["bm16", "bm32_group4"])
+def test_fused_triton_matches_torch(dtype, tokens, config):
+    # H 48 and I 40 are not multiples of the blocks: the column and K masks are exercised
+    x, w13, w2, weights, ids = random_moe_inputs(tokens, 8, 3, 48, 40, dtype, DEVICE, seed=tokens)
+    out = fused_moe_triton(x, w13, w2, weights, ids, config=config)
+    assert out.dtype == dtype and out.shape == x.shape
+    ref = fp32_reference(x, w13, w2, weights, ids)
+    if dtype == torch.float32:
+        assert rel_err(out, ref) < 1e-5
+    else:
+        # bf16 rounds the intermediate rows; the PyTorch path in bf16 is no closer to the fp32 reference
+        torch_err = rel_err(moe_forward_torch(x, w13, w2, weights, ids), ref)
+        assert rel_err(out, ref) < max(1e-2, 1.5 * torch_err)
+
+
+def test_fused_experts_dispatch_and_config_table():
+    x, w13, w2, weights, ids = random_moe_inputs(3, 4, 2, 16, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        fused_experts(x, w13, w2, weights, ids, config=TINY_CONFIGS[0])
+    with pytest.raises(ValueError, match="share a dtype"):
+        fused_moe_triton(x.double(), w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="power of two"):
+        MoEKernelConfig(24, 64, 64)
+    # small batches take small row blocks, large ones larger (DeepSeek-V2-Lite: 64 experts, top-6)
+    block_ms = [pick_config(t, 6, 64).block_m for t in (1, 8, 64, 256, 1024, 8192)]
+    assert block_ms == sorted(block_ms) and block_ms[0] == 16
+
+
+# ------------------------------------------------------------------------- GPU: DeepSeek-V2-Lite shapes
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+LITE = dict(experts=64, top_k=6, hidden=2048, inter=1408)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 8, 64, 256, 1024])
+def test_fused_matches_torch_at_v2_lite_shapes_gpu(tokens):
+    x, w13, w2, weights, ids = random_moe_inputs(tokens, LITE["experts"], LITE["top_k"], LITE["hidden"],
+                                                 LITE["inter"], torch.bfloat16, "cuda", seed=tokens)
+    ref = fp32_reference(x, w13, w2, weights, ids)
+    out = fused_experts(x, w13, w2, weights, ids)
+    torch_err = rel_err(moe_forward_torch(x, w13, w2, weights, ids), ref)
+    assert rel_err(out, ref) < max(1e-2, 1.5 * torch_err)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_fused_moe_replays_in_cuda_graph_gpu():
+    tokens = 32
+    x, w13, w2, weights, ids = random_moe_inputs(tokens, LITE["experts"], LITE["top_k"], LITE["hidden"],
+                                                 LITE["inter"], torch.bfloat16, "cuda", seed=5)
+    spec = MoESpec(LITE["experts"], LITE["top_k"], LITE["inter"], topk_method="group_limited_greedy", n_group=8,
+                   topk_group=3)
+    gate = torch.randn(LITE["experts"], LITE["hidden"], device="cuda")
+    static_x = x.clone()
+
+    def step():
+        w, i = select_experts(static_x.float() @ gate.T, spec)
+        return fused_experts(static_x, w13, w2, w, i)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for seed in (6, 7):
+        static_x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to("cuda", x.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, step())

@@ -1,0 +1,180 @@
+"""The fused MoE on the GPU: (token, slot) pairs sorted by expert in blocks of BLOCK_M rows, then two grouped GEMMs.
+
+1. `moe_align_block_size`: the T*k (token, slot) pairs, grouped by expert, each expert's run padded to a multiple of
+   BLOCK_M; one expert id per block. Torch ops on the device with sizes fixed by T: no host sync.
+2. gate_up GEMM with SiLU-and-mul in its epilogue: each program computes a [BLOCK_M, BLOCK_N] tile of both the gate
+   and the up half of its expert's w13 and writes silu(gate) * up, [T*k, I].
+3. down GEMM: [T*k, I] x w2[e]^T, each row scaled by its top-k weight, [T*k, H]; then the k rows of a token summed.
+
+Every launch's grid depends only on T (programs past the padded end return at once), so the whole path is
+CUDA-graph capturable. All GEMMs accumulate in fp32. Runs on CPU tensors under TRITON_INTERPRET=1 (the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from braid.runtime.layers.moe.experts import check_expert_inputs
+
+__all__ = ["MoEKernelConfig", "H200_CONFIGS", "pick_config", "moe_align_block_size", "fused_moe_triton"]
+
+
+@dataclass(frozen=True)
+class MoEKernelConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1  # programs of GROUP_M consecutive row blocks sweep the columns together (L2 reuse of w)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"MoE kernel {name} must be a power of two >= 16, got {value}")
+        if self.group_m < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"MoE kernel config invalid: {self}")
+
+
+# Chosen by average rows per expert, T * k / E (the GEMMs' M per expert): the first row whose bound is >= it.
+# Tuned on the H200 at DeepSeek-V2-Lite shapes (64 experts, top-6, H 2048, I 1408) with
+# benchmarks/gpu/fused_moe_vs_torch.sh.
+H200_CONFIGS: tuple[tuple[float, MoEKernelConfig], ...] = (
+    (1.0, MoEKernelConfig(16, 64, 128, 1, 4, 4)),
+    (8.0, MoEKernelConfig(16, 128, 128, 1, 4, 3)),
+    (32.0, MoEKernelConfig(32, 128, 64, 8, 4, 4)),
+    (float("inf"), MoEKernelConfig(64, 128, 64, 8, 8, 3)),
+)
+
+
+def pick_config(num_tokens: int, top_k: int, num_experts: int) -> MoEKernelConfig:
+    rows_per_expert = num_tokens * top_k / num_experts
+    return next(config for bound, config in H200_CONFIGS if rows_per_expert <= bound)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
+                         num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_pairs [P] int32, block_experts [P / block_m] int32, padded_total [1] int32).
+
+    sorted_pairs lists the flat pair indices t * k + j grouped by expert, each expert's run padded with T * k (an
+    out-of-range index the kernels skip) to a multiple of block_m; block_experts[b] is the expert of rows
+    [b * block_m, (b + 1) * block_m); padded_total is where the used rows end. P = T*k + min(E, T*k) * (block_m - 1)
+    is the most padding can need, fixed by T."""
+    flat = topk_ids.reshape(-1).long()
+    num_pairs = flat.numel()
+    capacity = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    device = topk_ids.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded_counts.cumsum(0)
+    padded_start = padded_end - padded_counts
+    unpadded_start = counts.cumsum(0) - counts
+    order = torch.argsort(flat, stable=True)  # pair indices, grouped by expert
+    sorted_experts = flat[order]
+    rank_in_expert = torch.arange(num_pairs, device=device) - unpadded_start[sorted_experts]
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs[padded_start[sorted_experts] + rank_in_expert] = order.to(torch.int32)
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr,
+                         padded_total_ptr, num_pairs, num_rows_padded, N, K,
+                         stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                         A_ROWS_PER_PAIR_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                         PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # C[pair, n] = A[pair // A_ROWS_PER_PAIR_DIV, :] . B[expert(pair), n, :] for the rows of one expert block;
+    # GATED: B holds [gate; up] (2N rows) and C = silu(gate) * up; MUL_WEIGHT: C *= topk_weights[pair]
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(num_rows_padded, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (pid // pids_per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % pids_per_group) % group_rows
+    pid_n = (pid % pids_per_group) // group_rows
+    if pid_m * BLOCK_M >= tl.load(padded_total_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m)
+    row_valid = pairs < num_pairs
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_valid = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pairs // A_ROWS_PER_PAIR_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        k_valid = offs_k < K - k_start
+        a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+        if UPCAST_DOT:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if GATED:
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
+            if UPCAST_DOT:
+                b_up = b_up.to(tl.float32)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pairs, mask=row_valid, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_valid[:, None] & col_valid[None, :])
+
+
+def _launch_grouped_gemm(a, b, c, topk_weights, sorted_pairs, block_experts, padded_total, num_pairs, *,
+                         a_rows_per_pair_div: int, gated: bool, mul_weight: bool, config: MoEKernelConfig) -> None:
+    n_out, k_in = c.shape[1], a.shape[1]
+    grid = (triton.cdiv(sorted_pairs.numel(), config.block_m) * triton.cdiv(n_out, config.block_n),)
+    _grouped_gemm_kernel[grid](
+        a, b, c, topk_weights, sorted_pairs, block_experts, padded_total, num_pairs, sorted_pairs.numel(), n_out,
+        k_in, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div, GATED=gated, MUL_WEIGHT=mul_weight,
+        # Triton's CPU interpreter multiplies 16-bit floats wrongly: it gets fp32 copies (exact products)
+        PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else "tf32", UPCAST_DOT=not a.is_cuda,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, activation: str = "silu",
+                     config: Optional[MoEKernelConfig] = None) -> torch.Tensor:
+    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H] (hidden's dtype).
+    config: block sizes; by default picked from H200_CONFIGS by T * k / E."""
+    check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids, activation)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_inter, hidden_size = w13.shape
+    if num_tokens == 0:
+        return torch.empty_like(hidden)
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    config = config or pick_config(num_tokens, top_k, num_experts)
+    num_pairs = num_tokens * top_k
+    sorted_pairs, block_experts, padded_total = moe_align_block_size(topk_ids, config.block_m, num_experts)
+    weights = topk_weights.reshape(-1).float()
+    if not weights.is_contiguous():
+        weights = weights.contiguous()
+    gated = torch.empty(num_pairs, two_inter // 2, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
+    _launch_grouped_gemm(hidden, w13, gated, weights, sorted_pairs, block_experts, padded_total, num_pairs,
+                         a_rows_per_pair_div=top_k, gated=True, mul_weight=False, config=config)
+    per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # [T*k, H]
+    _launch_grouped_gemm(gated, w2, per_pair, weights, sorted_pairs, block_experts, padded_total, num_pairs,
+                         a_rows_per_pair_div=1, gated=False, mul_weight=True, config=config)
+    return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1)
