@@ -31,7 +31,14 @@ class ServerArgs:
     dtype: str = _opt("auto", "weights and activations dtype (auto: bf16 on GPU, fp32 on CPU; half = float16, "
                               "float = float32)",
                       ["auto", "float32", "bfloat16", "float16"])
-    kv_cache_dtype: str = _opt("auto", "KV cache dtype", ["auto", "float32", "bfloat16", "float16", "fp8_e5m2", "fp8_e4m3"])
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype (auto: the model's; fp8_e5m2 stores values as they are, "
+                                       "fp8_e4m3 divided by per-layer scales: the checkpoint's k_scale/v_scale, "
+                                       "else 1.0)",
+                               ["auto", "float32", "bfloat16", "float16", "fp8_e5m2", "fp8_e4m3"])
+    quantization: Optional[str] = _opt(None, "linear layers' weights: fp8 = e4m3 with per-channel scales (a dense "
+                                             "checkpoint is quantized at load; an FP8 checkpoint is read as it is "
+                                             "without this flag too); embedding and LM head stay in --dtype",
+                                       ["fp8"])
     device: str = _opt("auto", "cpu, cuda or auto")
     context_length: Optional[int] = _opt(None, "override the model's context length")
     trust_remote_code: bool = _opt(False, "accepted for compatibility; has no effect (braid never runs code from a "
@@ -138,6 +145,9 @@ class ServerArgs:
             raise ValueError("tokenizer_threads must be >= 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
+        if self.kv_cache_dtype.startswith("fp8") and self.attention_backend == "flashinfer":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} with attention_backend='flashinfer' is not "
+                             "supported; use attention_backend='triton' (or 'torch') for an fp8 KV cache")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give the API key once: --api-key or --api-key-file")
 

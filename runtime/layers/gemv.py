@@ -6,7 +6,9 @@ as a few microseconds of weight streaming in launch latency alone. One kernel he
     y[1, N] = act(x @ W[N(, +N), K]^T)
 
 Every program owns BLOCK_N rows of W (coalesced along K) and keeps BLOCK_N x BLOCK_K partial products in
-registers. With SiLU-and-mul fused, a program owns the gate rows n and the up rows n + N of a [2N, K] weight
+registers. An fp8 (e4m3) weight comes with one fp32 scale per row (the fp8 LinearMethod): products accumulate
+in fp32 from the upcast weight and the unquantized x, and each row's sum is multiplied by its scale at the end
+(weight-only dequantization: x is not rounded to fp8 at batch 1). With SiLU-and-mul fused, a program owns the gate rows n and the up rows n + N of a [2N, K] weight
 and writes silu(gate) * up, rounding gate and up to the activation dtype where the unfused path
 (activation.py) rounds them. (Fusing the RMSNorm before a projection as well measured slower on the H200:
 every program then re-reads x and the residual from L2; see docs/benchmarks.md.)
@@ -33,7 +35,7 @@ import triton.language as tl
 from braid.runtime.layers import pdl
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
-__all__ = ["gemv", "supports", "decode_gemv_applies", "enabled", "set_enabled"]
+__all__ = ["gemv", "supports", "fp8_supports", "decode_gemv_applies", "enabled", "set_enabled"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -73,8 +75,8 @@ def _load_x_chunk(x_ptr, kk, k_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr, W_SCALED: tl.constexpr,
+                 EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     let_next_kernel_launch(USE_PDL)
     cols = tl.arange(0, BLOCK_K)
@@ -110,14 +112,33 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr
             u = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc_up += u.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
+    y_up = tl.sum(acc_up, axis=1)
+    if W_SCALED:  # w_scale: [rows] fp32, the up half's scales N entries further
+        y = y * tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)
+        if SILU_MUL:
+            y_up = y_up * tl.load(w_scale_ptr + N + rows, mask=row_mask, other=0.0)
     if SILU_MUL:
         gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = tl.sum(acc_up, axis=1).to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = y_up.to(y_ptr.dtype.element_ty).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
 _gemv_autotuned = triton.autotune(configs=_configs(), key=["N", "K", "SILU_MUL", "USE_PDL"])(_gemv_kernel)
+
+
+def _fp8_configs():
+    if _INTERPRET:
+        return _configs()
+    # an fp8 row is half the bytes of a bf16 one: the same byte-sized chunks hold twice the columns
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+            for bn, bk, w, st in ((4, 4096, 4, 1), (4, 4096, 4, 3), (2, 4096, 4, 3), (4, 2048, 4, 3),
+                                  (8, 2048, 4, 3), (8, 1024, 4, 3), (16, 1024, 8, 3))]
+
+
+# EVEN_K per config: Llama-3-8B's down projection (K = 14336) divides by 2048 but not by 4096
+_gemv_fp8_autotuned = triton.autotune(configs=_fp8_configs(), key=["N", "K", "SILU_MUL", "USE_PDL"])(
+    triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_gemv_kernel))
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -131,13 +152,28 @@ def decode_gemv_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     return _enabled and bias is None and x.is_cuda and x.dtype in _HALF_DTYPES and supports(x, weight)
 
 
+def fp8_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """True when gemv(x, weight, weight_scale=...) applies: x [1, K] bf16/fp16, an e4m3 weight [N, K] with unit
+    stride along K and a contiguous fp32 scale per row, all on one device."""
+    return (x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and x.dtype in _HALF_DTYPES and weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1
+            and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
+            and weight_scale.numel() == weight.shape[0] and x.device == weight.device == weight_scale.device)
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False,
-         config: Optional[dict] = None) -> torch.Tensor:
+         config: Optional[dict] = None, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x: [1, K]; weight: [N, K] (or [2N, K] = [gate; up] with silu_mul) -> y [1, N].
 
     With silu_mul: y = silu(x @ Wg^T) * (x @ Wu^T). `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) skips
-    the autotuner (benchmarks sweep configs with it)."""
-    if not supports(x, weight):
+    the autotuner (benchmarks sweep configs with it). weight_scale: an fp8 e4m3 weight's fp32 scale per row
+    [N] (or [2N]); W is then weight * weight_scale[:, None] and x stays in its own dtype."""
+    if weight_scale is not None:
+        if not fp8_supports(x, weight, weight_scale):
+            raise ValueError(f"fp8 gemv needs x [1, K] bf16/fp16, an e4m3 weight [N, K] and an fp32 scale [N], got "
+                             f"{tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}, "
+                             f"{tuple(weight_scale.shape)} {weight_scale.dtype}")
+    elif not supports(x, weight):
         raise ValueError(f"gemv needs x [1, K] and weight [N, K] of one dtype and device, got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
     rows, k = weight.shape
@@ -146,11 +182,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False,
     n = rows // 2 if silu_mul else rows
     x = x.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    args = (x, weight, y, n, k, weight.stride(0))
-    flags = dict(SILU_MUL=bool(silu_mul), **pdl.launch_options(x.device))
+    scaled = weight_scale is not None
+    args = (x, weight, weight_scale if scaled else weight, y, n, k, weight.stride(0))
+    flags = dict(SILU_MUL=bool(silu_mul), W_SCALED=scaled, **pdl.launch_options(x.device))
     if config is None:
-        even_k = k % 2048 == 0 if not _INTERPRET else k % 64 == 0
-        _gemv_autotuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, EVEN_K=even_k)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        if scaled:
+            _gemv_fp8_autotuned[grid](*args, **flags)
+        else:
+            even_k = k % 2048 == 0 if not _INTERPRET else k % 64 == 0
+            _gemv_autotuned[grid](*args, **flags, EVEN_K=even_k)
     else:
         cfg = dict(config)
         launch = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}

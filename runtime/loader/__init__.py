@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from typing import Optional
 
 import torch
 
+from braid.runtime.layers.dtypes import COMPUTE_DTYPES
 from braid.runtime.loader.model_config import ModelConfig
 from braid.runtime.loader.model_path import is_gguf, resolve_model_path
 
@@ -53,21 +55,60 @@ def iter_weights(model_config: ModelConfig, server_args):
     return iter_safetensors(folder), safetensors_tensor_count(folder)
 
 
+def linear_quantization(model_config: ModelConfig, server_args) -> Optional[str]:
+    """How the linear layers store their weights: --quantization, else the checkpoint's quantization_config (None:
+    dense). Raises for a method braid does not have or a flag that contradicts the checkpoint."""
+    from braid.runtime.layers.quantization import get_linear_method
+
+    checkpoint = model_config.quantization.method if model_config.quantization is not None else None
+    requested = getattr(server_args, "quantization", None)
+    if checkpoint is not None:
+        get_linear_method(checkpoint)  # a checkpoint braid cannot multiply fails here, loudly
+        if requested is not None and requested != checkpoint:
+            raise ValueError(f"--quantization {requested} contradicts the checkpoint, which is quantized as "
+                             f"{checkpoint!r}")
+        if server_args.load_format == "dummy":
+            raise ValueError(f"--load-format dummy with a config quantized as {checkpoint!r}: random weights are "
+                             "dense; drop quantization_config and pass --quantization instead")
+    method = requested or checkpoint
+    if method is not None:
+        get_linear_method(method)
+    return method
+
+
+def _kv_cache_scales(found: dict, num_layers: int, kv_cache_dtype: str) -> Optional[tuple[list, list]]:
+    """The checkpoint's per-layer (k_scales, v_scales) for an fp8_e4m3 cache (1.0 where a layer has none); None
+    when it has none or the cache is not e4m3, which stores KV unscaled."""
+    if not found:
+        return None
+    if kv_cache_dtype not in ("fp8_e4m3", "fp8_e4m3fn"):
+        logger.info("the checkpoint has KV-cache scales for %d layers; they apply to --kv-cache-dtype fp8_e4m3 only",
+                    len({layer for layer, _ in found}))
+        return None
+    missing = sorted({layer for layer in range(num_layers) for kind in "kv" if (layer, kind) not in found})
+    if missing:
+        logger.info("KV-cache scales: layers %s have none in the checkpoint and keep 1.0", missing)
+    return ([found.get((layer, "k"), 1.0) for layer in range(num_layers)],
+            [found.get((layer, "v"), 1.0) for layer in range(num_layers)])
+
+
 def load_model(model_config: ModelConfig, server_args, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     from tqdm import tqdm
 
     from braid.runtime.models.registry import get_model_class
 
     cls = get_model_class(model_config.architecture)
-    if model_config.quantization is not None:
-        from braid.runtime.layers.quantization import get_linear_method
-
-        get_linear_method(model_config.quantization.method)  # a checkpoint braid cannot multiply fails here, loudly
+    quantization = linear_quantization(model_config, server_args)
     logger.info("loading model %s (%s, dtype %s, device %s)", model_config.path or server_args.model_path,
                 model_config.architecture, str(dtype).removeprefix("torch."), device)
     started = time.perf_counter()
     with torch.device("meta"):
         model = cls(model_config)
+    kv_scales: dict = {}
+    if quantization == "fp8":
+        from braid.runtime.layers.quantization.fp8 import use_fp8_linears
+
+        use_fp8_linears(model, model_config, device, dtype)
     if server_args.load_format == "dummy":
         from braid.runtime.loader.dummy import materialize_random
 
@@ -79,7 +120,14 @@ def load_model(model_config: ModelConfig, server_args, device: torch.device, dty
         bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False,
                    disable=not (sys.stderr.isatty() and logger.isEnabledFor(logging.INFO)))
         loaded = 0
-        for_model = ((name, t.to(dtype=dtype if t.is_floating_point() else t.dtype)) for name, t in bar)
+        # a quantized checkpoint's fp8 weights and fp32 scales keep their dtypes
+        keep = model_config.quantization is not None
+        for_model = ((name, t if keep and (t.dtype not in COMPUTE_DTYPES or name.endswith("_scale")) else
+                      t.to(dtype=dtype if t.is_floating_point() else t.dtype)) for name, t in bar)
+        if keep:
+            from braid.runtime.layers.quantization.fp8 import split_kv_cache_scales
+
+            for_model = split_kv_cache_scales(for_model, model_config.num_layers, kv_scales)
 
         def counted():
             nonlocal loaded
@@ -91,6 +139,9 @@ def load_model(model_config: ModelConfig, server_args, device: torch.device, dty
         bar.close()
         logger.info("weights loaded: %d tensors in %.1f s", loaded, time.perf_counter() - started)
     model.post_load(device, dtype)
+    model.kv_cache_scales = _kv_cache_scales(kv_scales, model_config.num_layers, server_args.kv_cache_dtype)
+    if quantization is not None and device.type == "cuda":
+        torch.cuda.empty_cache()  # the dense copies quantized away: the KV pool is sized from free memory next
     still_meta = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.is_meta]
     if still_meta:
         raise ValueError(f"weights missing from the checkpoint: {still_meta[:5]}{' ...' if len(still_meta) > 5 else ''}")

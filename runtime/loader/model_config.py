@@ -302,7 +302,28 @@ def _parse_quantization(qc: Optional[dict]) -> Optional[QuantizationSpec]:
         return None
     if not qc.get("quant_method"):
         raise ValueError("quantization_config has no 'quant_method'")
+    if qc["quant_method"] == "compressed-tensors":
+        return _parse_compressed_tensors(qc)
     block = qc.get("weight_block_size")
     return QuantizationSpec(method=str(qc["quant_method"]), activation_scheme=qc.get("activation_scheme"),
                             weight_block_size=tuple(int(b) for b in block) if block else None,
                             ignored_layers=tuple(qc.get("ignored_layers") or qc.get("modules_to_not_convert") or ()))
+
+
+def _parse_compressed_tensors(qc: dict) -> QuantizationSpec:
+    """compressed-tensors configs: FP8 weights (float-quantized, 8-bit float in every config group) read as "fp8";
+    anything else keeps the name "compressed-tensors/<format>", which no linear method takes."""
+    fmt = qc.get("format") or "unknown"
+    groups = list((qc.get("config_groups") or {}).values())
+    weights = [g.get("weights") or {} for g in groups]
+    if (fmt not in ("float-quantized", "naive-quantized") or not groups
+            or any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights)):
+        return QuantizationSpec(method=f"compressed-tensors/{fmt}")
+    inputs = [g.get("input_activations") or {} for g in groups]
+    static = any(i and not i.get("dynamic", False) for i in inputs)
+    block = next((w.get("block_structure") for w in weights if w.get("strategy") == "block"), None)
+    if any(w.get("strategy") == "block" for w in weights) and not block:
+        raise ValueError("compressed-tensors weights with strategy 'block' need a block_structure")
+    return QuantizationSpec(method="fp8", activation_scheme="static" if static else "dynamic",
+                            weight_block_size=tuple(int(b) for b in block) if block else None,
+                            ignored_layers=tuple(qc.get("ignore") or ()))

@@ -94,8 +94,11 @@ class ModelRunner:
             self.token_to_kv_pool = MLAKVPool(self.max_total_tokens, self.dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
                                               mc.num_layers, self.device, kv_cache_dtype=kv_dtype)
         else:
+            # an fp8_e4m3 cache takes the checkpoint's per-layer KV scales when it has them (loader), else 1.0
+            k_scales, v_scales = getattr(self.model, "kv_cache_scales", None) or (1.0, 1.0)
             self.token_to_kv_pool = MHAKVPool(self.max_total_tokens, self.dtype, heads_kv, mc.head_dim, mc.num_layers,
                                               self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype,
+                                              k_scale=k_scales, v_scale=v_scales,
                                               fused_store=not self.server_args.disable_fused_kv_store,
                                               fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store)
         logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", self.max_total_tokens,

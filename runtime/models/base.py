@@ -45,6 +45,9 @@ class CausalLM(nn.Module):
                 module, attr = self._resolve(name)
             except AttributeError:
                 raise ValueError(f"checkpoint tensor {name} has no place in {type(self).__name__}") from None
+            method = getattr(module, "linear_method", None)
+            if method is not None and method.load_weight(module, attr, loaded, shard_id, device):
+                continue
             param = self._materialize(module, attr, device, loaded.dtype)
             if shard_id is not None:
                 sizes = module.output_sizes

@@ -123,8 +123,8 @@ def test_a_quantized_method_owns_its_weight_storage():
 def test_registry_refuses_what_is_not_built():
     assert isinstance(get_linear_method(None), DenseLinearMethod)
     assert isinstance(get_linear_method("dense"), DenseLinearMethod)
-    with pytest.raises(ValueError, match="'fp8' is not supported; available: dense"):
-        get_linear_method("fp8")
+    with pytest.raises(ValueError, match="'awq' is not supported; available: dense, fp8"):
+        get_linear_method("awq")
 
 
 TINY_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,

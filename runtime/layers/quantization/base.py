@@ -27,6 +27,12 @@ class LinearMethod(ABC):
         output_sizes: the rows of each sub-matrix stacked along out (qkv: [q, k, v]; one entry when nothing is
         fused), already split for this TP rank; a method with per-tensor scales keeps one per entry."""
 
+    def load_weight(self, layer: nn.Module, attr: str, loaded: torch.Tensor, shard_id: Optional[int],
+                    device) -> bool:
+        """Place a checkpoint tensor named `attr` of this layer (its `shard_id` of a fused layer) if the method
+        lays it out itself (fp8: its scales); False leaves it to the generic loader (a copy into the parameter)."""
+        return False
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """After every checkpoint tensor is in place (and weights are tied): re-lay-out or quantize. Runs again
         whenever the weights change."""

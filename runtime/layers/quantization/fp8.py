@@ -1,0 +1,256 @@
+"""FP8 (e4m3) linear layers: `--quantization fp8`, or a checkpoint whose config says fp8.
+
+Two sources of weights:
+- a dense checkpoint (bf16/fp16/fp32), quantized in `process_weights_after_loading` with one scale per output
+  row (max |w| of the row at 448);
+- an FP8 checkpoint: `quantization_config.quant_method == "fp8"` (the HF / vLLM / AutoFP8 layout) or
+  compressed-tensors' `float-quantized` format, with `weight` in e4m3, `weight_scale` per tensor (one value) or
+  per channel ([N] or [N, 1]), and for static activation schemes an `input_scale` per tensor. Block-wise scales
+  (`weight_block_size`) are refused.
+
+Storage on the layer after loading: `weight` e4m3 [N, K] and `weight_scale` fp32 [N], one scale per output row
+whatever the checkpoint had. Fused layers (qkv, gate_up) whose shards came with one scale each keep them
+per shard by writing each shard's scale on its rows: exact, no requantization. A static checkpoint's
+`input_scale`s (one per shard) become one: their maximum (the shards read the same input).
+
+Multiplication (`apply`), y = act(x @ W^T + b) in x's dtype:
+- CUDA, one row of x (batch-1 decode), no bias: braid's Triton GEMV (gemv.py) streams the fp8 weight and
+  multiplies by the row scales, SiLU-and-mul fused for a [gate; up] weight, launched with PDL; x stays bf16.
+- CUDA otherwise: x quantized per token (or by the static scale) in one Triton launch, then torch._scaled_mm
+  with row-wise scales (sm90 supports them with a bf16 output; so fp8 on CUDA needs --dtype bfloat16), or
+  tensor-wise when the activation scale is static and every row of W has the same scale.
+- CPU: x quantized per token as on CUDA and multiplied by a dequantized copy of W (made at load, prepacked like
+  a dense weight). torch._scaled_mm exists on CPU but ran 6x slower than an fp32 GEMM (SmolLM2's gate_up at
+  64 tokens: 51 vs 8.6 ms), and the values are the same: fp8 products accumulated in fp32. So CPU runs show FP8's
+  accuracy, not its memory savings.
+
+Embedding and LM head stay in the model dtype (they are not `Linear` layers). Layers named in the checkpoint's
+`ignored_layers` / `ignore` (names or `re:` patterns, in the checkpoint's own names) stay dense; a fused layer
+must have all of its shards ignored or none.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Optional
+
+import torch
+from torch import nn
+
+from braid.runtime.layers import cpu_gemm, gemv
+from braid.runtime.layers.activation import SiluAndMul
+from braid.runtime.layers.quantization.base import LinearMethod
+from braid.runtime.layers.quantization.fp8_kernels import (FP8_DTYPE, check_fp8_device, quantize_rows,
+                                                           quantize_weight_per_channel, scaled_mm)
+
+__all__ = ["Fp8LinearMethod", "use_fp8_linears", "split_kv_cache_scales"]
+
+logger = logging.getLogger(__name__)
+
+# per-layer KV-cache scales in FP8 checkpoints: self_attn.k_scale (vLLM, compressed-tensors), self_attn.attn.k_scale,
+# or the k/v projections' output_scale (AutoFP8's first exports)
+_KV_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.(?:attn\.)?(?:([kv])_scale|([kv])_proj\.output_scale)$")
+
+
+class Fp8LinearMethod(LinearMethod):
+    """from_checkpoint: the checkpoint stores e4m3 weights and scales (else dense weights are quantized at load);
+    static_activations: it also stores an input_scale per layer (activation_scheme 'static')."""
+
+    name = "fp8"
+
+    def __init__(self, from_checkpoint: bool = False, static_activations: bool = False):
+        if static_activations and not from_checkpoint:
+            raise ValueError("static activation scales come from an FP8 checkpoint")
+        self.from_checkpoint = from_checkpoint
+        self.static_activations = static_activations
+
+    def create_weights(self, layer: nn.Module, in_features: int, output_sizes: list[int]) -> None:
+        rows = sum(output_sizes)
+        if self.from_checkpoint:
+            layer.weight = nn.Parameter(torch.empty(rows, in_features, dtype=FP8_DTYPE), requires_grad=False)
+            layer.weight_scale = nn.Parameter(torch.empty(rows, dtype=torch.float32), requires_grad=False)
+            if self.static_activations:
+                # one per shard while loading; their maximum after
+                layer.input_scale = nn.Parameter(torch.empty(len(output_sizes), dtype=torch.float32),
+                                                 requires_grad=False)
+        else:
+            # the checkpoint's dense weight, quantized in process_weights_after_loading
+            layer.weight = nn.Parameter(torch.empty(rows, in_features), requires_grad=False)
+        if not self.static_activations:
+            layer.input_scale = None
+        layer.fp8_tensorwise = False
+        layer.cpu_dequantized_weight = None
+        layer.cpu_packed_weight = None
+
+    def load_weight(self, layer: nn.Module, attr: str, loaded: torch.Tensor, shard_id: Optional[int],
+                    device) -> bool:
+        if attr == "weight":
+            if loaded.dtype in (torch.float8_e5m2, torch.float8_e5m2fnuz, torch.float8_e4m3fnuz):
+                raise ValueError(f"FP8 weights in {loaded.dtype} are not supported; braid reads float8_e4m3fn")
+            return False  # the generic loader copies it (shards included), in the checkpoint's dtype
+        if attr == "weight_scale":
+            param = self._materialized(layer, attr, layer.weight_scale.shape, device)
+            sizes = layer.output_sizes
+            sid = 0 if shard_id is None else shard_id
+            rows = sizes[sid] if shard_id is not None else sum(sizes)
+            offset = sum(sizes[:sid]) if shard_id is not None else 0
+            scale = loaded.to(torch.float32).reshape(-1)
+            if scale.numel() != 1:  # per channel: this rank's rows
+                if hasattr(layer, "load_shard"):
+                    scale = layer.load_shard(param, scale, sid)
+                if scale.numel() != rows:
+                    raise ValueError(f"weight_scale of {scale.numel()} values for {rows} rows: FP8 checkpoints "
+                                     f"need one scale per tensor or per output channel")
+            param.data.narrow(0, offset, rows).copy_(scale.to(param.device))
+            return True
+        if attr == "input_scale":
+            if not self.static_activations:
+                raise ValueError("the checkpoint has input_scale tensors but its config does not say "
+                                 "activation_scheme 'static'")
+            param = self._materialized(layer, attr, layer.input_scale.shape, device)
+            if loaded.numel() != 1:
+                raise ValueError(f"input_scale must be one value per tensor, got shape {tuple(loaded.shape)}")
+            param.data[0 if shard_id is None else shard_id] = loaded.to(torch.float32).reshape(())
+            return True
+        return False
+
+    @staticmethod
+    def _materialized(layer: nn.Module, attr: str, shape, device) -> nn.Parameter:
+        param = getattr(layer, attr)
+        if param.is_meta:
+            # NaN marks entries no checkpoint tensor filled (checked after loading)
+            param = nn.Parameter(torch.full(shape, float("nan"), dtype=torch.float32, device=device),
+                                 requires_grad=False)
+            setattr(layer, attr, param)
+        return param
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight
+        if weight.dtype != FP8_DTYPE:
+            if self.from_checkpoint:
+                raise ValueError(f"an FP8 checkpoint layer ({getattr(layer, 'fp8_name', '?')}) holds a {weight.dtype} "
+                                 "weight; list it in the config's ignored layers to keep it dense")
+            quantized, scale = quantize_weight_per_channel(weight)
+            layer.weight = nn.Parameter(quantized, requires_grad=False)
+            layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+        scale = layer.weight_scale
+        if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
+            raise ValueError(f"weight_scale of {getattr(layer, 'fp8_name', 'a layer')} is missing for a shard or not "
+                             "positive")
+        if self.static_activations and layer.input_scale.numel() > 1:
+            input_scale = layer.input_scale
+            if not bool(torch.isfinite(input_scale).all()) or not bool((input_scale > 0).all()):
+                raise ValueError(f"input_scale of {getattr(layer, 'fp8_name', 'a layer')} is missing for a shard or "
+                                 "not positive")
+            layer.input_scale = nn.Parameter(input_scale.max().reshape(1), requires_grad=False)
+        layer.fp8_tensorwise = self.static_activations and bool((scale == scale[0]).all())
+        if weight.device.type == "cuda":
+            out_rows, in_features = layer.weight.shape
+            if in_features % 16 or out_rows % 16:
+                raise ValueError(f"fp8 layer {getattr(layer, 'fp8_name', '')} is [{out_rows}, {in_features}]; "
+                                 "torch._scaled_mm needs both dims to be multiples of 16")
+            layer.cpu_dequantized_weight = layer.cpu_packed_weight = None
+        else:
+            dequantized = layer.weight.to(torch.float32) * scale[:, None]
+            layer.cpu_dequantized_weight = dequantized
+            layer.cpu_packed_weight = cpu_gemm.PackedLinearWeight.pack(dequantized)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
+              act: Optional[nn.Module] = None) -> torch.Tensor:
+        weight, scale = layer.weight, layer.weight_scale
+        if x.is_cuda:
+            if bias is None and gemv.enabled() and gemv.fp8_supports(x, weight, scale):
+                fused = isinstance(act, SiluAndMul)
+                y = gemv.gemv(x, weight, silu_mul=fused, weight_scale=scale)
+                return y if fused or act is None else act(y)
+            x_q, x_scale = quantize_rows(x, layer.input_scale)
+            y = scaled_mm(x_q, x_scale, weight, scale, x.dtype, bias, tensorwise=layer.fp8_tensorwise)
+        else:
+            x_q, x_scale = quantize_rows(x, layer.input_scale)
+            dequantized = layer.cpu_dequantized_weight
+            y = cpu_gemm.linear(x_q.to(dequantized.dtype) * x_scale, dequantized, None,
+                                layer.cpu_packed_weight).to(x.dtype)
+            if bias is not None:
+                y = y + bias
+        return y if act is None else act(y)
+
+
+def _is_ignored(name: str, ignored: tuple[str, ...]) -> bool:
+    for entry in ignored:
+        if entry.startswith("re:"):
+            if re.fullmatch(entry[3:], name):
+                return True
+        elif name == entry:
+            return True
+    return False
+
+
+def _checkpoint_names(model: nn.Module, module_name: str) -> list[str]:
+    """A module's names in the checkpoint: its shards' for a fused module (qkv_proj -> q_proj, k_proj, v_proj)."""
+    shards = sorted((sid, hf) for fused, hf, sid in getattr(model, "stacked_params", ())
+                    if module_name.endswith("." + fused))
+    prefix = module_name.rpartition(".")[0]
+    return [f"{prefix}.{hf}" for _, hf in shards] or [module_name]
+
+
+def use_fp8_linears(model: nn.Module, model_config, device: torch.device, dtype: torch.dtype) -> int:
+    """Give every `Linear` of a model built on meta the fp8 method (before its weights load), but the ignored
+    ones. The checkpoint's quantization_config (ModelConfig.quantization) says whether its weights are fp8
+    already; without one, dense weights are quantized at load. -> how many layers are fp8."""
+    from braid.runtime.layers.linear import Linear
+
+    check_fp8_device(device)
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        raise ValueError(f"--quantization fp8 on CUDA computes in bfloat16 (torch._scaled_mm's row-wise scales need "
+                         f"a bf16 output); got --dtype {str(dtype).removeprefix('torch.')}")
+    if model_config.attention_arch != "mha" or model_config.moe is not None or model_config.vision is not None:
+        raise ValueError("--quantization fp8 is built for dense text models with MHA/GQA attention (the Llama "
+                         f"family) so far, not {model_config.architecture}")
+    spec = model_config.quantization
+    ignored: tuple[str, ...] = ()
+    if spec is None:
+        method = Fp8LinearMethod()
+    else:
+        if spec.method != "fp8":
+            raise ValueError(f"--quantization fp8 cannot read a checkpoint quantized as {spec.method!r}")
+        if spec.weight_block_size is not None:
+            raise ValueError(f"block-wise FP8 checkpoints (weight_block_size {list(spec.weight_block_size)}) are not "
+                             "supported; braid reads per-tensor or per-channel weight scales")
+        if spec.activation_scheme not in (None, "dynamic", "static"):
+            raise ValueError(f"FP8 activation_scheme {spec.activation_scheme!r} is not supported (dynamic, static)")
+        method = Fp8LinearMethod(from_checkpoint=True, static_activations=spec.activation_scheme == "static")
+        ignored = spec.ignored_layers
+    count = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        names = _checkpoint_names(model, name)
+        ignored_names = [n for n in names if _is_ignored(n, ignored)]
+        if ignored_names:
+            if len(ignored_names) != len(names):
+                raise ValueError(f"the checkpoint ignores {ignored_names} but not the rest of {names}, which braid "
+                                 "fuses into one layer")
+            continue
+        module.linear_method = method
+        module.fp8_name = name
+        method.create_weights(module, module.in_features, module.output_sizes)
+        count += 1
+    logger.info("fp8: %d linear layers in e4m3 (%s), embedding and LM head in %s", count,
+                "from the checkpoint" if method.from_checkpoint else "quantized at load, per-channel scales",
+                str(dtype).removeprefix("torch."))
+    return count
+
+
+def split_kv_cache_scales(weights, num_layers: int, found: dict):
+    """Pass a checkpoint's (name, tensor) stream on without its KV-cache scales, which go into
+    found[(layer, 'k' | 'v')] = float."""
+    for name, tensor in weights:
+        match = _KV_SCALE_NAME.search(name)
+        if match is None:
+            yield name, tensor
+            continue
+        layer = int(match.group(1))
+        if not 0 <= layer < num_layers or tensor.numel() != 1:
+            raise ValueError(f"KV-cache scale {name} of shape {tuple(tensor.shape)}: braid reads one scale per layer")
+        found[(layer, match.group(2) or match.group(3))] = float(tensor.float().reshape(()))
