@@ -3,7 +3,10 @@
 # (fused == torch at real shapes, CUDA-graph replay); then, per T, the torch path (eager: it reads expert counts on
 # the host), the fused path with the default config (eager and in a CUDA graph) and a sweep of block configs (each in
 # a CUDA graph, each checked against an fp32 reference). Prints the best config per T, the speed-up over torch, and
-# H200_CONFIGS rows to paste into runtime/layers/moe/fused_moe_kernels.py. carry: .whl
+# H200_CONFIGS rows to paste into runtime/layers/moe/fused_moe_kernels.py. Columns: experts = distinct experts the
+# T tokens routed to; fused eager = default config launched from Python; fused graph / best graph = default / best
+# config replayed in a CUDA graph; w TB/s = touched experts' weight bytes / best time; align us = the expert sort
+# alone. carry: .whl
 #   bash benchmarks/gpu/fused_moe_vs_torch.sh
 set -o pipefail
 source benchmarks/gpu/setup.sh
@@ -21,7 +24,8 @@ timeout 330 python3 - <<'PY' 2>&1 | grep -v Warning | tee "$OUT/fused_moe_sweep.
 import time
 import torch
 from braid.runtime.layers.moe import moe_forward_torch, select_experts
-from braid.runtime.layers.moe.fused_moe_kernels import MoEKernelConfig, fused_moe_triton, pick_config
+from braid.runtime.layers.moe.fused_moe_kernels import (MoEKernelConfig, fused_moe_triton, moe_align_block_size,
+                                                        pick_config)
 from braid.runtime.loader.config_specs import MoESpec
 
 E, K, H, I = 64, 6, 2048, 1408
@@ -77,6 +81,7 @@ for T in TOKENS:
     torch_us = time_eager(lambda: moe_forward_torch(x, w13, w2, weights, ids), 20)
     default = pick_config(T, K, E)
     eager_us = time_eager(lambda: fused_moe_triton(x, w13, w2, weights, ids, config=default), 20)
+    align_us, _ = time_graph(lambda: moe_align_block_size(ids, default.block_m, E))
     results = []
     for config in dict.fromkeys([default] + SWEEP):
         try:
@@ -94,18 +99,18 @@ for T in TOKENS:
     best_us, best, best_err = results[0]
     print(f"T={T:5d} top-5: " + "; ".join(f"{us:7.1f} us bm{c.block_m} bn{c.block_n} bk{c.block_k} g{c.group_m} "
                                          f"w{c.num_warps} s{c.num_stages}" for us, c, _ in results[:5]))
-    rows.append((T, touched, torch_us, eager_us, default_us, best_us, best, best_err))
+    rows.append((T, touched, torch_us, eager_us, default_us, best_us, best, best_err, align_us))
     table_rows.append((T * K / E, best))
     print(f"  ({time.time() - t_start:.0f} s so far)", flush=True)
 
 print()
 print("DeepSeek-V2-Lite MoE (E=64, top-6, H=2048, I=1408, bf16) on", torch.cuda.get_device_name())
 print(f"{'T':>5} {'experts':>7} {'torch us':>9} {'fused eager':>11} {'fused graph':>11} {'best graph':>10} "
-      f"{'torch/best':>10} {'w TB/s':>7}  best config (bm, bn, bk, group, warps, stages)")
-for T, touched, torch_us, eager_us, default_us, best_us, best, err in rows:
+      f"{'torch/best':>10} {'w TB/s':>7} {'align us':>8}  best config (bm, bn, bk, group, warps, stages)")
+for T, touched, torch_us, eager_us, default_us, best_us, best, err, align_us in rows:
     tbps = touched * EXPERT_BYTES / (best_us * 1e-6) / 1e12
     print(f"{T:5d} {touched:7d} {torch_us:9.1f} {eager_us:11.1f} {default_us:11.1f} {best_us:10.1f} "
-          f"{torch_us / best_us:9.1f}x {tbps:7.2f}  ({best.block_m}, {best.block_n}, {best.block_k}, {best.group_m}, "
+          f"{torch_us / best_us:9.1f}x {tbps:7.2f} {align_us:8.1f}  ({best.block_m}, {best.block_n}, {best.block_k}, {best.group_m}, "
           f"{best.num_warps}, {best.num_stages}) err {err:.1e}")
 print("H200_CONFIGS rows from this sweep (bound = T*k/E of the T measured):")
 for bound, c in table_rows:

@@ -179,25 +179,27 @@ def fp32_reference(x, w13, w2, weights, ids):
     return moe_forward_torch(x.float(), w13.float(), w2.float(), weights, ids)
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("block_m", [16, 64])
 def test_moe_align_block_size_groups_and_pads_pairs(block_m):
     gen = torch.Generator().manual_seed(3)
-    num_experts, tokens, top_k = 6, 11, 3
-    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(tokens)]).int()
+    # 6 experts (not a power of two), one never chosen; more pairs than one chunk of the kernel (256)
+    num_experts, tokens, top_k = 6, 97, 3
+    ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(tokens)]).int()
     sorted_pairs, block_experts, padded_total = (t.cpu() for t in moe_align_block_size(ids.to(DEVICE), block_m,
                                                                                           num_experts))
     num_pairs = tokens * top_k
     counts = torch.bincount(ids.flatten().long(), minlength=num_experts)
     assert sorted_pairs.numel() == num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    assert int(padded_total) == int(((counts + block_m - 1) // block_m * block_m).sum())
-    used = sorted_pairs[:int(padded_total)]
-    # every pair exactly once; padding (= num_pairs) only inside the used rows' blocks and after them
-    assert sorted(used[used < num_pairs].tolist()) == list(range(num_pairs))
-    assert (sorted_pairs[int(padded_total):] == num_pairs).all()
-    for block, expert in enumerate(block_experts[:int(padded_total) // block_m].tolist()):
-        rows = used[block * block_m:(block + 1) * block_m]
-        rows = rows[rows < num_pairs].long()
-        assert len(rows) > 0 and (ids.flatten()[rows] == expert).all()
+    padded_counts = (counts + block_m - 1) // block_m * block_m
+    assert int(padded_total) == int(padded_counts.sum())
+    # the used rows: each expert's pairs in ascending order, then padding (= num_pairs) up to its padded end
+    expected_rows, expected_blocks = [], []
+    for expert in range(num_experts):
+        pairs = (ids.flatten() == expert).nonzero().flatten().tolist()
+        expected_rows += pairs + [num_pairs] * (int(padded_counts[expert]) - len(pairs))
+        expected_blocks += [expert] * (int(padded_counts[expert]) // block_m)
+    assert sorted_pairs[:int(padded_total)].tolist() == expected_rows
+    assert block_experts[:len(expected_blocks)].tolist() == expected_blocks
 
 
 TINY_CONFIGS = [MoEKernelConfig(16, 16, 32, 1, 4, 1), MoEKernelConfig(32, 32, 16, 4, 4, 2)]

@@ -1,7 +1,7 @@
 """The fused MoE on the GPU: (token, slot) pairs sorted by expert in blocks of BLOCK_M rows, then two grouped GEMMs.
 
 1. `moe_align_block_size`: the T*k (token, slot) pairs, grouped by expert, each expert's run padded to a multiple of
-   BLOCK_M; one expert id per block. Torch ops on the device with sizes fixed by T: no host sync.
+   BLOCK_M; one expert id per block. One single-program kernel (counts, prefix sums, placement), no host sync.
 2. gate_up GEMM with SiLU-and-mul in its epilogue: each program computes a [BLOCK_M, BLOCK_N] tile of both the gate
    and the up half of its expert's w13 and writes silu(gate) * up, [T*k, I].
 3. down GEMM: [T*k, I] x w2[e]^T, each row scaled by its top-k weight, [T*k, H]; then the k rows of a token summed.
@@ -58,32 +58,65 @@ def pick_config(num_tokens: int, top_k: int, num_experts: int) -> MoEKernelConfi
     return next(config for bound, config in H200_CONFIGS if rows_per_expert <= bound)
 
 
+@triton.jit
+def _align_block_size_kernel(topk_ids_ptr, sorted_pairs_ptr, block_experts_ptr, padded_total_ptr, num_pairs,
+                             NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+                             CHUNK: tl.constexpr):
+    # one program; the pairs go by in chunks of CHUNK, each chunk as a [CHUNK, EXPERTS_POW2] one-hot
+    experts = tl.arange(0, EXPERTS_POW2)
+    offs = tl.arange(0, CHUNK)
+    counts = tl.zeros((EXPERTS_POW2,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        ids = tl.load(topk_ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(padded_total_ptr, total)
+    # rows [padded_start + count, padded_end) of each expert are padding; every BLOCK_M-th row names its block's expert
+    for start in range(0, total, CHUNK):
+        rows = start + offs
+        row_expert = tl.sum((padded_end[None, :] <= rows[:, None]).to(tl.int32), axis=1)  # [CHUNK]
+        is_row_expert = row_expert[:, None] == experts[None, :]
+        real_end = tl.sum(tl.where(is_row_expert, padded_start + counts, 0), axis=1)
+        in_range = rows < total
+        tl.store(sorted_pairs_ptr + rows, num_pairs, mask=in_range & (rows >= real_end))
+        tl.store(block_experts_ptr + rows // BLOCK_M, row_expert, mask=in_range & (rows % BLOCK_M == 0))
+    # each pair goes to its expert's next free row, pairs of one expert in ascending order
+    cursor = padded_start
+    for start in range(0, num_pairs, CHUNK):
+        pairs = start + offs
+        ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
+        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        earlier_same = tl.cumsum(one_hot, axis=0) - one_hot
+        row = tl.sum(one_hot * (earlier_same + cursor[None, :]), axis=1)
+        tl.store(sorted_pairs_ptr + row, pairs, mask=pairs < num_pairs)
+        cursor += tl.sum(one_hot, axis=0)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_pairs [P] int32, block_experts [P / block_m] int32, padded_total [1] int32).
 
-    sorted_pairs lists the flat pair indices t * k + j grouped by expert, each expert's run padded with T * k (an
-    out-of-range index the kernels skip) to a multiple of block_m; block_experts[b] is the expert of rows
-    [b * block_m, (b + 1) * block_m); padded_total is where the used rows end. P = T*k + min(E, T*k) * (block_m - 1)
-    is the most padding can need, fixed by T."""
-    flat = topk_ids.reshape(-1).long()
-    num_pairs = flat.numel()
+    sorted_pairs lists the flat pair indices t * k + j grouped by expert (ascending within one), each expert's run
+    padded with T * k (an out-of-range index the kernels skip) to a multiple of block_m; block_experts[b] is the
+    expert of rows [b * block_m, (b + 1) * block_m); padded_total is where the used rows end, and entries past it
+    are left unwritten. P = T*k + min(E, T*k) * (block_m - 1), the most padding can need, is fixed by T.
+    One kernel launch, no host sync."""
+    ids = topk_ids.reshape(-1)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        ids = ids.to(torch.int32).contiguous()
+    num_pairs = ids.numel()
     capacity = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    device = topk_ids.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded_counts = (counts + block_m - 1) // block_m * block_m
-    padded_end = padded_counts.cumsum(0)
-    padded_start = padded_end - padded_counts
-    unpadded_start = counts.cumsum(0) - counts
-    order = torch.argsort(flat, stable=True)  # pair indices, grouped by expert
-    sorted_experts = flat[order]
-    rank_in_expert = torch.arange(num_pairs, device=device) - unpadded_start[sorted_experts]
-    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs[padded_start[sorted_experts] + rank_in_expert] = order.to(torch.int32)
-    block_starts = torch.arange(0, capacity, block_m, device=device)
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_pairs, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32)
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(triton.cdiv(capacity, block_m), dtype=torch.int32, device=ids.device)
+    padded_total = torch.empty(1, dtype=torch.int32, device=ids.device)
+    experts_pow2 = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(256, 16384 // experts_pow2))
+    _align_block_size_kernel[(1,)](ids, sorted_pairs, block_experts, padded_total, num_pairs, NUM_EXPERTS=num_experts,
+                                   EXPERTS_POW2=experts_pow2, BLOCK_M=block_m, CHUNK=chunk, num_warps=8)
+    return sorted_pairs, block_experts, padded_total
 
 
 @triton.jit
@@ -91,7 +124,7 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_pairs_ptr
                          padded_total_ptr, num_pairs, num_rows_padded, N, K,
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                          A_ROWS_PER_PAIR_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # C[pair, n] = A[pair // A_ROWS_PER_PAIR_DIV, :] . B[expert(pair), n, :] for the rows of one expert block;
     # GATED: B holds [gate; up] (2N rows) and C = silu(gate) * up; MUL_WEIGHT: C *= topk_weights[pair]
@@ -120,15 +153,16 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_pairs_ptr
         k_valid = offs_k < K - k_start
         a = tl.load(a_ptrs, mask=row_valid[:, None] & k_valid[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-        if UPCAST_DOT:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if FP32_DOT:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
-            if UPCAST_DOT:
-                b_up = b_up.to(tl.float32)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+            if FP32_DOT:
+                acc_up = tl.dot(a.to(tl.float32), b_up.to(tl.float32), acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(a, b_up, acc_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if GATED:
@@ -147,9 +181,9 @@ def _launch_grouped_gemm(a, b, c, topk_weights, sorted_pairs, block_experts, pad
         a, b, c, topk_weights, sorted_pairs, block_experts, padded_total, num_pairs, sorted_pairs.numel(), n_out,
         k_in, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div, GATED=gated, MUL_WEIGHT=mul_weight,
-        # Triton's CPU interpreter multiplies 16-bit floats wrongly: it gets fp32 copies (exact products)
-        PRECISION="ieee" if a.dtype == torch.float32 or not a.is_cuda else "tf32", UPCAST_DOT=not a.is_cuda,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        # fp32 inputs multiply in full fp32 (not tf32); so do 16-bit ones on CPU, which Triton's interpreter
+        # multiplies wrongly as they are
+        FP32_DOT=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
