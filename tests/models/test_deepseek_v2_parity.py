@@ -103,7 +103,8 @@ class Driver:
 def _hf_sequence(hf, prompt: list[int]):
     """HF's greedy continuation (DECODE_STEPS + 1 tokens) and its logits over prompt + continuation [L, V]."""
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
+        ids = torch.tensor([prompt])  # the mask is explicit: generate would take token 0 (pad_token_id) for padding
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=DECODE_STEPS + 1, do_sample=False,
                           eos_token_id=None, pad_token_id=0)
         seq = out[0].tolist()
         logits = hf(torch.tensor([seq])).logits[0].float()
@@ -114,19 +115,19 @@ def _prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _check_prefill_and_decode(runner, seq: list[int], ref: torch.Tensor) -> None:
-    """Prefill PROMPT_LEN tokens, then DECODE_STEPS decodes fed with HF's tokens; every step's logits vs HF."""
+def _check_prefill_and_decode(runner, seq: list[int], ref: torch.Tensor, steps: int = DECODE_STEPS) -> None:
+    """Prefill PROMPT_LEN tokens, then `steps` decodes fed with HF's tokens; every step's logits vs HF."""
     d = Driver(runner)
     row = runner.req_to_token_pool.alloc()
     got = [d.extend(row, seq[:PROMPT_LEN], 0)]
-    for step in range(DECODE_STEPS):
+    for step in range(steps):
         pos = PROMPT_LEN + step
         got.append(d.decode([row], [seq[pos]], [pos]))
     got = torch.cat(got)  # [PROMPT_LEN + DECODE_STEPS, V], rows align with ref's
     delta = (got - ref[: got.shape[0]]).abs().max().item()
     assert delta <= ATOL, f"max |logit delta| {delta}"
     # greedy tokens: braid's argmax at each step is HF's next token
-    assert got[PROMPT_LEN - 1:].argmax(-1).tolist() == seq[PROMPT_LEN: PROMPT_LEN + DECODE_STEPS + 1]
+    assert got[PROMPT_LEN - 1:].argmax(-1).tolist() == seq[PROMPT_LEN: PROMPT_LEN + steps + 1]
 
 
 def _check_chunked_and_prefix(runner, seq: list[int], ref: torch.Tensor) -> None:
@@ -186,3 +187,38 @@ def test_moe_matches_hf(tmp_path, q_lora, moe):
     assert [type(layer.mlp).__name__ for layer in runner.model.model.layers] == ["GatedMLP", "FusedMoE", "FusedMoE"]
     _check_prefill_and_decode(runner, seq, ref)
     _check_chunked_and_prefix(runner, seq, ref)
+
+
+@pytest.mark.parametrize("disable_mla", [False], ids=["absorbed"])
+def test_triton_backend_matches_hf(tmp_path, disable_mla):
+    """The Triton extend and split-KV decode kernels (TRITON_INTERPRET=1 on CPU) on the latent (Dk 40 = 32 + 8,
+    Dv 32, one KV head for 4 query heads) and on the expanded per-head cache."""
+    from braid.runtime.layers.attention.triton_backend import TritonAttnBackend
+
+    hf = _checkpoint(tmp_path, q_lora=True, moe="greedy", dense_layers=1)
+    seq, ref = _hf_sequence(hf, _prompt(3))
+    runner = _runner(tmp_path, disable_mla=disable_mla)
+    runner.attn_backend = TritonAttnBackend(runner, num_kv_splits=2)
+    assert runner.attn_backend.num_kv_heads == (4 if disable_mla else 1)
+    _check_prefill_and_decode(runner, seq, ref, steps=4)
+
+
+def test_engine_greedy_with_radix_cache_and_chunked_prefill(tmp_path):
+    """Through the scheduler: chunked prefill (16-token chunks) and a second prompt that reuses the first one's
+    cached prefix from the radix cache; greedy tokens equal HF's."""
+    from braid.runtime import Engine
+
+    hf = _checkpoint(tmp_path, q_lora=False, moe="group_limited", dense_layers=1)
+    first = _prompt(4, 40)
+    second = first[:33] + _prompt(5, 7)
+    params = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    with Engine(model_path=str(tmp_path), tokenizer_path="smollm2", device="cpu", dtype="float32",
+                max_total_tokens=2048, chunked_prefill_size=16, log_level="warning") as engine:
+        results = [engine.generate(input_ids=p, sampling_params=params) for p in (first, second)]
+    for prompt, r in zip((first, second), results):
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        assert r["output_ids"] == ref[0, len(prompt):].tolist()
+    assert results[1]["meta_info"]["cached_tokens"] >= 32
