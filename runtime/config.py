@@ -59,6 +59,9 @@ class ServerArgs:
     schedule_policy: str = _opt("lpm", "waiting-queue order", ["lpm", "fcfs"])
     schedule_conservativeness: float = _opt(1.0, "how much decode headroom to reserve when admitting")
     disable_radix_cache: bool = _opt(False, "use the chunk cache (no prefix sharing across requests)")
+    disable_window_kv_trimming: bool = _opt(False, "models mixing sliding-window and global layers (Gemma-2): keep "
+                                                   "every token's KV in the window layers too, instead of releasing "
+                                                   "what no request's window can see (one pool for all layers)")
     enable_mixed_chunk: bool = _opt(False, "run the running requests' decode tokens in the same forward pass as a "
                                            "prefill batch instead of a pass of their own")
     disable_overlap_schedule: bool = _opt(False, "on CUDA, do each decode step's host bookkeeping after the GPU "

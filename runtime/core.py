@@ -86,6 +86,7 @@ class Req:
     last_node: Any = None  # radix node locked for this request
     cached_tokens: int = 0  # prompt tokens served from the radix cache (reported to the user)
     kv_committed_len: int = 0  # tokens of fill_ids whose KV lives in req_to_token
+    window_kv_from: int = 0  # hybrid KV pool: window-layer KV below this position is released (or the cache's)
     fill_ids: list[int] = field(default_factory=list)  # input_ids + output_ids being/been computed
     extend_input_len: int = 0  # tokens this step extends by
     is_chunked: bool = False  # mid-way through a chunked prefill

@@ -3,6 +3,9 @@
 Ownership rule: every usable KV slot is owned by exactly one of the pool's free list, the cache, or
 one running request (the slots in its req_to_token row that the cache does not own). A request's row
 starts with the slots of its matched prefix, which the cache owns and the request keeps locked.
+
+With a HybridKVPool (window_pool.py) a slot's window-layer KV follows the same owner, and may be released early:
+`trim_window_kv` releases it for tokens no running request's window can see any more (`Req.window_kv_from`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+from braid.runtime.mem_cache.window_pool import HybridKVPool
 
 if TYPE_CHECKING:
     from braid.runtime.mem_cache.pools import KVPool, ReqToTokenPool
@@ -27,18 +32,61 @@ class PrefixCache(ABC):
         return torch.empty(0, dtype=torch.int64, device=self.token_to_kv_pool.device)
 
     # ---- slots for new tokens ----
+    @property
+    def window_pool(self) -> Optional[HybridKVPool]:
+        """The pool when window layers' KV is trimmed (a HybridKVPool), else None."""
+        pool = self.token_to_kv_pool
+        return pool if isinstance(pool, HybridKVPool) else None
+
     def available_slots(self) -> int:
-        """Slots an allocation can get: free ones plus those eviction can free."""
-        return self.token_to_kv_pool.available_size() + self.evictable_size()
+        """Slots an allocation can get: free ones plus those eviction can free (with a hybrid pool, in the tighter
+        of its two spaces: every new token takes a slot of each)."""
+        full = self.token_to_kv_pool.available_size() + self.evictable_size()
+        if self.window_pool is None:
+            return full
+        return min(full, self.window_pool.window_available_size() + self.window_evictable_size())
 
     def alloc_slots(self, n: int) -> Optional[torch.Tensor]:
         """n KV slots (int64), evicting cached prefixes as needed; None if even eviction leaves too few."""
         if n == 0:
             return self._empty_slots()
         short = n - self.token_to_kv_pool.available_size()
-        if short > 0:
-            self.evict(short)
+        short_window = n - self.window_pool.window_available_size() if self.window_pool is not None else 0
+        if short > 0 or short_window > 0:
+            self.evict(max(short, 0), max(short_window, 0))
         return self.token_to_kv_pool.alloc(n)
+
+    def trim_window_kv(self, reqs) -> None:
+        """Hybrid pool: release the window-layer KV of each request's tokens that its next query can no longer see
+        (positions below kv_committed_len - window_keep), where no other request holds them. Call after every
+        forward pass; the release runs on the device in stream order, after the pass (no sync)."""
+        pool = self.window_pool
+        if pool is None:
+            return
+        req_to_token = self.req_to_token_pool.req_to_token
+        released: list[torch.Tensor] = []
+        for req in reqs:
+            if req.req_pool_idx is None:
+                continue
+            until = req.kv_committed_len - pool.window_keep(req)
+            if until <= req.window_kv_from:
+                continue
+            own_lo = self._cache_owned_len(req)
+            released.extend(self._release_cached_window(req, until))
+            lo = max(req.window_kv_from, own_lo)
+            if until > lo:
+                released.append(req_to_token[req.req_pool_idx, lo:until].long())
+            req.window_kv_from = until
+        if released:
+            pool.release_window(torch.cat(released) if len(released) > 1 else released[0])
+
+    def _release_cached_window(self, req, until: int) -> list[torch.Tensor]:
+        """Cache-owned slots of the request below `until` whose window KV only it uses, now marked released."""
+        return []
+
+    def window_evictable_size(self) -> int:
+        """Window slots (hybrid pool) held by cached tokens no request has locked."""
+        return 0
 
     def truncate_req_kv(self, req, new_len: int) -> None:
         """Shorten a running request's committed KV to its first new_len tokens (jump-forward rolled tokens back):
@@ -53,6 +101,10 @@ class PrefixCache(ABC):
         if req.prefix_indices is not None and new_len < len(req.prefix_indices):
             req.prefix_indices = req.prefix_indices[:new_len]
         req.kv_committed_len = new_len
+        if self.window_pool is not None and new_len - self.window_pool.window_keep(req) < req.window_kv_from:
+            # window_keep's margin exists so that jump-forward rollbacks never reach released window KV
+            raise RuntimeError(f"request {getattr(req, 'rid', '?')}: rolled back to {new_len} tokens, but the window "
+                               f"KV below position {req.window_kv_from} was released")
 
     def _cache_owned_len(self, req) -> int:
         """How many leading slots of the request's row the cache owns (its locked prefix)."""
@@ -93,8 +145,9 @@ class PrefixCache(ABC):
         """Undo one inc_lock_ref(node) (None is a no-op)."""
 
     @abstractmethod
-    def evict(self, num_tokens: int) -> int:
-        """Free at least num_tokens slots (fewer if less is evictable), least recently used first; return the count."""
+    def evict(self, num_tokens: int, num_window_tokens: int = 0) -> int:
+        """Free at least num_tokens slots and, with a hybrid pool, num_window_tokens window slots (fewer if less is
+        evictable), least recently used first; return the count of (full) slots freed."""
 
     @abstractmethod
     def evictable_size(self) -> int:

@@ -22,10 +22,12 @@ class ChunkCache(PrefixCache):
         if req.req_pool_idx is None:
             raise RuntimeError(f"request {getattr(req, 'rid', '?')} has no req_to_token row to release")
         slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len]
-        self.token_to_kv_pool.free(slots)
+        self.token_to_kv_pool.free(slots)  # a hybrid pool also frees the window slots the request still holds
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None
+        if self.window_pool is not None:
+            req.window_kv_from = 0
 
     def cache_unfinished_req(self, req) -> None:
         if req.req_pool_idx is None:
@@ -42,7 +44,7 @@ class ChunkCache(PrefixCache):
     def dec_lock_ref(self, node) -> None:
         pass
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int, num_window_tokens: int = 0) -> int:
         return 0
 
     def evictable_size(self) -> int:

@@ -8,7 +8,8 @@ import torch
 
 from braid.runtime.layers.dtypes import kv_cache_dtype
 
-__all__ = ["mha_kv_bytes_per_token", "mla_kv_bytes_per_token", "kv_cache_bytes_per_token", "max_tokens_for_budget"]
+__all__ = ["mha_kv_bytes_per_token", "mla_kv_bytes_per_token", "kv_cache_bytes_per_token", "max_tokens_for_budget",
+           "window_tokens_for", "hybrid_tokens_for_budget"]
 
 
 def _cache_itemsize(dtype: Union[str, torch.dtype]) -> int:
@@ -49,3 +50,31 @@ def max_tokens_for_budget(budget_bytes: int, bytes_per_token: int) -> int:
     if bytes_per_token <= 0:
         raise ValueError("bytes_per_token must be positive")
     return max(int(budget_bytes // bytes_per_token) - 1, 0)
+
+
+def window_tokens_for(full_tokens: int, window: int, context_len: int, prefill_tokens: int) -> int:
+    """Window slots of a hybrid pool (mem_cache/window_pool.py) whose full-layer pool holds full_tokens: enough for
+    the windows of as many context_len-long requests as the full pool holds (each keeps at most `window`), plus one
+    extend batch's new tokens (they all get window slots until the pass ends); never more than full_tokens."""
+    if min(full_tokens, window, context_len, prefill_tokens) < 1:
+        raise ValueError("window sizing needs positive full_tokens, window, context_len and prefill_tokens")
+    running_windows = -(-full_tokens * min(window, context_len) // context_len)
+    return min(full_tokens, running_windows + prefill_tokens)
+
+
+def hybrid_tokens_for_budget(budget_bytes: int, full_bytes_per_token: int, window_bytes_per_token: int, window: int,
+                             context_len: int, prefill_tokens: int) -> tuple[int, int]:
+    """(full tokens, window tokens) of a hybrid pool that fits budget_bytes, the window space sized by
+    window_tokens_for (each space's +1 dummy slot paid out of the budget)."""
+    if full_bytes_per_token <= 0 or window_bytes_per_token <= 0:
+        raise ValueError("bytes per token must be positive")
+    # full * f + (full * window / context_len + prefill) * w = budget, solved for full; when the window space is
+    # the smaller one that fits less than an untrimmed split (both spaces one size), the untrimmed split is taken
+    usable = budget_bytes - full_bytes_per_token - window_bytes_per_token * (1 + prefill_tokens)
+    ratio = min(window, context_len) / context_len
+    full = max(int(usable / (full_bytes_per_token + ratio * window_bytes_per_token)), 0)
+    while full and (full * full_bytes_per_token + window_tokens_for(full, window, context_len, prefill_tokens)
+                    * window_bytes_per_token > budget_bytes - full_bytes_per_token - window_bytes_per_token):
+        full -= 1  # the window term rounds up
+    full = max(full, max_tokens_for_budget(budget_bytes, full_bytes_per_token + window_bytes_per_token), 1)
+    return full, window_tokens_for(full, window, context_len, prefill_tokens)

@@ -1,4 +1,23 @@
-"""RadixCache: a radix tree over token ids whose edges carry the KV slots of those tokens (page size 1)."""
+"""RadixCache: a radix tree over token ids whose edges carry the KV slots of those tokens (page size 1).
+
+With a HybridKVPool (window_pool.py: window layers' KV released once out of every window), each node also records
+`window_from`: its first window_from tokens hold no window-layer KV any more (what was released is always a node's
+leading tokens, since windows only move forward). The rules that keep reuse correct:
+
+* Matching: a cached prefix of m tokens is reused only when its last W - 1 tokens (all m when m < W) still hold
+  window KV, W being the pool's window. Otherwise the match is cut back to the longest such prefix (a node start
+  whose preceding W - 1 tokens hold it, or 0) and the rest is computed again, global layers included. In practice a
+  finished request keeps the window KV of its last W - 1 tokens, so a conversation's next turn reuses all of it;
+  a prefix shared only up to a point that a long request has already slid past (a system prompt under an 8K
+  request) is a miss.
+* Releasing: a request releases the window KV of a node's tokens below its own window only when it is the node's
+  only locker (lock_ref 1); nodes shared with other running requests keep it until one of them is alone.
+* Inserting a request's tokens that the tree already has: where the tree's copy lost its window KV and the
+  request's still holds it, the request's window slots move to the tree's slots (the same tokens' KV), so a request
+  that continues on the tree's slots keeps its window; the request's other duplicate window slots are released.
+* Eviction frees a node's full slots and the window slots it still holds; the window space's evictable count
+  (`window_evictable_size`) is part of `available_slots`.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +35,7 @@ _node_ids = itertools.count()
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id", "window_from")
 
     def __init__(self, key: list[int], value: Optional[torch.Tensor], parent: Optional["TreeNode"],
                  last_access: int):
@@ -27,6 +46,11 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access = last_access
         self.id = next(_node_ids)
+        self.window_from = 0  # hybrid pool: the first window_from tokens hold no window-layer KV
+
+    @property
+    def window_held(self) -> int:
+        return len(self.key) - self.window_from
 
     def __lt__(self, other: "TreeNode") -> bool:
         return (self.last_access, self.id) < (other.last_access, other.id)
@@ -67,13 +91,32 @@ class RadixCache(PrefixCache):
         if root is not None:
             nodes = [node for node in self._iter_nodes() if node is not root]
             if nodes:
-                self.token_to_kv_pool.free(torch.cat([node.value for node in nodes]))
+                self._free_nodes(nodes)
             for node in nodes:
                 node.parent = None
         self.root_node = TreeNode([], self._empty_slots(), None, self._clock)
         self.root_node.lock_ref = 1  # the root is never evicted
         self._evictable_size = 0
         self._protected_size = 0
+        self._evictable_window = 0
+        self._protected_window = 0
+
+    def _free_nodes(self, nodes: list[TreeNode]) -> None:
+        """Give the nodes' full slots, and the window slots they still hold, back to the pool."""
+        slots = torch.cat([node.value for node in nodes])
+        if self.window_pool is None:
+            self.token_to_kv_pool.free(slots)
+            return
+        held = [node.value[node.window_from:] for node in nodes if node.window_held]
+        if held:
+            self.window_pool.release_window(torch.cat(held))
+        self.window_pool.free(slots, window_released=True)
+
+    def _count_window(self, node: TreeNode, delta: int) -> None:
+        if node.lock_ref > 0:
+            self._protected_window += delta
+        else:
+            self._evictable_window += delta
 
     def _iter_nodes(self):
         stack = [self.root_node]
@@ -88,6 +131,12 @@ class RadixCache(PrefixCache):
     def protected_size(self) -> int:
         return self._protected_size
 
+    def window_evictable_size(self) -> int:
+        return self._evictable_window
+
+    def window_protected_size(self) -> int:
+        return self._protected_window
+
     def total_size(self) -> int:
         return sum(len(node.key) for node in self._iter_nodes())
 
@@ -96,6 +145,8 @@ class RadixCache(PrefixCache):
         """Cut child's edge after k tokens; the new node takes the first k and becomes child's parent."""
         head = TreeNode(child.key[:k], child.value[:k], child.parent, child.last_access)
         head.lock_ref = child.lock_ref
+        head.window_from = min(child.window_from, k)
+        child.window_from = max(child.window_from - k, 0)
         head.children[child.key[k]] = child
         child.parent.children[child.key[0]] = head
         child.parent = head
@@ -123,13 +174,39 @@ class RadixCache(PrefixCache):
         return pos, values, node
 
     def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
-        _, values, node = self._walk(_as_list(key), self._tick())
+        key = _as_list(key)
+        matched, values, node = self._walk(key, self._tick())
+        if self.window_pool is not None:
+            usable = self._window_usable_len(node, matched)
+            if usable < matched:
+                matched, values, node = self._walk(key[:usable], self._clock)
         if not values:
             return self._empty_slots(), node
         return (values[0].clone() if len(values) == 1 else torch.cat(values)), node
 
-    def insert(self, key: Sequence[int], value: torch.Tensor) -> tuple[int, torch.Tensor, TreeNode]:
-        """Cache key -> value (int64 slots, len(key) of them).
+    def _window_usable_len(self, node: TreeNode, matched: int) -> int:
+        """The longest m <= matched whose last W - 1 tokens on the path to `node` hold window KV (see the module
+        docstring)."""
+        need = self.window_pool.window - 1
+        spans = []  # (start position, end position, window_from) from the deepest node up
+        end = matched
+        while node is not self.root_node:
+            spans.append((end - len(node.key), end, node.window_from))
+            end -= len(node.key)
+            node = node.parent
+        usable = matched
+        for start, _, window_from in spans:
+            lacking_end = start + window_from  # positions [start, lacking_end) hold no window KV
+            if lacking_end > usable - need and window_from:
+                usable = min(usable, start)  # a cut inside [start, lacking_end] leaves released tokens in view
+            if start < usable - need:
+                break
+        return max(usable, 0)
+
+    def insert(self, key: Sequence[int], value: torch.Tensor,
+               window_from: int = 0) -> tuple[int, torch.Tensor, TreeNode]:
+        """Cache key -> value (int64 slots, len(key) of them); with a hybrid pool, value's first window_from slots
+        hold no window-layer KV.
 
         Returns (prefix_len, slots, node). The first prefix_len tokens were cached already and keep the
         tree's slots: value[:prefix_len], where it differs from slots, is the caller's to free. The rest
@@ -142,8 +219,10 @@ class RadixCache(PrefixCache):
         prefix_len, values, node = self._walk(key, self._tick())
         if prefix_len < len(key):
             leaf = TreeNode(key[prefix_len:], value[prefix_len:], node, node.last_access)
+            leaf.window_from = min(max(window_from - prefix_len, 0), len(leaf.key))
             node.children[leaf.key[0]] = leaf
             self._evictable_size += len(leaf.key)
+            self._evictable_window += leaf.window_held
             values.append(leaf.value)
             node = leaf
         if not values:
@@ -164,6 +243,8 @@ class RadixCache(PrefixCache):
             if n.lock_ref == 0:
                 self._evictable_size -= len(n.key)
                 self._protected_size += len(n.key)
+                self._evictable_window -= n.window_held
+                self._protected_window += n.window_held
             n.lock_ref += 1
 
     def dec_lock_ref(self, node: Optional[TreeNode]) -> None:
@@ -174,27 +255,31 @@ class RadixCache(PrefixCache):
             if n.lock_ref == 1:
                 self._evictable_size += len(n.key)
                 self._protected_size -= len(n.key)
+                self._evictable_window += n.window_held
+                self._protected_window -= n.window_held
             n.lock_ref -= 1
 
-    def evict(self, num_tokens: int) -> int:
-        if num_tokens <= 0:
+    def evict(self, num_tokens: int, num_window_tokens: int = 0) -> int:
+        if num_tokens <= 0 and num_window_tokens <= 0:
             return 0
         heap = [node for node in self._iter_nodes() if not node.children and node.lock_ref == 0]
         heapq.heapify(heap)
-        freed = 0
-        values: list[torch.Tensor] = []
-        while freed < num_tokens and heap:
+        freed = freed_window = 0
+        evicted: list[TreeNode] = []
+        while (freed < num_tokens or freed_window < num_window_tokens) and heap:
             node = heapq.heappop(heap)
             parent = node.parent
             del parent.children[node.key[0]]
             node.parent = None  # detached: locking it now is an error
-            values.append(node.value)
+            evicted.append(node)
             freed += len(node.key)
+            freed_window += node.window_held
             self._evictable_size -= len(node.key)
+            self._evictable_window -= node.window_held
             if not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
-        if values:
-            self.token_to_kv_pool.free(torch.cat(values))
+        if evicted:
+            self._free_nodes(evicted)
         return freed
 
     # ---- request hand-over ----
@@ -205,21 +290,80 @@ class RadixCache(PrefixCache):
             raise ValueError(f"kv_committed_len {length} exceeds the {len(req.fill_ids)} fill_ids")
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :length]
         own = row.to(device=self.token_to_kv_pool.device, dtype=torch.int64, copy=True)
-        prefix_len, slots, node = self.insert(req.fill_ids[:length], own)
-        if prefix_len:
+        own_lo = self._cache_owned_len(req)
+        # hybrid pool: the request's own slots hold window KV from here on
+        own_window_from = max(req.window_kv_from, own_lo) if self.window_pool is not None else 0
+        prefix_len, slots, node = self.insert(req.fill_ids[:length], own, window_from=own_window_from)
+        if self.window_pool is not None and prefix_len > own_lo:
+            self._merge_duplicate_window(node, prefix_len, length, own, own_lo, own_window_from)
+            self.window_pool.free(own[own_lo:prefix_len], window_released=True)
+        elif prefix_len:
             # Positions the request already shared with the tree hold equal slots; the others are duplicates.
             head, tree_head = own[:prefix_len], slots[:prefix_len]
             self.token_to_kv_pool.free(head[head != tree_head])
         return slots, node
 
+    def _merge_duplicate_window(self, node: TreeNode, prefix_len: int, length: int, own: torch.Tensor,
+                                own_lo: int, own_window_from: int) -> None:
+        """Hybrid pool: the request's slots own[own_lo:prefix_len] duplicate tokens the tree had. Per tree node,
+        window KV the tree released but the request holds moves to the tree's slots; the request's other window
+        slots there are released (see the module docstring)."""
+        if prefix_len < length:
+            node = node.parent  # `node` is the new leaf; walk up from the last node the tree already had
+        pool = self.window_pool
+        end = prefix_len
+        moved_src, moved_dst, released = [], [], []
+        while node is not self.root_node and end > own_lo:
+            start = end - len(node.key)
+            lo = max(start, own_lo)
+            lacking_end = start + node.window_from
+            # positions [max(lo, own_window_from), lacking_end): the tree lacks window KV, the request holds it
+            move_lo = max(lo, own_window_from)
+            if move_lo < lacking_end:
+                moved_src.append(own[move_lo:lacking_end])
+                moved_dst.append(node.value[move_lo - start:lacking_end - start])
+                self._count_window(node, lacking_end - move_lo)
+                node.window_from = move_lo - start
+            # positions [max(lo, lacking_end, own_window_from), end): both hold it; the request's copy goes
+            dup_lo = max(lo, lacking_end, own_window_from)
+            if dup_lo < end:
+                released.append(own[dup_lo:end])
+            end = start
+            node = node.parent
+        if moved_src:
+            pool.transfer_window(torch.cat(moved_src), torch.cat(moved_dst))
+        if released:
+            pool.release_window(torch.cat(released))
+
+    def _release_cached_window(self, req, until: int) -> list[torch.Tensor]:
+        node = req.last_node
+        if node is None or node is self.root_node:
+            return []
+        path = self._path_to_root(node)
+        end = sum(len(n.key) for n in path)
+        limit = min(until, self._cache_owned_len(req))
+        out = []
+        for n in path:  # deepest first
+            start = end - len(n.key)
+            stop = min(end, limit) - start
+            if n.lock_ref == 1 and stop > n.window_from:
+                out.append(n.value[n.window_from:stop])
+                self._protected_window -= stop - n.window_from
+                n.window_from = stop
+            end = start
+        return out
+
     def cache_finished_req(self, req) -> None:
         if req.req_pool_idx is None:
             raise RuntimeError(f"request {getattr(req, 'rid', '?')} has no req_to_token row to release")
+        self.trim_window_kv([req])  # keep only the last W - 1 tokens' window KV in the cache
         self._insert_committed(req)
         self.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None
+        if self.window_pool is not None:
+            req.window_kv_from = 0
 
     def cache_unfinished_req(self, req) -> None:
         if req.req_pool_idx is None:

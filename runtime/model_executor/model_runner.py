@@ -14,7 +14,9 @@ from braid.runtime.layers.kernel_switches import apply_kernel_switches
 from braid.runtime.layers.logits import compute_logits, last_token_rows, token_logprobs
 from braid.runtime.layers.sampler import Sampler, apply_penalties
 from braid.runtime.loader import load_model, load_model_config
-from braid.runtime.mem_cache.kv_sizing import mha_kv_bytes_per_token, mla_kv_bytes_per_token
+from braid.runtime.mem_cache.kv_sizing import (hybrid_tokens_for_budget, mha_kv_bytes_per_token,
+                                               mla_kv_bytes_per_token, window_tokens_for)
+from braid.runtime.mem_cache.window_pool import HybridKVPool, window_layer_split
 from braid.runtime.mem_cache.pools import MHAKVPool, MLAKVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
@@ -74,12 +76,19 @@ class ModelRunner:
             per_token = mla_kv_bytes_per_token(mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_layers, kv_dtype)
         else:
             per_token = mha_kv_bytes_per_token(heads_kv, mc.head_dim, mc.num_layers, kv_dtype, mc.v_head_dim)
+        # window layers' KV trimmed (mem_cache/window_pool.py) when the layers mix windows and global attention
+        layer_windows = [spec.sliding_window for spec in mc.layers]
+        hybrid = (mc.attention_arch != "mla" and not self.server_args.disable_window_kv_trimming
+                  and window_layer_split(layer_windows) is not None)
+        self.window_kv_tokens = None
         total = self.server_args.max_total_tokens
         if total is None:
             if self.device.type == "cuda":
                 free, capacity = torch.cuda.mem_get_info(self.device)
                 budget = free - capacity * (1 - self.server_args.mem_fraction_static)
                 total = max(int(budget // per_token), 1024)
+                if hybrid:
+                    total, self.window_kv_tokens = self._hybrid_sizes(budget, layer_windows, kv_dtype)
             else:
                 available = _mem_available_bytes()
                 total = cpu_default_kv_tokens(available, per_token)
@@ -90,7 +99,19 @@ class ModelRunner:
         self.max_total_tokens = int(total)
         max_reqs = min(self.server_args.max_running_requests + 32, max(self.max_total_tokens // 2, 8))
         self.req_to_token_pool = ReqToTokenPool(max_reqs, self.context_len + 8, self.device)
-        if mc.attention_arch == "mla":
+        if hybrid:
+            if self.window_kv_tokens is None:
+                self.window_kv_tokens = window_tokens_for(self.max_total_tokens, max(w for w in layer_windows if w),
+                                                          self.context_len, self._extend_tokens_bound())
+            k_scales, v_scales = getattr(self.model, "kv_cache_scales", None) or (1.0, 1.0)
+            self.token_to_kv_pool = HybridKVPool(
+                self.max_total_tokens, self.window_kv_tokens, self.dtype, heads_kv, mc.head_dim, layer_windows,
+                self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype, k_scale=k_scales, v_scale=v_scales,
+                fused_store=not self.server_args.disable_fused_kv_store,
+                fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store)
+            logger.info("KV pool: window layers' KV trimmed to %d token slots beside %d for the global layers "
+                        "(--disable-window-kv-trimming keeps one pool)", self.window_kv_tokens, self.max_total_tokens)
+        elif mc.attention_arch == "mla":
             self.token_to_kv_pool = MLAKVPool(self.max_total_tokens, self.dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
                                               mc.num_layers, self.device, kv_cache_dtype=kv_dtype)
         else:
@@ -103,6 +124,21 @@ class ModelRunner:
                                               fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store)
         logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", self.max_total_tokens,
                     self.max_total_tokens * per_token / 2**20, max_reqs)
+
+    def _extend_tokens_bound(self) -> int:
+        """The most new tokens one forward pass allocates: a prefill batch's budget plus mixed-in decode tokens."""
+        sa = self.server_args
+        chunk = self.context_len if sa.chunked_prefill_size == -1 else sa.chunked_prefill_size
+        return min(sa.max_prefill_tokens, chunk) + sa.max_running_requests
+
+    def _hybrid_sizes(self, budget: float, layer_windows: list, kv_dtype) -> tuple[int, int]:
+        mc = self.model_config
+        num_window = sum(1 for w in layer_windows if w)
+        per_layer = mha_kv_bytes_per_token(mc.num_key_value_heads, mc.head_dim, 1, kv_dtype, mc.v_head_dim)
+        full, window = hybrid_tokens_for_budget(int(budget), per_layer * (len(layer_windows) - num_window),
+                                                per_layer * num_window, max(w for w in layer_windows if w),
+                                                self.context_len, self._extend_tokens_bound())
+        return max(full, 1024), max(window, 1024)
 
     # ---- forward ----
     @torch.inference_mode()

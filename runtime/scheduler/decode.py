@@ -76,6 +76,8 @@ class DecodeRunner:
         out = self.runner.forward(fb)
         for r in reqs:
             r.kv_committed_len += 1
+        # the release is queued behind this pass on the device, and the next query's window starts past it
+        self.tree_cache.trim_window_kv(reqs)
         self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
         return out
 

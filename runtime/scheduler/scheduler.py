@@ -117,10 +117,20 @@ class Scheduler:
             num_decode_overlapped=self.decode.num_overlapped, num_retractions=self.decode.num_retractions,
             kv_total_tokens=self.kv_pool.size, kv_free_tokens=self.kv_pool.available_size(),
             kv_cached_tokens=self.tree_cache.evictable_size(), kv_used_tokens=kv_used,
+            **self._window_kv_stats(),
             cache_hit_rate=(s["num_cached_tokens_total"] / s["num_prompt_tokens_total"]) if s["num_prompt_tokens_total"] else 0.0,
             new_token_ratio=self.decode.new_token_ratio,
         )
         return s
+
+    def _window_kv_stats(self) -> dict:
+        """Hybrid KV pool (window layers trimmed): the window slot space, counted like the full one."""
+        pool = self.tree_cache.window_pool
+        if pool is None:
+            return {}
+        free, cached = pool.window_available_size(), self.tree_cache.window_evictable_size()
+        return dict(window_kv_total_tokens=pool.window_size, window_kv_free_tokens=free,
+                    window_kv_cached_tokens=cached, window_kv_used_tokens=pool.window_size - free - cached)
 
     # ---- the step ----
     def step(self) -> list[ReqOutput]:
@@ -204,6 +214,7 @@ class Scheduler:
         host = self.runner.forward(fb).host()
         for req, n in zip(batch, fb.extend_seq_lens_cpu):
             req.kv_committed_len += n
+        self.tree_cache.trim_window_kv(batch)
         record_prompt_logprobs(logprob_slices, host)
         rows = list(range(len(prefill), len(batch)))
         for i, req in enumerate(prefill):

@@ -127,6 +127,8 @@ class FlashInferMetadata:
     last_page_len_cpu: Optional[torch.Tensor] = None  # [B] int32 ones, host
     graph_bs: Optional[int] = None  # DECODE under CUDA graphs: the captured batch size whose wrappers are used
     wrappers: dict = field(default_factory=dict)  # _Variant -> wrapper planned for this batch
+    # hybrid KV pool (mem_cache/window_pool.py): kv_indices translated to window slots, for the window variants
+    window_kv_indices: Optional[torch.Tensor] = None
 
 
 def _variant_of(layer) -> _Variant:
@@ -199,6 +201,9 @@ class FlashInferAttnBackend(AttentionBackend):
         self._graph_indptr: Optional[torch.Tensor] = None
         self._graph_indices: Optional[torch.Tensor] = None
         self._graph_last_page_len: Optional[torch.Tensor] = None
+        self._graph_window_indices: Optional[torch.Tensor] = None
+        pool = getattr(model_runner, "token_to_kv_pool", None)
+        self._hybrid_pool = hasattr(pool, "window_slots")  # window layers' KV in window slots
 
         model = getattr(model_runner, "model", None)
         if isinstance(model, torch.nn.Module):
@@ -236,7 +241,8 @@ class FlashInferAttnBackend(AttentionBackend):
                 w = BatchDecodeWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
                     paged_kv_indptr_buffer=self._graph_indptr[:graph_bs + 1],
-                    paged_kv_indices_buffer=self._graph_indices,
+                    paged_kv_indices_buffer=(self._graph_window_indices if self._reads_window_slots(variant)
+                                             else self._graph_indices),
                     paged_kv_last_page_len_buffer=self._graph_last_page_len[:graph_bs], backend="fa2")
             per_bs[variant] = w
         return w
@@ -259,16 +265,21 @@ class FlashInferAttnBackend(AttentionBackend):
             done.synchronize()  # the previous plan's pinned-buffer copy has run (see the module docstring)
         common = dict(window_left=variant.window_left, logits_soft_cap=variant.logit_cap, sm_scale=variant.sm_scale,
                       q_data_type=self.dtype, kv_data_type=self.kv_dtype, non_blocking=True)
+        kv_indices = md.window_kv_indices if self._reads_window_slots(variant) else md.kv_indices
         if md.mode == "decode":
-            w.plan(md.kv_indptr_cpu, md.kv_indices, md.last_page_len_cpu, variant.num_heads, variant.num_kv_heads,
+            w.plan(md.kv_indptr_cpu, kv_indices, md.last_page_len_cpu, variant.num_heads, variant.num_kv_heads,
                    variant.head_dim, 1, **common)
         else:
-            w.plan(md.qo_indptr_cpu, md.kv_indptr_cpu, md.kv_indices, md.last_page_len_cpu, variant.num_heads,
+            w.plan(md.qo_indptr_cpu, md.kv_indptr_cpu, kv_indices, md.last_page_len_cpu, variant.num_heads,
                    variant.num_kv_heads, variant.head_dim, 1, head_dim_vo=variant.head_dim, causal=True, **common)
         if done is None:
             done = self._plan_events[id(w)] = torch.cuda.Event()
         done.record()
         md.wrappers[variant] = w
+
+    def _reads_window_slots(self, variant: _Variant) -> bool:
+        # a hybrid pool keeps exactly the sliding-window layers' KV in window slots
+        return self._hybrid_pool and variant.window_left >= 0
 
     def _plan_all(self, md: FlashInferMetadata, variants) -> None:
         for variant in variants:
@@ -305,8 +316,17 @@ class FlashInferAttnBackend(AttentionBackend):
             kv_indptr.copy_(kv_indptr_cpu, non_blocking=True)
             kv_indices = self._graph_indices
         build_kv_indices(req_to_token, fb.req_pool_indices, kv_indptr, kv_indices, bs)
-        return FlashInferMetadata(mode=mode, batch_size=bs, kv_indptr_cpu=kv_indptr_cpu, kv_indices=kv_indices,
-                                  last_page_len_cpu=self._last_page_len(bs), graph_bs=graph_bs)
+        md = FlashInferMetadata(mode=mode, batch_size=bs, kv_indptr_cpu=kv_indptr_cpu, kv_indices=kv_indices,
+                                last_page_len_cpu=self._last_page_len(bs), graph_bs=graph_bs)
+        if self._hybrid_pool:
+            # a gather on the device; only the first `total` entries are the batch's (the rest may be stale)
+            window = fb.token_to_kv_pool.window_slots(kv_indices[:total])
+            if graph_bs is None:
+                md.window_kv_indices = window if total else kv_indices
+            else:
+                self._graph_window_indices[:window.numel()].copy_(window)
+                md.window_kv_indices = self._graph_window_indices
+        return md
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if fb.batch_size == 0 or not (fb.forward_mode.is_decode() or fb.forward_mode.is_extend()):
@@ -385,6 +405,8 @@ class FlashInferAttnBackend(AttentionBackend):
             # every captured request may reach the full context
             self._graph_indices = torch.zeros(need, dtype=torch.int32, device=self.device)
             self._graph_last_page_len = torch.ones(self._graph_max_bs, dtype=torch.int32, device=self.device)
+            if self._hybrid_pool:
+                self._graph_window_indices = torch.zeros(need, dtype=torch.int32, device=self.device)
 
     def init_forward_metadata_capture(self, bs: int, fb: "ForwardBatch") -> None:
         md = self._kv_metadata(fb, "decode", graph_bs=bs)

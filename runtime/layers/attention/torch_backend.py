@@ -25,9 +25,11 @@ class TorchAttnBackend(AttentionBackend):
         if save_kv_cache:
             fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
 
-    def _kv(self, layer, fb, slots: torch.Tensor, dtype):
+    def _kv(self, layer, fb, slots: torch.Tensor, dtype, translated: bool = False):
         # slots: [...] -> k, v: [..., Hkv, D]; index_select is several times faster than advanced indexing on CPU
         pool = fb.token_to_kv_pool
+        if not translated and _is_window_layer(pool, layer):
+            slots = pool.window_slots(slots)
         flat = slots.reshape(-1)
         k = pool.get_key_buffer(layer.layer_id).index_select(0, flat)
         v = pool.get_value_buffer(layer.layer_id).index_select(0, flat)
@@ -36,9 +38,11 @@ class TorchAttnBackend(AttentionBackend):
 
     def _decode_kv(self, layer, fb, meta: "_DecodeMetadata", dtype):
         """k, v [B, L, Hkv, D]: views of the pool when the batch is one sequence in consecutive slots, else a gather."""
+        pool = fb.token_to_kv_pool
+        if _is_window_layer(pool, layer):
+            return self._kv(layer, fb, meta.window_slots(pool), dtype, translated=True)
         if meta.first_slot is None:
             return self._kv(layer, fb, meta.slots, dtype)
-        pool = fb.token_to_kv_pool
         k = pool.get_key_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0)
         v = pool.get_value_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0)
         return _dequantized(pool, layer.layer_id, k, v, dtype)
@@ -120,6 +124,11 @@ class TorchAttnBackend(AttentionBackend):
         return out.reshape(B, H * Dv).to(q.dtype)
 
 
+def _is_window_layer(pool, layer) -> bool:
+    """A layer whose KV a hybrid pool keeps in window slots (mem_cache/window_pool.py): reads translate slots."""
+    return hasattr(pool, "is_window_layer") and pool.is_window_layer(layer.layer_id)
+
+
 def _dequantized(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool values as attention consumes them: in `dtype`, fp8 e4m3 caches scaled back by the layer's scales."""
     k, v = k.to(dtype), v.to(dtype)
@@ -143,6 +152,7 @@ class _DecodeMetadata:
         self._k_pos = torch.arange(self.max_len, device=self.slots.device).view(1, 1, 1, self.max_len)
         self._seq = fb.seq_lens.view(B, 1, 1, 1).to(self._k_pos.dtype)
         self._masks: dict = {}
+        self._window_slots: Optional[torch.Tensor] = None
         # a lone sequence whose slots are one consecutive run (the ring allocator hands them out in order) is
         # read through views of the pool instead of gathered per layer; checked on CPU only (no device sync)
         self.first_slot: Optional[int] = None
@@ -151,6 +161,12 @@ class _DecodeMetadata:
             first = int(run[0])
             if int(run[-1]) - first == self.max_len - 1 and bool((run[1:] - run[:-1] == 1).all()):
                 self.first_slot = first
+
+    def window_slots(self, pool) -> torch.Tensor:
+        """slots translated to a hybrid pool's window slots, [B, L] (once per batch)."""
+        if self._window_slots is None:
+            self._window_slots = pool.window_slots(self.slots)
+        return self._window_slots
 
     def mask(self, sliding_window: int) -> torch.Tensor:
         """[B, 1, 1, L] bool, True where the key is attended."""

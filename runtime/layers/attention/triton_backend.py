@@ -44,6 +44,9 @@ class TritonAttnMetadata:
     extend_start_loc: Optional[torch.Tensor] = None  # EXTEND: [B] offset of each request's rows
     attn_logits: Optional[torch.Tensor] = None  # DECODE: fp32 scratch [B, H, num_kv_splits, Dv + 1]
     in_cuda_graph: bool = False  # scratch is the static graph buffer; it must not be reallocated
+    # hybrid KV pool (mem_cache/window_pool.py): window layers read [B, L] rows of window slots, indexed 0..B-1
+    window_req_to_token: Optional[torch.Tensor] = None
+    window_req_indices: Optional[torch.Tensor] = None
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -71,6 +74,8 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"num_kv_splits must be >= 1, got {splits}")
         self.num_kv_splits = int(splits)
         self.cuda_graph_attn_logits: Optional[torch.Tensor] = None
+        self.cuda_graph_window_rows: Optional[torch.Tensor] = None  # [max_bs, C] int32 (hybrid KV pool)
+        self.cuda_graph_row_ids: Optional[torch.Tensor] = None  # [max_bs] int64: 0..max_bs-1
 
     # ------------------------------------------------------------------ metadata
 
@@ -79,6 +84,15 @@ class TritonAttnBackend(AttentionBackend):
                            device=self.device)
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
+        self._init_metadata(fb)
+        md = fb.attn_metadata
+        if hasattr(fb.token_to_kv_pool, "window_rows") and fb.batch_size and isinstance(md, TritonAttnMetadata):
+            width = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else fb.req_to_token_pool.req_to_token.shape[1]
+            md.window_req_to_token = fb.token_to_kv_pool.window_rows(fb.req_to_token_pool.req_to_token,
+                                                                     fb.req_pool_indices, width)
+            md.window_req_indices = torch.arange(fb.batch_size, device=md.window_req_to_token.device)
+
+    def _init_metadata(self, fb: "ForwardBatch") -> None:
         if fb.forward_mode.is_decode():
             fb.attn_metadata = TritonAttnMetadata(
                 attn_logits=self._decode_scratch(fb.batch_size, self.num_heads, self.v_head_dim))
@@ -110,6 +124,18 @@ class TritonAttnBackend(AttentionBackend):
         return layer.num_heads, layer.num_kv_heads, d, getattr(layer, "v_head_dim", None) or d
 
     @staticmethod
+    def _token_table(layer, fb: "ForwardBatch", md: TritonAttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(req_to_token, row indices) the kernels read the layer's KV slots through: a hybrid pool's window
+        layers read window slots (translated once per batch), every other layer the full slots."""
+        pool = fb.token_to_kv_pool
+        if hasattr(pool, "is_window_layer") and pool.is_window_layer(layer.layer_id):
+            if md.window_req_to_token is None:
+                raise RuntimeError("TritonAttnBackend: the batch's window slots were not translated; call "
+                                   "init_forward_metadata(forward_batch) first")
+            return md.window_req_to_token, md.window_req_indices
+        return fb.req_to_token_pool.req_to_token, fb.req_pool_indices
+
+    @staticmethod
     def _layer_options(layer) -> tuple[float, int]:
         logit_cap = getattr(layer, "logit_cap", 0.0) or 0.0
         window = getattr(layer, "sliding_window", -1)
@@ -126,10 +152,11 @@ class TritonAttnBackend(AttentionBackend):
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k3, v3)
         o = q3.new_empty((q3.shape[0], h, dv))
         logit_cap, window = self._layer_options(layer)
+        req_to_token, req_indices = self._token_table(layer, fb, md)
         extend_attention_fwd(
             q3, k3, v3, o,
             pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
-            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+            req_to_token, req_indices, fb.seq_lens,
             fb.extend_seq_lens, md.extend_start_loc, fb.extend_prefix_lens, md.max_len_extend,
             layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id),
         )
@@ -153,9 +180,10 @@ class TritonAttnBackend(AttentionBackend):
             scratch = md.attn_logits = self._decode_scratch(bs, h, dv)
         o = q3.new_empty((bs, h, dv))
         logit_cap, window = self._layer_options(layer)
+        req_to_token, req_indices = self._token_table(layer, fb, md)
         decode_attention_fwd(
             q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
-            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens,
+            req_to_token, req_indices, fb.seq_lens,
             scratch, self.num_kv_splits, layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id),
         )
         return o.view(-1, h * dv)
@@ -171,7 +199,19 @@ class TritonAttnBackend(AttentionBackend):
         if bs > self.cuda_graph_attn_logits.shape[0]:
             raise ValueError(f"batch {bs} exceeds the CUDA-graph capacity {self.cuda_graph_attn_logits.shape[0]}")
         # a view of the static buffer: the same address at capture and at every replay
-        fb.attn_metadata = TritonAttnMetadata(attn_logits=self.cuda_graph_attn_logits[:bs], in_cuda_graph=True)
+        fb.attn_metadata = md = TritonAttnMetadata(attn_logits=self.cuda_graph_attn_logits[:bs], in_cuda_graph=True)
+        pool = fb.token_to_kv_pool
+        if hasattr(pool, "window_rows"):
+            # hybrid KV pool: whole rows translated into a static buffer before each replay (a gather, no sync)
+            req_to_token = fb.req_to_token_pool.req_to_token
+            if self.cuda_graph_window_rows is None:
+                max_bs = self.cuda_graph_attn_logits.shape[0]
+                self.cuda_graph_window_rows = torch.zeros((max_bs, req_to_token.shape[1]), dtype=torch.int32,
+                                                          device=self.device)
+                self.cuda_graph_row_ids = torch.arange(max_bs, device=self.device)
+            md.window_req_to_token = pool.window_rows(req_to_token, fb.req_pool_indices, req_to_token.shape[1],
+                                                      out=self.cuda_graph_window_rows)
+            md.window_req_indices = self.cuda_graph_row_ids[:bs]
 
     def init_forward_metadata_capture(self, bs: int, fb: "ForwardBatch") -> None:
         self._graph_metadata(bs, fb)
