@@ -123,6 +123,9 @@ class MoESpec:
             if self.n_routed_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
                 raise ValueError(f"MoE groups invalid: {self.n_routed_experts} experts, n_group {self.n_group}, "
                                  f"topk_group {self.topk_group}")
+            if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
+                raise ValueError(f"MoE top-{self.num_experts_per_tok} cannot come from {self.topk_group} groups of "
+                                 f"{self.n_routed_experts // self.n_group} experts")
         if self.moe_intermediate_size <= 0 or self.n_shared_experts < 0 or self.moe_layer_freq <= 0:
             raise ValueError(f"MoE sizes invalid: {self}")
 

@@ -148,6 +148,37 @@ def test_partial_expert_checkpoint_is_refused(tmp_path):
         list(route_expert_weights(holder, [("model.layers.0.mlp.experts.0.up_proj.weight", torch.zeros(1))], "cpu"))
 
 
+def test_tensor_parallel_ranks_load_intermediate_slices_that_sum_to_the_whole(tmp_path, monkeypatch):
+    from braid.runtime.distributed import parallel_state as ps
+
+    config, hf = save_tiny_deepseek(tmp_path, "greedy")
+    spec = ModelConfig.from_hf(config.to_dict()).moe
+    checkpoint = [(n.removeprefix("model.layers.1.mlp."), t) for n, t in iter_safetensors(str(tmp_path))
+                  if n.startswith("model.layers.1.mlp.experts.")]
+    hidden = torch.randn(5, config.hidden_size)
+    weights, ids = select_experts(torch.randn(5, spec.n_routed_experts), spec)
+    partial_sums = torch.zeros_like(hidden)
+    for rank in range(2):
+        monkeypatch.setattr(ps, "_TP_SIZE", 2)
+        monkeypatch.setattr(ps, "_TP_RANK", rank)
+        with torch.device("meta"):
+            moe = FusedMoE(spec.n_routed_experts, spec.num_experts_per_tok, config.hidden_size,
+                           spec.moe_intermediate_size, spec)
+        for name, tensor in checkpoint:
+            _, expert, proj, _ = name.split(".")
+            moe.weight_loader(proj, int(expert), tensor, "cpu")
+        assert moe.w13_weight.shape == (16, 16, 32) and moe.w2_weight.shape == (16, 32, 8)
+        partial_sums += moe_forward_torch(hidden, moe.w13_weight, moe.w2_weight, weights, ids)
+    experts = hf.model.layers[1].mlp.experts
+    full = moe_forward_torch(hidden, experts.gate_up_proj.detach(), experts.down_proj.detach(), weights, ids)
+    torch.testing.assert_close(partial_sums, full, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_spec_refuses_top_k_beyond_the_kept_groups():
+    with pytest.raises(ValueError, match="cannot come from"):
+        MoESpec(16, 9, 32, topk_method="group_limited_greedy", n_group=4, topk_group=2)
+
+
 def random_moe_inputs(tokens, experts, top_k, hidden, inter, dtype, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
