@@ -49,6 +49,8 @@ class SamplingParams:
     seed: Optional[int] = None
     regex: Optional[str] = None
     json_schema: Union[None, str, dict] = None  # normalized to a JSON string by normalize()
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: Optional[list[int]] = None  # sample only among these
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -94,6 +96,8 @@ class SamplingParams:
             self.stop = [s for s in self.stop if s]
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             self.json_schema = _schema_to_json(self.json_schema)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()} or None
 
     def verify(self, vocab_size: Optional[int] = None) -> None:
         def need(cond: bool, param: str, msg: str) -> None:
@@ -139,6 +143,9 @@ class SamplingParams:
             need(all(0 <= t <= _MAX_INT32 for t in self.stop_token_ids), "stop_token_ids", "token id out of range")
             if vocab_size is not None:
                 need(all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids", "token id out of range")
+        self._verify_token_lists(need, vocab_size)
+        need(self.allowed_token_ids is None or (self.regex is None and self.json_schema is None), "allowed_token_ids",
+             "cannot be combined with regex or json_schema (the grammar chooses the tokens)")
         need(not (self.regex is not None and self.json_schema is not None), "regex",
              "regex and json_schema are mutually exclusive")
         if self.regex is not None:
@@ -150,9 +157,34 @@ class SamplingParams:
                 raise SamplingParamsError(f"json_schema: not valid JSON ({e})", "json_schema") from None
             need(isinstance(schema, (dict, bool)), "json_schema", "must be a JSON object")
 
+    def _verify_token_lists(self, need, vocab_size: Optional[int]) -> None:
+        top = _MAX_INT32 if vocab_size is None else vocab_size - 1
+
+        def token_id(t: Any) -> bool:
+            return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= top
+
+        if self.logit_bias is not None:
+            need(isinstance(self.logit_bias, dict), "logit_bias", "must be an object mapping token ids to numbers")
+            need(all(token_id(t) for t in self.logit_bias), "logit_bias",
+                 f"keys must be token ids in [0, {top}], got {sorted(self.logit_bias, key=str)[:3]}")
+            need(all(isinstance(v, (int, float)) and not isinstance(v, bool) and -100 <= v <= 100
+                     for v in self.logit_bias.values()), "logit_bias", "values must be numbers in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            need(isinstance(self.allowed_token_ids, list) and len(self.allowed_token_ids) > 0
+                 and all(token_id(t) for t in self.allowed_token_ids), "allowed_token_ids",
+                 f"must be a non-empty list of token ids in [0, {top}]")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _token_key(key: Any) -> Any:
+    """A logit_bias key as an int token id (JSON object keys are strings); a key that is no integer stays as it
+    was for verify() to name."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
 
 
 def _schema_to_json(schema: Any) -> str:

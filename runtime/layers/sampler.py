@@ -36,6 +36,9 @@ class SamplingBatchInfo:
     seen_tokens: Optional[torch.Tensor] = None  # [B, V] bool, tokens in prompt or output (repetition penalty)
     # [B, V] bool: True = allowed (grammar masks, min_new_tokens bans); set per step by the scheduler
     vocab_mask: Optional[torch.Tensor] = None
+    # per-request static logit edits (None when no request in the batch has them)
+    logit_bias: Optional[torch.Tensor] = None  # [B, V] fp32, added to the logits
+    allowed_tokens: Optional[torch.Tensor] = None  # [B, V] bool, True = allowed_token_ids (all True for rows without)
     # logprobs of the sampled tokens: None = not wanted; else how many top alternatives (max over the batch)
     logprob_top_k: Optional[int] = None
 
@@ -74,6 +77,22 @@ class SamplingBatchInfo:
                 seen[i, torch.tensor(r.input_ids + r.output_ids, dtype=torch.int64, device=device)] = True
             info.seen_tokens = seen
             info.repetition_penalties = _to_device([p.repetition_penalty for p in params], torch.float32, device).view(B, 1)
+        if any(p.logit_bias for p in params):
+            rows = [i for i, p in enumerate(params) for _ in (p.logit_bias or ())]
+            cols = [t for p in params for t in (p.logit_bias or ())]
+            values = [float(v) for p in params for v in (p.logit_bias or {}).values()]
+            info.logit_bias = torch.zeros(B, vocab_size, dtype=torch.float32, device=device).index_put_(
+                (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device)),
+                _to_device(values, torch.float32, device))
+        if any(p.allowed_token_ids for p in params):
+            restricted = [i for i, p in enumerate(params) if p.allowed_token_ids]
+            rows = [i for i in restricted for _ in params[i].allowed_token_ids]
+            cols = [t for i in restricted for t in params[i].allowed_token_ids]
+            allowed = torch.ones(B, vocab_size, dtype=torch.bool, device=device)
+            allowed[_to_device(restricted, torch.int64, device)] = False
+            info.allowed_tokens = allowed.index_put_(
+                (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device)),
+                torch.ones(len(rows), dtype=torch.bool, device=device))
         return info
 
     def filter(self, keep: list[int], keep_on_device: Optional[torch.Tensor]) -> "SamplingBatchInfo":
@@ -81,7 +100,7 @@ class SamplingBatchInfo:
         out = replace(self, is_greedy=[self.is_greedy[i] for i in keep], generators=[self.generators[i] for i in keep],
                       vocab_mask=None)
         for name in ("temperatures", "top_ps", "top_ks", "min_ps", "frequency_penalties", "presence_penalties",
-                     "repetition_penalties", "output_counts", "seen_tokens"):
+                     "repetition_penalties", "output_counts", "seen_tokens", "logit_bias", "allowed_tokens"):
             t = getattr(self, name)
             if t is not None:
                 setattr(out, name, t.index_select(0, keep_on_device))
@@ -89,14 +108,23 @@ class SamplingBatchInfo:
 
 
 def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    if info.logit_bias is not None:
+        logits = logits + info.logit_bias
     if info.output_counts is not None:
         counts = info.output_counts.to(logits.dtype)
         logits = logits - info.frequency_penalties * counts - info.presence_penalties * (counts > 0).to(logits.dtype)
     if info.seen_tokens is not None:
         penalized = torch.where(logits > 0, logits / info.repetition_penalties, logits * info.repetition_penalties)
         logits = torch.where(info.seen_tokens, penalized, logits)
-    if info.vocab_mask is not None:
-        logits = logits.masked_fill(~info.vocab_mask, float("-inf"))
+    mask = info.vocab_mask
+    if info.allowed_tokens is not None:
+        if mask is None:
+            mask = info.allowed_tokens
+        else:  # a min_new_tokens ban that would leave a row nothing keeps allowed_token_ids alone
+            both = mask & info.allowed_tokens
+            mask = torch.where(both.any(dim=-1, keepdim=True), both, info.allowed_tokens)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
     return logits
 
 

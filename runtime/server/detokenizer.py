@@ -73,6 +73,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, sampling_params: SamplingParams):
         self.tokenizer = tokenizer
         self.skip_special_tokens = sampling_params.skip_special_tokens
+        self.spaces_between_special_tokens = sampling_params.spaces_between_special_tokens
         self.stops = list(sampling_params.stop or [])
         self.no_stop_trim = sampling_params.no_stop_trim
         self.ids: list[int] = []
@@ -87,7 +88,8 @@ class IncrementalDetokenizer:
         self.chars_searched = 0  # characters passed to stop searches so far (the per-update cost, for tests)
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def _advance(self) -> None:
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])

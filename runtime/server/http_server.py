@@ -16,10 +16,10 @@ from aiohttp import web
 
 from braid.runtime.server import metrics as metrics_mod
 from braid.runtime.server.errors import APIError, bad_request, body_too_large, from_exception, unauthorized, unavailable
-from braid.runtime.server.openai_api import OpenAIServing
+from braid.runtime.server.openai_api import OpenAIServing, template_messages
 from braid.runtime.core import Req
-from braid.runtime.server.protocol import (SSE_DONE, GenerateRequest, api_error_event, json_bytes, parse_generate,
-                                          sse_event)
+from braid.runtime.server.protocol import (SSE_DONE, ChatCompletionRequest, GenerateRequest, api_error_event, json_bytes,
+                                          parse_generate, parse_openai, sse_event)
 from braid.runtime.server.request_handle import RequestHandle, merge_updates
 from braid.runtime.server.tokenizer_manager import TokenizerManager
 
@@ -188,7 +188,69 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 async def get_model_info(request: web.Request) -> web.Response:
-    return json_response(request.app[TM_KEY].served_model.public_info())
+    tm = request.app[TM_KEY]
+    info = tm.served_model.public_info()
+    info["tokenizer_path"] = tm.server_args.tokenizer_path or tm.server_args.model_path
+    return json_response(info)
+
+
+async def version(request: web.Request) -> web.Response:
+    from braid import __version__
+
+    return json_response({"version": __version__})
+
+
+_TOKENIZE_KEYS = {"model", "prompt", "text", "messages", "add_special_tokens", "add_generation_prompt"}
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: {"prompt"} (SGLang: {"text"}) or {"messages"} -> {"tokens", "count", "max_model_len"}."""
+    tm = request.app[TM_KEY]
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    unknown = sorted(set(body) - _TOKENIZE_KEYS)
+    if unknown:
+        raise bad_request(f"unknown parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
+    request.app[OPENAI_KEY].check_model(body.get("model"))
+    for name in ("add_special_tokens", "add_generation_prompt"):
+        if not isinstance(body.get(name, True), bool):
+            raise bad_request(f"{name} must be a boolean", param=name)
+    given = [k for k in ("prompt", "text", "messages") if body.get(k) is not None]
+    if len(given) != 1:
+        raise bad_request("give exactly one of prompt (or text) and messages", param="prompt")
+    if given[0] == "messages":
+        chat = parse_openai(ChatCompletionRequest, {"messages": body["messages"]})
+        messages, _ = template_messages(chat.messages)
+        text = await tm.apply_chat_template(messages, add_generation_prompt=body.get("add_generation_prompt", True))
+        add_special = body.get("add_special_tokens", False)
+    else:
+        text = body[given[0]]
+        if not isinstance(text, str):
+            raise bad_request(f"{given[0]} must be a string", param=given[0])
+        tm.check_prompt_chars(len(text), given[0])
+        add_special = body.get("add_special_tokens", True)
+    ids = await tm.tokenize(text, add_special)
+    return json_response({"tokens": ids, "count": len(ids), "max_model_len": tm.context_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """{"tokens": [ids]} -> {"prompt": text} (vLLM) with the same text as "text" (SGLang)."""
+    tm = request.app[TM_KEY]
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    unknown = sorted(set(body) - {"model", "tokens"})
+    if unknown:
+        raise bad_request(f"unknown parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
+    request.app[OPENAI_KEY].check_model(body.get("model"))
+    ids = body.get("tokens")
+    if not (isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise bad_request("tokens must be a list of token ids", param="tokens")
+    if any(not 0 <= t < tm.vocab_size for t in ids):
+        raise bad_request(f"tokens holds an id outside the vocabulary [0, {tm.vocab_size})", param="tokens")
+    text = tm.tokenizer.decode(ids)
+    return json_response({"prompt": text, "text": text})
 
 
 def _public_server_args(server_args) -> dict:
@@ -203,8 +265,10 @@ async def get_server_info(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     stats = await tm.get_stats()
     info = _public_server_args(tm.server_args)
+    from braid import __version__
+
     info.update({"context_length": tm.context_len, "vocab_size": tm.vocab_size, "model_info": tm.model_info,
-                 "num_server_requests": len(tm.handles)})
+                 "num_server_requests": len(tm.handles), "version": __version__})
     info.update(stats)
     return json_response(info)
 
@@ -282,6 +346,9 @@ def create_app(tm: TokenizerManager) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/health_generate", health_generate)
     app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/version", version)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_get("/get_server_args", get_server_args)
     app.router.add_route("GET", "/flush_cache", flush_cache)  # SGLang v0.3 flushes on GET

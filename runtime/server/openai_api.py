@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Optional
 
@@ -16,17 +17,20 @@ from braid.runtime.server.protocol import (
     ChatMessage,
     CompletionRequest,
     api_error_event,
+    LogprobPlan,
     chat_logprob_options,
-    check_chat_supported,
-    check_completion_supported,
     completion_logprob_options,
+    constraint_param,
     json_bytes,
     openai_sampling_overrides,
     parse_openai,
+    requested_n,
     sse_event,
 )
 from braid.runtime.server.request_handle import RequestHandle, merge_updates
 from braid.runtime.server.tokenizer_manager import TokenizerManager
+from braid.runtime.server.tools import (ToolPlan, ToolStream, history_for_template, parse_auto, parse_constrained,
+                                        plan_tools, template_knows_tools)
 
 
 def finish_reason_name(reason: Optional[dict]) -> Optional[str]:
@@ -79,13 +83,21 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], dict[str
 def _param_names(req, prompt_param: str) -> dict:
     """prepare_request's parameter names -> the names this OpenAI request used."""
     max_param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-    return {"prompt": prompt_param, "max_new_tokens": max_param, "min_new_tokens": "min_tokens",
-            "image_data": prompt_param, "video_data": prompt_param, "audio_data": prompt_param}
+    names = {"prompt": prompt_param, "max_new_tokens": max_param, "min_new_tokens": "min_tokens",
+             "image_data": prompt_param, "video_data": prompt_param, "audio_data": prompt_param}
+    source = constraint_param(req)
+    if source is not None:
+        names.update(regex=source, json_schema=source)
+    if "include_stop_str_in_output" in req.extras():
+        names["no_stop_trim"] = "include_stop_str_in_output"
+    return names
 
 
-def _rename_response_format(err: APIError, req) -> None:
-    if err.param == "json_schema" and req.response_format is not None:
-        err.param = "response_format"  # the name the client used
+def _rename_constraint(err: APIError, req) -> None:
+    """A regex/json_schema error found after translation (e.g. by the grammar compiler) names what the client sent."""
+    source = constraint_param(req)
+    if err.param in ("regex", "json_schema") and source is not None:
+        err.param = source
 
 
 def _json_response(body: dict) -> web.Response:
@@ -143,7 +155,13 @@ class OpenAIServing:
             offsets.append(text_offset)
             text_offset += len(tok)
             top = top_logprobs[j] if j < len(top_logprobs) else None
-            tops.append({self.token_text(t): l for l, t in (top or [])[:want_top]} if want_top and top else None)
+            if lp is None:  # the first prompt token (echo) has no logprob
+                tops.append(None)
+                continue
+            # the top want_top alternatives and, like OpenAI and vLLM (logprobs=0 included), the sampled token
+            entry = {self.token_text(t): l for l, t in (top or [])[:want_top]}
+            entry.setdefault(tok, lp)
+            tops.append(entry)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
     @staticmethod
@@ -160,59 +178,116 @@ class OpenAIServing:
         await resp.prepare(request)
         return resp
 
+    def _ranked(self, choices: list[OutputAccumulator], n: int) -> list[tuple[int, OutputAccumulator]]:
+        """(index, choice) of the n choices returned: all of them, or with best_of the n of highest cumulative
+        logprob."""
+        if len(choices) <= n:
+            return list(enumerate(choices))
+        best = sorted(choices, key=lambda c: sum(lp for lp, _ in c.output_token_logprobs), reverse=True)[:n]
+        return list(enumerate(best))
+
+    def _prompt_logprobs(self, c: OutputAccumulator, k: int) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then {token id: {logprob, rank, decoded_token}} holding
+        the prompt's token and the k most likely ones (rank None when the token is not among the top)."""
+        out: list = []
+        tops_all = c.input_top_logprobs or []
+        for j, (lp, tid) in enumerate(c.input_token_logprobs or []):
+            if lp is None:
+                out.append(None)
+                continue
+            tops = (tops_all[j] if j < len(tops_all) else None) or []
+            ranked = [t for _, t in tops]
+            entry = {str(tid): {"logprob": lp, "rank": ranked.index(tid) + 1 if tid in ranked else None,
+                                "decoded_token": self.token_text(tid)}}
+            for r, (l, t) in enumerate(tops[:k]):
+                entry.setdefault(str(t), {"logprob": l, "rank": r + 1, "decoded_token": self.token_text(t)})
+            out.append(entry)
+        return out
+
     # ---- chat ---------------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request, body: Any) -> web.StreamResponse:
         req = parse_openai(ChatCompletionRequest, body)
         model = self.check_model(req.model)
-        check_chat_supported(req)
-        return_logprob, top_n = chat_logprob_options(req)
+        output_lp, top_n = chat_logprob_options(req)
+        plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         messages, media = template_messages(req.messages)
         overrides = openai_sampling_overrides(req)
+        if plan is not None and plan.constrained:
+            if overrides.get("regex") is not None or overrides.get("json_schema") is not None:
+                raise bad_request(f"tool_choice {plan.choice!r} constrains the output to a tool call; it cannot be "
+                                  f"combined with {constraint_param(req) or 'regex or json_schema'}", param="tool_choice")
+            overrides["json_schema"] = json.dumps(plan.call_schema())
+        n = requested_n(req)
+        lps = LogprobPlan(output_lp, top_n, req.prompt_logprobs, rank=overrides.get("n", 1) > n)
         self.tm.check_admission()  # before the chat template's work
-        prompt = await self.tm.apply_chat_template(messages)
+        chat_template = getattr(self.tm.tokenizer, "chat_template", None)
+        native_tools = template_knows_tools(chat_template)
+        messages = history_for_template(messages, req.messages, plan, native_tools)
+        tools = ([{"type": "function", "function": f} for f in plan.functions]
+                 if plan is not None and native_tools and plan.choice != "none" else None)
+        prompt = await self.tm.apply_chat_template(messages, tools=tools,
+                                                   add_generation_prompt=req.add_generation_prompt)
         prepared = await self.tm.prepare(prompt, overrides, param_names=_param_names(req, "messages"), rid=req.rid,
-                                         prompt_chars_checked=True, return_logprob=return_logprob,
-                                         top_logprobs_num=top_n, stream=req.stream, add_special_tokens=False,
-                                         max_new_tokens_fills_context=True, **media)
+                                         prompt_chars_checked=True, stream=req.stream,
+                                         add_special_tokens=bool(req.add_special_tokens),
+                                         max_new_tokens_fills_context=True, **lps.prepare_options(), **media)
         handle = await self.tm.submit(prepared)
         try:
             rid = f"chatcmpl-{handle.rid}"
             if req.stream:
-                return await self._stream_chat(request, handle, rid, model, req.include_usage, return_logprob, top_n)
+                return await self._stream_chat(request, handle, rid, model, req, lps, plan)
             async for _ in handle.updates():
                 pass
             choices = []
-            for c in handle.choices:
+            for index, c in self._ranked(handle.choices, n):
+                message: dict = {"role": "assistant", "content": c.text}
+                finish = finish_reason_name(c.finish_reason)
+                if plan is not None and plan.parses:
+                    content, calls = self._tool_calls(plan, c.text)
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    if calls and finish == "stop":
+                        finish = "tool_calls"
                 choices.append({
-                    "index": c.index,
-                    "message": {"role": "assistant", "content": c.text},
+                    "index": index,
+                    "message": message,
                     "logprobs": {"content": self._chat_logprobs(c.output_token_logprobs, c.output_top_logprobs, top_n)}
-                    if return_logprob else None,
-                    "finish_reason": finish_reason_name(c.finish_reason),
+                    if output_lp else None,
+                    "finish_reason": finish,
                     "matched_stop": matched_stop(c.finish_reason),
                 })
-            return _json_response({"id": rid, "object": "chat.completion", "created": int(handle.created),
-                                   "model": model, "choices": choices, "usage": self._usage([handle])})
+            out = {"id": rid, "object": "chat.completion", "created": int(handle.created), "model": model,
+                   "choices": choices, "usage": self._usage([handle])}
+            if req.prompt_logprobs is not None:
+                out["prompt_logprobs"] = self._prompt_logprobs(handle.choices[0], req.prompt_logprobs)
+            return _json_response(out)
         except APIError as e:
-            _rename_response_format(e, req)
+            _rename_constraint(e, req)
             raise
         finally:
             await self.tm.release(handle)
 
-    async def _stream_chat(self, request, handle: RequestHandle, rid: str, model: str, include_usage: bool,
-                           return_logprob: bool, top_n: int) -> web.StreamResponse:
+    @staticmethod
+    def _tool_calls(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:
+        if plan.constrained:
+            call = parse_constrained(text)
+            return (None, [call]) if call is not None else (text, [])
+        return parse_auto(text, plan)
+
+    async def _stream_chat(self, request, handle: RequestHandle, rid: str, model: str, req: ChatCompletionRequest,
+                           lps: LogprobPlan, plan: Optional[ToolPlan]) -> web.StreamResponse:
         updates = handle.updates()
         first = await anext(updates, None)  # a rejected request is still answered with its status code
         resp = await self._open_stream(request)
         created = int(handle.created)
+        tool_streams: dict[int, ToolStream] = {}
 
         def chunk(index: int, delta: dict, logprobs=None, finish=None, matched=None) -> dict:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             if finish is not None:
                 choice["matched_stop"] = matched
             c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-            if include_usage:
-                c["usage"] = None
+            if req.include_usage:
+                c["usage"] = self._usage([handle]) if req.continuous_usage else None
             return c
 
         started: set[int] = set()
@@ -222,12 +297,23 @@ class OpenAIServing:
                 started.add(u.index)
                 await resp.write(sse_event(chunk(u.index, {"role": "assistant", "content": ""})))
             lp = None
-            if return_logprob and u.new_token_logprobs:
-                lp = {"content": self._chat_logprobs(u.new_token_logprobs, u.new_top_logprobs, top_n)}
-            if u.delta or lp is not None or u.finished:
-                reason = u.choice.finish_reason if u.finished else None
-                await resp.write(sse_event(chunk(u.index, {"content": u.delta} if u.delta else {}, lp,
-                                                 finish_reason_name(reason), matched_stop(reason))))
+            if lps.output and u.new_token_logprobs:
+                lp = {"content": self._chat_logprobs(u.new_token_logprobs, u.new_top_logprobs, lps.top_n)}
+            if plan is not None and plan.parses:
+                ts = tool_streams.setdefault(u.index, ToolStream(plan))
+                deltas = ts.feed(u.delta, u.finished)
+            else:
+                ts, deltas = None, [{"content": u.delta}] if u.delta else []
+            if not deltas and (lp is not None or u.finished):
+                deltas = [{}]
+            reason = u.choice.finish_reason if u.finished else None
+            finish = finish_reason_name(reason)
+            if ts is not None and ts.num_calls and finish == "stop":
+                finish = "tool_calls"
+            for j, delta in enumerate(deltas):
+                last = j == len(deltas) - 1
+                await resp.write(sse_event(chunk(u.index, delta, lp if j == 0 else None, finish if last else None,
+                                                 matched_stop(reason))))
 
         try:
             if first is not None:
@@ -235,9 +321,10 @@ class OpenAIServing:
             async for u in updates:
                 await emit(u)
         except APIError as e:
+            _rename_constraint(e, req)
             await resp.write(api_error_event(e))
         else:
-            if include_usage:
+            if req.include_usage:
                 await resp.write(sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
                                             "model": model, "choices": [], "usage": self._usage([handle])}))
         await resp.write(SSE_DONE)
@@ -245,8 +332,8 @@ class OpenAIServing:
         return resp
 
     # ---- completions ---------------------------------------------------------------------------------
-    async def _completion_prompts(self, req: CompletionRequest, return_logprob: bool,
-                                  top_n: int) -> list[tuple[Req, str]]:
+    async def _completion_prompts(self, req: CompletionRequest, lps: LogprobPlan,
+                                  overrides: dict) -> list[tuple[Req, str]]:
         """[(prepared request, prompt text)] for each prompt of the request."""
         prompt = req.prompt
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt)):
@@ -255,44 +342,47 @@ class OpenAIServing:
             prompts = prompt
         else:
             raise bad_request("prompt must be a non-empty string, list of strings, or token ids", param="prompt")
-        overrides = openai_sampling_overrides(req)
-        logprob_start_len = 0 if (req.echo and return_logprob) else -1
         for p in prompts:  # all before any is tokenized
             if isinstance(p, str):
                 self.tm.check_prompt_chars(len(p), "prompt")
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
         out = []
         for p in prompts:
             prepared = await self.tm.prepare(p, overrides, param_names=_param_names(req, "prompt"),
-                                             rid=req.rid if len(prompts) == 1 else None, return_logprob=return_logprob,
-                                             logprob_start_len=logprob_start_len, top_logprobs_num=top_n,
-                                             stream=req.stream, max_new_tokens_fills_context=True)
+                                             rid=req.rid if len(prompts) == 1 else None, stream=req.stream,
+                                             add_special_tokens=add_special, max_new_tokens_fills_context=True,
+                                             **lps.prepare_options())
             out.append((prepared, p if isinstance(p, str) else self.tm.tokenizer.decode(p)))
         return out
 
     async def completions(self, request: web.Request, body: Any) -> web.StreamResponse:
         req = parse_openai(CompletionRequest, body)
         model = self.check_model(req.model)
-        check_completion_supported(req)
-        return_logprob, top_n = completion_logprob_options(req)
-        prompts = await self._completion_prompts(req, return_logprob, top_n)
+        output_lp, top_n = completion_logprob_options(req)
+        overrides = openai_sampling_overrides(req)
+        n = requested_n(req)
+        lps = LogprobPlan(output_lp, top_n, req.prompt_logprobs, rank=overrides.get("n", 1) > n, echo=req.echo)
+        prompts = await self._completion_prompts(req, lps, overrides)
         handles: list[RequestHandle] = []
         try:
             for prepared, _ in prompts:
                 handles.append(await self.tm.submit(prepared))
             rid = f"cmpl-{handles[0].rid}"
-            n = handles[0].n
             if req.stream:
-                return await self._stream_completion(request, handles, prompts, rid, model, req, return_logprob, top_n, n)
+                return await self._stream_completion(request, handles, prompts, rid, model, req, lps, n)
             async for _ in merge_updates(handles):
                 pass
             choices = []
             for p, (h, (_, prompt_text)) in enumerate(zip(handles, prompts)):
-                for c in h.choices:
-                    choices.append(self._completion_choice(p * n + c.index, c, prompt_text, req.echo, return_logprob, top_n))
+                for index, c in self._ranked(h.choices, n):
+                    choice = self._completion_choice(p * n + index, c, prompt_text, req.echo, output_lp, top_n)
+                    if req.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = self._prompt_logprobs(c, req.prompt_logprobs)
+                    choices.append(choice)
             return _json_response({"id": rid, "object": "text_completion", "created": int(handles[0].created),
                                    "model": model, "choices": choices, "usage": self._usage(handles)})
         except APIError as e:
-            _rename_response_format(e, req)
+            _rename_constraint(e, req)
             raise
         finally:
             for h in handles:
@@ -311,8 +401,8 @@ class OpenAIServing:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason_name(c.finish_reason),
                 "matched_stop": matched_stop(c.finish_reason)}
 
-    async def _stream_completion(self, request, handles, prompts, rid, model, req, return_logprob, top_n,
-                                 n) -> web.StreamResponse:
+    async def _stream_completion(self, request, handles, prompts, rid, model, req: CompletionRequest,
+                                 lps: LogprobPlan, n: int) -> web.StreamResponse:
         updates = merge_updates(handles)
         first = await anext(updates, None)
         resp = await self._open_stream(request)
@@ -324,26 +414,29 @@ class OpenAIServing:
             index = p * n + u.index
             text = u.delta
             token_lps, top_lps = list(u.new_token_logprobs), list(u.new_top_logprobs)
-            if index not in started:
+            first_chunk = index not in started
+            if first_chunk:
                 started.add(index)
                 if req.echo:
                     text = prompts[p][1] + text
                     c = u.choice
-                    if return_logprob and c.input_token_logprobs is not None:
+                    if lps.output and c.input_token_logprobs is not None:
                         token_lps = list(c.input_token_logprobs) + token_lps
                         top_lps = list(c.input_top_logprobs or [None] * len(c.input_token_logprobs)) + top_lps
             lp = None
-            if return_logprob and token_lps:
-                lp = self._completion_logprobs(token_lps, top_lps, top_n, offsets.get(index, 0))
+            if lps.output and token_lps:
+                lp = self._completion_logprobs(token_lps, top_lps, lps.top_n, offsets.get(index, 0))
                 offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
-            if text or lp is not None or u.finished:
+            if text or lp is not None or u.finished or first_chunk:
                 reason = u.choice.finish_reason if u.finished else None
                 choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason_name(reason)}
                 if reason is not None:
                     choice["matched_stop"] = matched_stop(reason)
+                if first_chunk and req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(u.choice, req.prompt_logprobs)
                 c = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
                 if req.include_usage:
-                    c["usage"] = None
+                    c["usage"] = self._usage(handles) if req.continuous_usage else None
                 await resp.write(sse_event(c))
 
         try:
@@ -352,6 +445,7 @@ class OpenAIServing:
             async for p, u in updates:
                 await emit(p, u)
         except APIError as e:
+            _rename_constraint(e, req)
             await resp.write(api_error_event(e))
         else:
             if req.include_usage:

@@ -26,8 +26,11 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(_Base):
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
 class ResponseFormat(_Base):
@@ -39,6 +42,8 @@ class ChatMessage(_Base):
     role: str
     content: Union[str, list[dict], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None  # an assistant turn that called tools
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
 
 
 class _OpenAIRequest(_Base):
@@ -49,10 +54,18 @@ class _OpenAIRequest(_Base):
     min_tokens: Optional[int] = None
     rid: Optional[str] = None
     response_format: Optional[ResponseFormat] = None
+    best_of: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    add_special_tokens: Optional[bool] = None
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream_options and (self.stream_options.include_usage
+                                             or self.stream_options.continuous_usage_stats))
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def extras(self) -> dict:
         return dict(self.model_extra or {})
@@ -63,7 +76,10 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-    tools: Optional[list] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Union[str, dict, None] = None
+    parallel_tool_calls: Optional[bool] = None
+    add_generation_prompt: bool = True
 
     @field_validator("messages")
     @classmethod
@@ -78,19 +94,60 @@ class CompletionRequest(_OpenAIRequest):
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
+
+
+# Top-level parameters accepted and deliberately without effect (docs/api.md lists them).
+ACCEPTED_NO_OPS = frozenset({"user"})
+# vLLM's guided-decoding backends: braid has one constrained-decoding engine (regex FSM over the tokenizer, the
+# method of outlines), and every name selects it.
+GUIDED_DECODING_BACKENDS = ("braid", "outlines", "lm-format-enforcer", "xgrammar")
+# Parameters other servers take that braid does not implement -> the value that means "off" (accepted, since it
+# asks for nothing), or _NEVER when any value is refused.
+_NEVER = object()
+NOT_SUPPORTED = {
+    "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
+    "guided_grammar": _NEVER, "suffix": None, "functions": _NEVER, "function_call": _NEVER, "echo": False,
+    "continue_final_message": False, "chat_template": _NEVER, "chat_template_kwargs": _NEVER, "documents": _NEVER,
+    "mm_processor_kwargs": _NEVER, "truncate_prompt_tokens": None, "priority": 0, "request_id": _NEVER,
+    "return_tokens_as_token_ids": False, "logits_processors": _NEVER, "store": False, "metadata": _NEVER,
+    "modalities": _NEVER, "audio": _NEVER, "prediction": _NEVER, "reasoning_effort": _NEVER,
+    "service_tier": _NEVER, "web_search_options": _NEVER,
+}
+_WHY_NOT = {"guided_grammar": "; grammars other than regex and JSON schema have no compiler in braid (use "
+                              "guided_regex or guided_json)",
+            "use_beam_search": "; braid samples (use n with best_of to rank samples by cumulative logprob)",
+            "functions": "; use tools", "function_call": "; use tool_choice"}
+_VLLM_EXTRAS = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_whitespace_pattern",
+                          "guided_decoding_backend", "include_stop_str_in_output"})
 
 
 def parse_openai(model_cls: type[_OpenAIRequest], body: Any) -> Any:
     if not isinstance(body, dict):
         raise bad_request("Request body must be a JSON object")
+    _check_parameter_names(model_cls, body)
     try:
-        return model_cls.model_validate(body)
+        req = model_cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_tag(p)) or None
         raise bad_request(f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param) from None
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    return req
+
+
+def _check_parameter_names(model_cls: type[_OpenAIRequest], body: dict) -> None:
+    """400 naming the first parameter braid would not act on: unknown, or known and not supported."""
+    known = set(model_cls.model_fields) | SAMPLING_FIELDS | _VLLM_EXTRAS | ACCEPTED_NO_OPS
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name in NOT_SUPPORTED:
+            off = NOT_SUPPORTED[name]
+            if off is not _NEVER and (value is None or value == off):
+                continue
+            raise bad_request(f"{name} is not supported{_WHY_NOT.get(name, '')}", param=name, code="unsupported_parameter")
+        raise bad_request(f"unknown parameter {name!r}", param=name, code="unknown_parameter")
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -99,14 +156,6 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 def _is_union_tag(loc_part) -> bool:
     """pydantic puts the tried Union member in error locations ('str', 'list[int]'); they are no parameter."""
     return isinstance(loc_part, str) and (loc_part in _TYPE_TAGS or "[" in loc_part)
-
-
-def _unsupported(req: _OpenAIRequest, names: tuple[str, ...]) -> None:
-    extras = req.extras()
-    for name in names:
-        value = getattr(req, name, None) if name in type(req).model_fields else extras.get(name)
-        if value not in (None, [], {}, False):
-            raise bad_request(f"{name} is not supported", param=name)
 
 
 def _check_int(value: Any, param: str, lo: int, hi: Optional[int] = None) -> None:
@@ -118,8 +167,10 @@ def _check_int(value: Any, param: str, lo: int, hi: Optional[int] = None) -> Non
 
 
 def openai_sampling_overrides(req: _OpenAIRequest) -> dict:
-    """Body keys that are SamplingParams fields, plus the OpenAI names translated."""
-    d = {k: v for k, v in req.extras().items() if k in SAMPLING_FIELDS}
+    """Body keys that are SamplingParams fields, plus the OpenAI and vLLM names translated (`constraint_source`
+    says which parameter a regex/json_schema came from)."""
+    extras = req.extras()
+    d = {k: v for k, v in extras.items() if k in SAMPLING_FIELDS}
     max_tokens = getattr(req, "max_completion_tokens", None)
     param = "max_completion_tokens"
     if max_tokens is None:
@@ -129,10 +180,56 @@ def openai_sampling_overrides(req: _OpenAIRequest) -> dict:
         d["max_new_tokens"] = max_tokens
     if req.min_tokens is not None:
         d["min_new_tokens"] = req.min_tokens
+    include_stop = extras.get("include_stop_str_in_output")
+    if include_stop is not None:
+        if not isinstance(include_stop, bool):
+            raise bad_request("include_stop_str_in_output must be a boolean", param="include_stop_str_in_output")
+        d["no_stop_trim"] = include_stop or bool(d.get("no_stop_trim"))
+    if req.best_of is not None:
+        n = d.get("n", 1)
+        _check_int(req.best_of, "best_of", n if isinstance(n, int) and not isinstance(n, bool) else 1, 128)
+        if req.best_of > n and req.stream:
+            raise bad_request("best_of > n cannot be streamed (the best samples are known only at the end)",
+                              param="best_of")
+        d["n"] = req.best_of
+    _check_int(req.prompt_logprobs, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+    _constraint(req, d)
+    return d
+
+
+def requested_n(req: _OpenAIRequest) -> int:
+    """How many choices the client gets (n); the request samples best_of of them when that is larger."""
+    n = req.extras().get("n", 1)
+    return n if isinstance(n, int) and not isinstance(n, bool) else 1
+
+
+def _constraint(req: _OpenAIRequest, d: dict) -> None:
+    """At most one of regex, json_schema, guided_json/_regex/_choice, response_format (non-text) -> d's regex or
+    json_schema. guided_whitespace_pattern turns a JSON schema into a regex here, with that whitespace."""
+    extras = req.extras()
+    given = [k for k in ("regex", "json_schema", "guided_json", "guided_regex", "guided_choice") if
+             extras.get(k) is not None]
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type != "text":
-        if d.get("regex") is not None or d.get("json_schema") is not None:
-            raise bad_request("response_format cannot be combined with regex or json_schema", param="response_format")
+        given.append("response_format")
+    if len(given) > 1:
+        raise bad_request(f"{given[0]} and {given[1]} cannot be combined (one output constraint per request)",
+                          param=given[0])
+    backend = extras.get("guided_decoding_backend")
+    if backend is not None and backend not in GUIDED_DECODING_BACKENDS:
+        raise bad_request(f"guided_decoding_backend must be one of {', '.join(GUIDED_DECODING_BACKENDS)} (all use "
+                          f"braid's regex FSM), got {backend!r}", param="guided_decoding_backend")
+    source = given[0] if given else None
+    if source == "guided_json":
+        d["json_schema"] = _json_schema_value(extras["guided_json"], "guided_json")
+    elif source == "guided_regex":
+        regex = extras["guided_regex"]
+        if not isinstance(regex, str) or not regex:
+            raise bad_request("guided_regex must be a non-empty string", param="guided_regex")
+        d["regex"] = regex
+    elif source == "guided_choice":
+        d["regex"] = _choice_regex(extras["guided_choice"])
+    elif source == "response_format":
         if rf.type == "json_object":
             d["json_schema"] = {"type": "object"}
         else:
@@ -143,7 +240,74 @@ def openai_sampling_overrides(req: _OpenAIRequest) -> dict:
             if not isinstance(schema, (dict, bool)):
                 raise bad_request("response_format.json_schema.schema must be an object", param="response_format")
             d["json_schema"] = json.dumps(schema)
-    return d
+    whitespace = extras.get("guided_whitespace_pattern")
+    if whitespace is not None:
+        if not isinstance(whitespace, str):
+            raise bad_request("guided_whitespace_pattern must be a string", param="guided_whitespace_pattern")
+        if d.get("json_schema") is None:
+            raise bad_request("guided_whitespace_pattern applies to a JSON schema (guided_json, json_schema or "
+                              "response_format)", param="guided_whitespace_pattern")
+        d["regex"] = _schema_regex(d.pop("json_schema"), whitespace, source or "json_schema")
+
+
+def constraint_param(req: _OpenAIRequest) -> Optional[str]:
+    """The parameter a request's output constraint came from (for errors found later, e.g. by the compiler)."""
+    extras = req.extras()
+    for k in ("guided_json", "guided_regex", "guided_choice"):
+        if extras.get(k) is not None:
+            return k
+    rf = getattr(req, "response_format", None)
+    return "response_format" if rf is not None and rf.type != "text" else None
+
+
+def _json_schema_value(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise bad_request(f"{param}: not valid JSON ({e})", param=param) from None
+    if not isinstance(value, (dict, bool)):
+        raise bad_request(f"{param} must be a JSON schema (an object), got {type(value).__name__}", param=param)
+    return json.dumps(value)
+
+
+def _choice_regex(choices: Any) -> str:
+    from braid.runtime.constrained.fsm import GrammarError
+    from braid.runtime.constrained.json_schema import choices_to_regex
+
+    if not isinstance(choices, list):
+        raise bad_request("guided_choice must be a list of strings", param="guided_choice")
+    try:
+        return choices_to_regex(choices)
+    except GrammarError as e:
+        raise bad_request(f"guided_choice: {e}", param="guided_choice") from None
+
+
+def _schema_regex(schema: Any, whitespace: str, param: str) -> str:
+    from braid.runtime.constrained.fsm import GrammarError
+    from braid.runtime.constrained.json_schema import json_schema_to_regex
+
+    try:
+        return json_schema_to_regex(schema, whitespace)
+    except GrammarError as e:
+        raise bad_request(f"{param}: {e}", param=param) from None
+
+
+@dataclass
+class LogprobPlan:
+    """What a request's logprobs serve: the client's output logprobs, prompt_logprobs, best_of's ranking."""
+
+    output: bool  # the client asked for the output tokens' logprobs
+    top_n: int  # alternatives per output token
+    prompt: Optional[int] = None  # prompt_logprobs: alternatives per prompt token
+    rank: bool = False  # best_of > n: choices are ranked by cumulative logprob
+    echo: bool = False  # completions' echo: the prompt's logprobs come first
+
+    def prepare_options(self) -> dict:
+        """prepare_request's logprob keywords."""
+        return {"return_logprob": self.output or self.prompt is not None or self.rank,
+                "top_logprobs_num": max(self.top_n, self.prompt or 0),
+                "logprob_start_len": 0 if self.prompt is not None or (self.echo and self.output) else -1}
 
 
 def chat_logprob_options(req: ChatCompletionRequest) -> tuple[bool, int]:
@@ -156,17 +320,6 @@ def chat_logprob_options(req: ChatCompletionRequest) -> tuple[bool, int]:
 def completion_logprob_options(req: CompletionRequest) -> tuple[bool, int]:
     _check_int(req.logprobs, "logprobs", 0, MAX_TOP_LOGPROBS)
     return req.logprobs is not None, int(req.logprobs or 0)
-
-
-def check_chat_supported(req: ChatCompletionRequest) -> None:
-    _unsupported(req, ("tools", "tool_choice", "functions", "logit_bias"))
-
-
-def check_completion_supported(req: CompletionRequest) -> None:
-    _unsupported(req, ("suffix", "logit_bias"))
-    n = req.extras().get("n", 1)
-    if req.best_of is not None and req.best_of != n:
-        raise bad_request("best_of different from n is not supported", param="best_of")
 
 
 # ---- native /generate ---------------------------------------------------------------------------

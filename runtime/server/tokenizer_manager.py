@@ -14,6 +14,7 @@ import concurrent.futures
 import copy
 import functools
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -206,17 +207,25 @@ class TokenizerManager:
             raise bad_request(f"{what} {num_chars} characters; this server accepts at most {limit} "
                               "(--max-prompt-chars)", param=param, code="prompt_too_long")
 
-    async def apply_chat_template(self, messages: list[dict]) -> str:
+    async def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None,
+                                  add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation; `tools` goes to templates that render tool definitions."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; start the server with --chat-template, or use "
                               "/v1/completions", param="messages")
-        self.check_prompt_chars(sum(len(m.get("content") or "") for m in messages), "messages")
+        tool_chars = len(json.dumps(tools)) if tools else 0
+        self.check_prompt_chars(sum(len(m.get("content") or "") for m in messages) + tool_chars, "messages")
+        extra = {"tools": tools} if tools else {}
         apply = functools.partial(self.tokenizer.apply_chat_template, messages, tokenize=False,
-                                  add_generation_prompt=True)
+                                  add_generation_prompt=add_generation_prompt, **extra)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, apply)
         except Exception as e:  # jinja errors from a template that rejects the conversation
             raise bad_request(f"chat template failed on these messages: {e}", param="messages") from None
+
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return list(await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, encode))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -272,7 +281,7 @@ class TokenizerManager:
         self.check_accepting()
         if req.rid in self.handles:
             raise bad_request(f"a request with rid {req.rid!r} is already running", param="rid")
-        handle = RequestHandle(req, self.tokenizer, self.metrics)
+        handle = RequestHandle(req, self.tokenizer, self.metrics, self.server_args.request_timeout_s)
         self.handles[req.rid] = handle
         self._idle.clear()
         try:
@@ -298,8 +307,8 @@ class TokenizerManager:
             del self.handles[handle.rid]
         if not handle.finished:
             self.metrics.requests_aborted.inc()
-            if not self.dead:
-                await self._send_quietly(M.AbortReq(handle.rid))
+        if handle.scheduler_finished < handle.n and not self.dead:  # unfinished, or ended here (deadline, abort)
+            await self._send_quietly(M.AbortReq(handle.rid))
         if not self.handles:
             self._idle.set()
 
