@@ -124,11 +124,26 @@ class ServerArgs:
     def __post_init__(self):
         for name, aliases in VALUE_ALIASES.items():
             value = getattr(self, name)
+    # ---- images and video (vision models) ----
+    allowed_local_media_path: Optional[str] = _opt(None, "image/video files may be read from this directory (and "
+                                                         "below) by path or file:// URL (None: no local files)")
+    allow_remote_media: bool = _opt(False, "fetch http(s) image URLs (never from loopback, private or reserved "
+                                           "addresses, redirects included)")
+    max_image_bytes: int = _opt(20 * 2**20, "largest encoded image or frame, in bytes (400 beyond it)")
+    max_image_pixels: int = _opt(4096 * 4096, "most pixels in one decoded image or frame (400 beyond it)")
+    max_video_frames: int = _opt(64, "most frames in one video (400 beyond it)")
+    max_media_items: int = _opt(16, "most images and videos in one request (400 beyond it)")
+    media_timeout_s: float = _opt(10.0, "longest time one remote image download may take (400 beyond it)")
+
             if value in aliases:
                 object.__setattr__(self, name, aliases[value])
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
             raise ValueError("chunked_prefill_size must be -1 or >= 1")
         if not 0.0 < self.mem_fraction_static < 1.0:
+        if min(self.max_image_bytes, self.max_image_pixels, self.max_video_frames, self.max_media_items) < 1 \
+                or self.media_timeout_s <= 0:
+            raise ValueError("max_image_bytes, max_image_pixels, max_video_frames, max_media_items must be >= 1 and "
+                             "media_timeout_s > 0")
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("max_total_tokens must be >= 16")

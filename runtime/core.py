@@ -78,6 +78,8 @@ class Req:
     stream: bool = False
     index: int = 0  # choice index for n > 1
     is_internal: bool = False  # the shared-prompt prefill of an n > 1 request: never reported
+    # images/videos: pixels, placeholder ranges in input_ids, content hashes (runtime/multimodal/inputs.py)
+    mm_inputs: Any = None
 
     # ---- filled by the scheduler ----
     output_ids: list[int] = field(default_factory=list)
@@ -154,7 +156,7 @@ class ForwardBatch:
     logits_targets: Optional[torch.Tensor] = None
     # filled by the scheduler: how to sample each request's next token (None: no sampling, logits only)
     sampling_info: Optional["SamplingBatchInfo"] = None
-    # multimodal inputs (models that take them read what they need)
+    # EXTEND only: per request its MultimodalInputs or None ([B]); models that take media read what they need
     mm_inputs: Optional[list] = None
     # attention-backend-specific metadata
     attn_metadata: Any = None

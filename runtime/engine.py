@@ -46,6 +46,7 @@ class Engine:
         self._closed = False
         self._error: Optional[BaseException] = None
         self._counter = itertools.count()
+        self._preparer = None  # the MultimodalPreparer of a vision model, built on first use
         # The scheduler (model load included) is built on the thread that runs it: every torch op then runs on
         # one thread. On CPU this matters: each thread that runs parallel ops gets its own OpenMP team, and
         # with more team threads than cores OpenMP stops spinning between parallel regions, so every small op
@@ -135,7 +136,7 @@ class Engine:
     # ---- API ----
     def generate(self, prompt: Union[None, str, list[str]] = None, sampling_params: Union[None, dict, list, SamplingParams] = None,
                  input_ids=None, return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 stream: bool = False, rid: Optional[str] = None, image_data=None):
+                 stream: bool = False, rid: Optional[str] = None, image_data=None, video_data=None):
         """What POST /generate answers: a result dict (a list for a batch or n > 1), or with stream=True an
         iterator of chunks (text cumulative, plus `delta` and `index`). Bad input raises ValueError."""
         batch = isinstance(prompt, list) or (input_ids is not None and len(input_ids) > 0 and isinstance(input_ids[0], list))
@@ -149,6 +150,7 @@ class Engine:
             raise ValueError("sampling_params list must match the number of prompts")
         per_prompt = batch and isinstance(image_data, list) and len(image_data) == count
         images = image_data if per_prompt else [image_data] * count
+        videos = video_data if batch and isinstance(video_data, list) and len(video_data) == count else [video_data] * count
         if stream and count != 1:
             raise ValueError("stream=True takes a single prompt")
         model = self.served_model()
@@ -157,7 +159,8 @@ class Engine:
             r = rid if (rid and count == 1) else f"{rid or uuid.uuid4().hex}-{next(self._counter)}"
             reqs.append(prepare_request(model, prompts[i] if prompts is not None else ids_list[i], sps[i], rid=r,
                                         return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                        top_logprobs_num=top_logprobs_num, stream=stream, image_data=images[i]))
+                                        top_logprobs_num=top_logprobs_num, stream=stream, image_data=images[i],
+                                        video_data=videos[i]))
         pendings = []
         for req in reqs:
             pending = _Pending(req, self.tokenizer)
@@ -179,7 +182,18 @@ class Engine:
         sched = self._live_scheduler()
         return ServedModel(model_path=self.server_args.model_path, name=self.server_args.model_name,
                            tokenizer=self.tokenizer, context_len=sched.context_len, vocab_size=sched.vocab_size,
-                           kv_total_tokens=sched.kv_pool.size, is_multimodal=sched.model_config.is_multimodal)
+                           kv_total_tokens=sched.kv_pool.size, is_multimodal=sched.model_config.is_multimodal,
+                           multimodal=self._multimodal_preparer(sched.model_config))
+
+    def _multimodal_preparer(self, model_config):
+        if not model_config.is_multimodal:
+            return None
+        if self._preparer is None:
+            from braid.runtime.multimodal.media import MediaLimits
+            from braid.runtime.multimodal.prompt import MultimodalPreparer
+
+            self._preparer = MultimodalPreparer.for_model(model_config, MediaLimits.from_server_args(self.server_args))
+        return self._preparer
 
     def get_model_info(self) -> dict:
         """What GET /get_model_info answers."""

@@ -22,7 +22,8 @@ def validate_request(req: Req, vocab_size: int, context_len: int, kv_pool_size: 
     sp.verify(vocab_size)
     if not req.input_ids:
         raise RequestError("the prompt is empty", "prompt")
-    if any((not isinstance(t, int)) or t < 0 or t >= vocab_size for t in req.input_ids):
+    model_ids = req.input_ids if req.mm_inputs is None else req.mm_inputs.model_ids(req.input_ids, 0)
+    if any((not isinstance(t, int)) or t < 0 or t >= vocab_size for t in model_ids):
         raise RequestError("input_ids contain a token id outside the vocabulary", "input_ids")
     if len(req.input_ids) >= context_len:
         raise RequestError(f"the prompt has {len(req.input_ids)} tokens; the model's context is {context_len}", "prompt")
@@ -49,11 +50,13 @@ def fan_out(req: Req, share_prefill: bool) -> tuple[Optional[Req], list[Req]]:
     children = [Req(rid=req.rid, index=i, input_ids=list(req.input_ids),
                     sampling_params=sp.merged(n=1, seed=None if sp.seed is None else sp.seed + i),
                     return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                    top_logprobs_num=req.top_logprobs_num, stream=req.stream) for i in range(sp.n)]
+                    top_logprobs_num=req.top_logprobs_num, stream=req.stream, mm_inputs=req.mm_inputs)
+                for i in range(sp.n)]
     if not share_prefill:
         return None, children
     prefill_only = dataclasses.replace(sp, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None)
-    parent = Req(rid=req.rid, index=-1, input_ids=list(req.input_ids), sampling_params=prefill_only, is_internal=True)
+    parent = Req(rid=req.rid, index=-1, input_ids=list(req.input_ids), sampling_params=prefill_only, is_internal=True,
+                 mm_inputs=req.mm_inputs)
     return parent, children
 
 

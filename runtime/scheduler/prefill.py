@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from braid.runtime.core import ForwardBatch, ForwardMode, Req, host_to_device
+from braid.runtime.multimodal.inputs import item_aligned_chunk_len, item_aligned_prefix_len
 
 LPM_MAX_QUEUE = 128
 LPM_MAX_WAIT_S = 5.0
@@ -41,6 +42,8 @@ def wants_prompt_logprobs(req: Req) -> bool:
 def match_prefix(req: Req, tree_cache) -> None:
     req.fill_ids = req.input_ids + req.output_ids
     req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[: max_prefix_len(req)])
+    if req.mm_inputs is not None:  # an image or video is computed whole or taken whole from the cache
+        req.prefix_indices = req.prefix_indices[:item_aligned_prefix_len(req.mm_inputs, len(req.prefix_indices))]
 
 
 @dataclass
@@ -98,7 +101,7 @@ class PrefillPlanner:
             prefix_len = len(req.prefix_indices)
             extend = len(req.fill_ids) - prefix_len
             decode_need = int((req.sampling_params.max_new_tokens - len(req.output_ids)) * new_token_ratio)
-            take = min(extend, token_budget)
+            take = item_aligned_chunk_len(req.mm_inputs, prefix_len, min(extend, token_budget))
             self.tree_cache.inc_lock_ref(req.last_node)  # before anything is evicted, so its own prefix survives
             kv_left = (self.tree_cache.available_slots() - reserved_decode - reserved_new
                        - sum(r.extend_input_len for r in batch))
@@ -153,13 +156,14 @@ class PrefillPlanner:
         if out_loc is None:
             return None
         input_ids, positions, logit_rows, targets, slices, prefix_lens = [], [], [], [], [], []
+        mm_inputs = [r.mm_inputs for r in batch]
         offset = 0
         req_to_token = self.req_to_token_pool.req_to_token
         for req, n in zip(batch, lens):
             start = req.kv_committed_len
             prefix_lens.append(start)
             req_to_token[req.req_pool_idx, start:start + n] = out_loc[offset:offset + n].to(torch.int32)
-            input_ids.extend(req.fill_ids[start:start + n])
+            input_ids.extend(_model_ids(req, req.fill_ids[start:start + n], start))
             positions.extend(range(start, start + n))
             if wants_prompt_logprobs(req):
                 # the logits at position p score token p + 1
@@ -167,7 +171,7 @@ class PrefillPlanner:
                 hi = max(lo, min(start + n, len(req.input_ids) - 1))
                 slices.append(PromptLogprobSlice(req, len(logit_rows), lo, hi, start + n))
                 logit_rows.extend(range(offset + lo - start, offset + hi - start))
-                targets.extend(req.input_ids[lo + 1:hi + 1])
+                targets.extend(_model_ids(req, req.input_ids[lo + 1:hi + 1], lo + 1))
             offset += n
         dev = self.device
         seq_lens_cpu = [p + n for p, n in zip(prefix_lens, lens)]
@@ -185,6 +189,7 @@ class PrefillPlanner:
             extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=lens,
             logits_indices=host_to_device(logit_rows, torch.int64, dev) if logit_rows else None,
             logits_targets=host_to_device(targets, torch.int64, dev) if logit_rows else None,
+            mm_inputs=mm_inputs if any(m is not None for m in mm_inputs) else None,
         )
         return fb, slices
 
@@ -198,19 +203,26 @@ def record_prompt_logprobs(slices: list[PromptLogprobSlice], host: dict) -> None
         if req.input_logprobs_partial is None:
             req.input_logprobs_partial = ([], [])
             if req.logprob_start_len == 0:
-                req.input_logprobs_partial[0].append((None, req.input_ids[0]))
+                req.input_logprobs_partial[0].append((None, _model_ids(req, req.input_ids[:1], 0)[0]))
                 req.input_logprobs_partial[1].append(None)
         token_lps, top_lps = req.input_logprobs_partial
         n = req.top_logprobs_num
+        scored = _model_ids(req, req.input_ids[s.lo + 1:s.hi + 1], s.lo + 1)
         for j in range(s.hi - s.lo):
             row = s.row0 + j
-            token_lps.append((lps[row], req.input_ids[s.lo + 1 + j]))
+            token_lps.append((lps[row], scored[j]))
             top_lps.append(list(zip(top_v[row][:n], top_i[row][:n])) if n and top_v is not None else None)
         if s.chunk_end >= len(req.input_ids) - 1:
             req.input_token_logprobs, req.input_top_logprobs = token_lps, top_lps
             req.input_logprobs_partial = None
 
 
+def _model_ids(req: Req, ids: list[int], start: int) -> list[int]:
+    """What the model sees at positions start..: image/video placeholders as the model's media token ids."""
+    return ids if req.mm_inputs is None else req.mm_inputs.model_ids(ids, start)
+
+
 def _set_extend_len(req: Req, remaining: int, token_budget: int) -> None:
-    req.extend_input_len = min(remaining, token_budget)
+    # a chunk ends at an image/video boundary (an item longer than the budget is taken whole)
+    req.extend_input_len = item_aligned_chunk_len(req.mm_inputs, req.kv_committed_len, min(remaining, token_budget))
     req.is_chunked = req.extend_input_len < remaining

@@ -29,6 +29,7 @@ class ServedModel:
     kv_total_tokens: Optional[int] = None
     is_multimodal: bool = False  # has a vision tower: takes images and video
     is_generation: bool = True
+    multimodal: Any = None  # runtime/multimodal/prompt.MultimodalPreparer when is_multimodal
 
     @classmethod
     def from_model_info(cls, model_path: str, name: str, tokenizer: Any, context_len: int, vocab_size: int,
@@ -68,30 +69,38 @@ def prepare_request(model: ServedModel, prompt: Union[str, list[int]],
     max_new_tokens, logprob_start_len, top_logprobs_num, image_data, video_data, audio_data, or the
     sampling field at fault.
     """
-    _check_media(model, image_data, video_data, audio_data)
-    input_ids = _tokenize(model, prompt, add_special_tokens)
+    mm_inputs = None
+    if _check_media(model, image_data, video_data, audio_data):
+        _tokenize(model, prompt, add_special_tokens)  # the prompt's own checks
+        input_ids, mm_inputs = model.multimodal.prepare(model.tokenizer, prompt, image_data, video_data,
+                                                        add_special_tokens)
+    else:
+        input_ids = _tokenize(model, prompt, add_special_tokens)
     sp = _sampling_params(model, sampling_params, len(input_ids), max_new_tokens_fills_context)
     _check_length(model, len(input_ids), sp.max_new_tokens)
     _check_logprobs(len(input_ids), return_logprob, logprob_start_len, top_logprobs_num)
     return Req(rid=rid, input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
-               logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream)
+               logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream,
+               mm_inputs=mm_inputs)
 
 
 def _has_media(data: Any) -> bool:
     return data is not None and data != [] and data != ""
 
 
-def _check_media(model: ServedModel, image_data: Any, video_data: Any, audio_data: Any) -> None:
+def _check_media(model: ServedModel, image_data: Any, video_data: Any, audio_data: Any) -> bool:
+    """Whether the request carries images or video (the model takes them); refuses media it cannot take."""
     if _has_media(audio_data):
         raise RequestError(f"model {model.name} takes no audio input", "audio_data", "unsupported_input")
+    has_media = False
     for kind, data in (("image", image_data), ("video", video_data)):
         if not _has_media(data):
             continue
-        if not model.is_multimodal:
+        if not model.is_multimodal or model.multimodal is None:
             raise RequestError(f"model {model.name} takes no {kind} input (it has no vision tower)", f"{kind}_data",
                                "unsupported_input")
-        raise RequestError(f"{kind} input to model {model.name} needs multimodal preprocessing, which braid does not "
-                           "have yet", f"{kind}_data", "unsupported_input")
+        has_media = True
+    return has_media
 
 
 def _tokenize(model: ServedModel, prompt: Union[str, list[int]], add_special_tokens: bool) -> list[int]:
