@@ -1,0 +1,332 @@
+"""Gemma-2 on tiny random configs (window 16 on layers 0 and 2, layer 1 global, soft-caps that bite): braid loads
+HF's safetensors and matches HF `Gemma2ForCausalLM` (eager attention, fp32) in greedy tokens and in the logits of
+every position it computes (max |Δlogit| <= 1e-3): prefill, decode far past the window, chunked prefill across the
+window, a cached prefix longer than the window, mixed-length batches; on the torch backend and on the Triton
+backend (under TRITON_INTERPRET=1 on CPU, set by tests/conftest.py; smaller cases there)."""
+
+import os
+
+import pytest
+import torch
+
+from braid.runtime import Engine
+
+WINDOW = 16
+VOCAB = 512
+ATOL = 1e-3
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def _config(**overrides):
+    import transformers
+
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=WINDOW,
+                  query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    return transformers.Gemma2Config(**{**kwargs, **overrides})
+
+
+def _save(path, cfg, seed=0):
+    """A random Gemma2ForCausalLM saved with save_pretrained; returned in eager attention for the reference."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Gemma2ForCausalLM(cfg)
+    with torch.no_grad():  # larger weights than HF's init: logits far from uniform, both soft-caps reached
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.5 if name.endswith("norm.weight") else 0.25)
+    model.save_pretrained(path, safe_serialization=True)
+    model.config._attn_implementation = "eager"
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma2")
+    return str(path), _save(path, _config())
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """Lets the Engine take the Triton backend on CPU, where its kernels run under TRITON_INTERPRET=1."""
+    from braid.runtime.model_executor import model_runner
+
+    if not torch.cuda.is_available():
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+        monkeypatch.setattr(model_runner, "check_backend_device", lambda name, device: None)
+
+
+def _engine(path, backend, **kw):
+    kw = {"max_total_tokens": 2048, "max_running_requests": 8, "log_level": "warning", **kw}
+    return Engine(model_path=path, tokenizer_path="smollm2", attention_backend=backend, **kw)
+
+
+def _prompts(lengths, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+class LogitTrace:
+    """The logits braid computes for every row of every forward pass (its LM head, final soft-cap included, applied
+    to all rows), with the request slot and position of each row, to be checked against HF's at that position."""
+
+    def __init__(self, engine):
+        self.rows = []  # (request slot, position, extend run (first position, tokens) or None, logits [V])
+        self.decode_batch_sizes = []
+        self._handle = engine.scheduler.runner.model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, hidden):
+        fb = args[0]
+        logits = module.lm_head(hidden)[:, :VOCAB].float().cpu()
+        ids, pos = fb.input_ids.cpu().tolist(), fb.positions.cpu().tolist()
+        slots = fb.req_pool_indices.cpu().tolist()
+        if fb.forward_mode.is_decode():
+            self.decode_batch_sizes.append(fb.batch_size)
+            self.rows += [(slots[i], pos[i], None, logits[i]) for i in range(fb.batch_size)]
+            return
+        start = 0
+        for i, n in enumerate(fb.extend_seq_lens_cpu):
+            run = (pos[start], tuple(ids[start:start + n]))
+            self.rows += [(slots[i], pos[start + j], run, logits[start + j]) for j in range(n)]
+            start += n
+
+    def close(self):
+        self._handle.remove()
+
+    def by_sequence(self, sequences):
+        """-> per sequence [(position, logits)]: an extend run belongs to the sequence holding its tokens at its
+        positions, a decode row to the sequence last extended in the same request slot."""
+        owner, out = {}, [[] for _ in sequences]
+        for slot, p, run, logits in self.rows:
+            if run is not None:
+                first, tokens = run
+                hits = [k for k, s in enumerate(sequences) if tuple(s[first:first + len(tokens)]) == tokens]
+                assert hits, "an extend run matches no request"
+                owner[slot] = hits[0]
+            out[owner[slot]].append((p, logits))
+        return out
+
+    def extend_runs(self):
+        return sorted({run for _, _, run, _ in self.rows if run is not None})
+
+
+def _hf_logits(hf, seq):
+    with torch.no_grad():
+        return hf(torch.tensor([seq])).logits[0].float()
+
+
+def _run(path, backend, prompts, new_tokens, **engine_kw):
+    """Prompts submitted together (one batch) -> (results, trace)."""
+    with _engine(path, backend, **engine_kw) as engine:
+        trace = LogitTrace(engine)
+        res = engine.generate(input_ids=prompts, sampling_params={**GREEDY, "max_new_tokens": new_tokens})
+        trace.close()
+    return res, trace
+
+
+def _check(hf, prompts, results, trace, new_tokens):
+    """Greedy tokens equal HF generate's (its sliding-window cache) and every logit row braid computed equals HF's
+    full forward of the final sequence at that row's position (its eager sliding-window mask)."""
+    sequences = [p + r["output_ids"] for p, r in zip(prompts, results)]
+    worst = 0.0
+    for k, rows in enumerate(trace.by_sequence(sequences)):
+        prompt = prompts[k]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        assert results[k]["output_ids"] == ref[0, len(prompt):].tolist(), f"greedy tokens of request {k}"
+        positions = {p for p, _ in rows}
+        assert set(range(len(prompt) - 1, len(sequences[k]) - 1)) <= positions, "rows missing from the trace"
+        want = _hf_logits(hf, sequences[k])
+        worst = max([worst] + [(got - want[p]).abs().max().item() for p, got in rows])
+    assert worst <= ATOL, f"max |Δlogit| {worst:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------- torch backend
+
+def test_prefill_only(checkpoint):
+    path, hf = checkpoint
+    prompts = _prompts([64, 200])
+    for prompt in prompts:
+        res, trace = _run(path, "torch", [prompt], 1)
+        _check(hf, [prompt], res, trace, 1)
+
+
+@pytest.mark.parametrize("backend,prompt_len,new_tokens", [("torch", 64, 100), ("triton", 24, 20)])
+def test_decode_past_the_window(checkpoint, triton_on_cpu, backend, prompt_len, new_tokens):
+    path, hf = checkpoint
+    prompts = _prompts([prompt_len], seed=2)
+    res, trace = _run(path, backend, prompts, new_tokens)
+    _check(hf, prompts, res, trace, new_tokens)
+
+
+@pytest.mark.parametrize("backend,prompt_len", [("torch", 72), ("triton", 40)])
+def test_chunked_prefill_across_the_window(checkpoint, triton_on_cpu, backend, prompt_len):
+    path, hf = checkpoint
+    prompts = _prompts([prompt_len], seed=3)
+    res, trace = _run(path, backend, prompts, 4, chunked_prefill_size=8)
+    runs = trace.extend_runs()
+    assert len(runs) == prompt_len // 8 and all(len(tokens) == 8 for _, tokens in runs)
+    _check(hf, prompts, res, trace, 4)
+
+
+@pytest.mark.parametrize("backend,prefix_len", [("torch", 100), ("triton", 40)])
+def test_cached_prefix_longer_than_the_window(checkpoint, triton_on_cpu, backend, prefix_len):
+    """A follow-up request extends a finished one (the radix cache holds its window KV at its end) and computes
+    only its new tokens; a request branching off inside the cached prefix is right too (hit or recomputed)."""
+    path, hf = checkpoint
+    prefix, tail_b, tail_c = _prompts([prefix_len, 9, 13], seed=4)
+    with _engine(path, backend) as engine:
+        first = engine.generate(input_ids=prefix, sampling_params={**GREEDY, "max_new_tokens": 4})
+        follow_up = prefix + first["output_ids"] + tail_b
+        trace = LogitTrace(engine)
+        second = engine.generate(input_ids=follow_up, sampling_params={**GREEDY, "max_new_tokens": 6})
+        trace.close()
+        branch = prefix[:prefix_len - 5] + tail_c
+        branch_trace = LogitTrace(engine)
+        third = engine.generate(input_ids=branch, sampling_params={**GREEDY, "max_new_tokens": 6})
+        branch_trace.close()
+    (start, tokens), = trace.extend_runs()
+    assert start >= prefix_len > WINDOW and start + len(tokens) == len(follow_up)
+    _check(hf, [follow_up], [second], trace, 6)
+    _check(hf, [branch], [third], branch_trace, 6)
+
+
+@pytest.mark.parametrize("backend,lengths,new_tokens", [("torch", [64, 130, 200, 5], 24), ("triton", [30, 7, 45], 8)])
+def test_batch_of_mixed_lengths(checkpoint, triton_on_cpu, backend, lengths, new_tokens):
+    path, hf = checkpoint
+    prompts = _prompts(lengths, seed=5)
+    res, trace = _run(path, backend, prompts, new_tokens)
+    assert max(trace.decode_batch_sizes) == len(prompts)
+    _check(hf, prompts, res, trace, new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------- the conventions
+
+def test_window_covers_the_last_w_keys(tmp_path, triton_on_cpu):
+    """With one windowed layer, the logits at position p ignore the token at p - W and depend on the one at
+    p - W + 1: HF's convention (p - W, p], which braid follows in prefill and in decode, on both backends."""
+    hf = _save(tmp_path, _config(num_hidden_layers=1))
+    assert hf.config.layer_types == ["sliding_attention"]
+    base = _prompts([40], seed=6)[0]
+    p = len(base) - 1
+
+    def changed(i):
+        seq = list(base)
+        seq[i] = (seq[i] + 1) % VOCAB
+        return seq
+
+    variants = [base, changed(p - WINDOW), changed(p - WINDOW + 1)]
+    hf_last = [_hf_logits(hf, s)[p] for s in variants]
+    assert torch.equal(hf_last[0], hf_last[1]) and (hf_last[0] - hf_last[2]).abs().max() > 1e-2
+    for backend in ("torch", "triton"):
+        # prompts of p tokens: the prefill's last row is at p - 1, the first decode step's query at p; the decode
+        # token differs between variants only if the prefill saw the change, so feed each variant HF's token
+        res, trace = _run(str(tmp_path), backend, [s[:p] for s in variants], 2)
+        rows = [dict(r) for r in trace.by_sequence([s[:p] + r["output_ids"] for s, r in zip(variants, res)])]
+        assert (rows[0][p - 1] - rows[1][p - 1]).abs().max() > 1e-2, backend  # p - W is in the window of p - 1
+        assert res[0]["output_ids"][0] == res[1]["output_ids"][0]  # the same token at p, and p - W out of its window:
+        assert (rows[0][p] - rows[1][p]).abs().max() < 1e-5, backend
+        assert (rows[0][p] - rows[2][p]).abs().max() > 1e-2, backend
+        for seq, r, row in zip(variants, res, rows):
+            want = _hf_logits(hf, seq[:p] + r["output_ids"][:1])
+            assert (row[p - 1] - want[p - 1]).abs().max() < ATOL and (row[p] - want[p]).abs().max() < ATOL, backend
+
+
+def test_soft_caps_are_active(tmp_path, checkpoint):
+    """Removing either soft-cap changes braid's logits; with them, logits stay inside the final cap and the
+    returned logprobs are the log-softmax of the capped logits."""
+    path, hf = checkpoint
+    prompt = _prompts([48], seed=7)[0]
+    res, trace = _run(path, "torch", [prompt], 1)
+    capped = torch.stack([logits for _, p, _, logits in trace.rows])
+    assert capped.abs().max() < 4.0 and capped.abs().max() > 3.0  # the final cap (4.0) bites
+    for name, field in (("attn", "attn_logit_softcapping"), ("final", "final_logit_softcapping")):
+        folder = tmp_path / name
+        _save(folder, _config(**{field: None}))
+        _, uncapped = _run(str(folder), "torch", [prompt], 1)
+        diff = (torch.stack([logits for _, _, _, logits in uncapped.rows]) - capped).abs().max()
+        assert diff > 0.1, f"{field} had no effect ({diff:.1e})"
+    with _engine(path, "torch") as engine:
+        out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3}, return_logprob=True,
+                              logprob_start_len=0, top_logprobs_num=5)
+    meta = out["meta_info"]
+    logp = torch.log_softmax(_hf_logits(hf, prompt + out["output_ids"]), -1)
+    for k, (lp, tok) in enumerate(meta["output_token_logprobs"]):
+        assert abs(lp - logp[len(prompt) - 1 + k, tok].item()) < ATOL
+    for pos, (lp, tok) in enumerate(meta["input_token_logprobs"][1:], start=1):
+        assert abs(lp - logp[pos - 1, tok].item()) < ATOL
+
+
+# ---------------------------------------------------------------------------------------------- the kernels
+
+def _scattered_layout(seq_lens, h_kv, d, gen):
+    """req_to_token [B, max len] over KV slots in random order (slot 0 unused), random K and V buffers."""
+    total = sum(seq_lens)
+    slots = torch.randperm(total, generator=gen) + 1
+    req_to_token = torch.zeros((len(seq_lens), max(seq_lens)), dtype=torch.int32)
+    k_buf = torch.randn(total + 1, h_kv, d, generator=gen)
+    v_buf = torch.randn(total + 1, h_kv, d, generator=gen)
+    off = 0
+    for b, n in enumerate(seq_lens):
+        req_to_token[b, :n] = slots[off:off + n].int()
+        off += n
+    return req_to_token, k_buf, v_buf
+
+
+def _reference(q, keys, vals, q_pos, scale, cap, window):
+    # q [n, H, D], keys/vals [L, Hkv, D] at positions 0..L-1 -> [n, H, D]
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, 1).transpose(0, 1)
+    v = vals.repeat_interleave(group, 1).transpose(0, 1)
+    s = torch.matmul(q.transpose(0, 1), k.transpose(1, 2)) * scale
+    s = cap * torch.tanh(s / cap)
+    k_pos = torch.arange(keys.shape[0])
+    visible = (k_pos[None] <= q_pos[:, None]) & (k_pos[None] > q_pos[:, None] - window)
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.matmul(torch.softmax(s, -1), v).transpose(0, 1)
+
+
+def test_triton_kernels_skip_keys_outside_the_window():
+    """Extend with a cached prefix longer than W (and a chunk starting past it) and decode never read the KV of
+    keys older than the window: their slots hold NaN and the outputs are finite and right."""
+    from braid.runtime.layers.attention.triton_ops import decode_attention_fwd, extend_attention_fwd
+
+    gen = torch.Generator().manual_seed(8)
+    h, h_kv, d, cap, scale = 4, 2, 16, 3.0, 0.2
+    prefix_lens, ext_lens = [40, 3, 50], [20, 30, 8]
+    seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
+    req_to_token, k_buf, v_buf = _scattered_layout(seq_lens, h_kv, d, gen)
+    truth_k, truth_v = k_buf.clone(), v_buf.clone()
+    rows = torch.arange(len(seq_lens))
+    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    q = torch.randn(sum(ext_lens), h, d, generator=gen)
+    ext_k = torch.cat([truth_k[req_to_token[b, p:p + e].long()] for b, (p, e) in enumerate(zip(prefix_lens, ext_lens))])
+    ext_v = torch.cat([truth_v[req_to_token[b, p:p + e].long()] for b, (p, e) in enumerate(zip(prefix_lens, ext_lens))])
+    # the KV of keys older than every query's window becomes NaN: a kernel that reads it (even to mask it) gives NaN
+    for b, p in enumerate(prefix_lens):
+        old = req_to_token[b, :max(0, p - WINDOW + 1)].long()
+        k_buf[old], v_buf[old] = float("nan"), float("nan")
+    o = torch.full_like(q, float("nan"))
+    start = torch.tensor([0] + ext_lens[:-1]).cumsum(0).int()
+    extend_attention_fwd(q, ext_k, ext_v, o, k_buf, v_buf, req_to_token, rows, as_i32(seq_lens), as_i32(ext_lens),
+                         start, as_i32(prefix_lens), max(ext_lens), scale, cap, WINDOW)
+    assert torch.isfinite(o).all()
+    for b, (p, e) in enumerate(zip(prefix_lens, ext_lens)):
+        slots = req_to_token[b, :p + e].long()
+        want = _reference(q[start[b]:start[b] + e], truth_k[slots], truth_v[slots], torch.arange(p, p + e), scale,
+                          cap, WINDOW)
+        assert (o[start[b]:start[b] + e] - want).abs().max() < 1e-4
+
+    for b, n in enumerate(seq_lens):  # decode at position n - 1 sees n - W .. n - 1
+        old = req_to_token[b, :max(0, n - WINDOW)].long()
+        k_buf[old], v_buf[old] = float("nan"), float("nan")
+    qd = torch.randn(len(seq_lens), h, d, generator=gen)
+    od = torch.full_like(qd, float("nan"))
+    scratch = torch.empty(len(seq_lens), h, 4, d + 1)
+    decode_attention_fwd(qd, k_buf, v_buf, od, req_to_token, rows, as_i32(seq_lens), scratch, 4, scale, cap, WINDOW)
+    assert torch.isfinite(od).all()
+    for b, n in enumerate(seq_lens):
+        slots = req_to_token[b, :n].long()
+        want = _reference(qd[b:b + 1], truth_k[slots], truth_v[slots], torch.tensor([n - 1]), scale, cap, WINDOW)
+        assert (od[b:b + 1] - want).abs().max() < 1e-4
