@@ -133,6 +133,9 @@ def _parse(raw: dict, context_length: Optional[int], path: Optional[str], disabl
     mla = _parse_mla(text, need)
     if mla is not None:
         kv_heads = heads  # expanded MLA keys and values are per query head
+    elif disable_mla:
+        raise ValueError(f"--disable-mla applies to models with multi-head latent attention (DeepSeek-V2); this "
+                         f"config (model_type {family!r}) has none")
     head_dim = int(text.get("head_dim") or hidden // heads)
     rope = _parse_rope(text, family, mla.qk_rope_head_dim if mla else head_dim)
     moe = _parse_moe(text, need)

@@ -224,6 +224,19 @@ def test_engine_greedy_with_radix_cache_and_chunked_prefill(tmp_path):
     assert results[1]["meta_info"]["cached_tokens"] >= 32
 
 
+def test_disable_mla_needs_an_mla_model():
+    import transformers
+
+    from braid.runtime.loader.model_config import ModelConfig
+
+    raw = transformers.LlamaConfig(num_hidden_layers=2).to_dict()
+    with pytest.raises(ValueError, match="--disable-mla applies to models with multi-head latent attention"):
+        ModelConfig.from_hf(raw, ServerArgs(disable_mla=True))
+    mla = ModelConfig.from_hf(_config(q_lora=True, moe="greedy", dense_layers=1).to_dict(), ServerArgs(disable_mla=True))
+    # the expanded form caches K and V per head: 4 heads of 16 + 8 and 16 dims instead of one 32 + 8 latent row
+    assert (mla.attention_arch, mla.num_key_value_heads, mla.head_dim, mla.v_head_dim) == ("mha", 4, 24, 16)
+
+
 # ---------------------------------------------------------------------------- GPU: DeepSeek-V2-Lite's real shapes
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 V2_LITE_CONFIG = "benchmarks/configs/deepseek-v2-lite.json"
