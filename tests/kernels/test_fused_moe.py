@@ -10,6 +10,8 @@ from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 
 from braid.runtime.layers.moe import FusedMoE, fused_experts, moe_forward_torch, route_expert_weights, select_experts
+from braid.runtime.layers.moe.router import select_experts_torch
+from braid.runtime.layers.moe.router_kernels import route_topk_triton
 from braid.runtime.layers.moe.fused_moe_kernels import (MoEKernelConfig, fused_moe_triton, moe_align_block_size,
                                                         pick_config)
 from braid.runtime.loader.config_specs import MoESpec
@@ -60,6 +62,29 @@ def test_select_experts_matches_hf_router(routing):
     if routing == "group_limited":
         # every token's experts lie within topk_group (2) of the 4 groups
         assert ((ids.long() // (16 // 4)).sort(dim=-1).values.diff(dim=-1) != 0).sum(dim=-1).max() <= 1
+
+
+ROUTER_SPECS = {
+    "greedy_e64_top6": MoESpec(64, 6, 8),
+    # 12 experts (not a power of two) in 3 groups, renormalized and scaled
+    "group_e12_renorm": MoESpec(12, 3, 8, topk_method="group_limited_greedy", n_group=3, topk_group=2,
+                                norm_topk_prob=True, routed_scaling_factor=2.0),
+    "group_e160_v2": MoESpec(160, 6, 8, topk_method="group_limited_greedy", n_group=8, topk_group=3,
+                             routed_scaling_factor=16.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTER_SPECS))
+def test_triton_router_matches_torch_router(name):
+    spec = ROUTER_SPECS[name]
+    logits = torch.randn(37, spec.n_routed_experts, generator=torch.Generator().manual_seed(4)) * 2
+    weights, ids = route_topk_triton(logits.to(DEVICE), spec)
+    ref_weights, ref_ids = select_experts_torch(logits, spec)
+    assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+    got_w, got_ids = sorted_routing(weights.cpu(), ids.cpu())
+    want_w, want_ids = sorted_routing(ref_weights, ref_ids)
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
 
 
 def test_norm_topk_prob_renormalizes_before_scaling():

@@ -24,11 +24,22 @@ def check_routing_supported(spec: MoESpec) -> None:
 def select_experts(router_logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (fp32) -> (topk_weights [T, k] fp32, topk_ids [T, k] int32); k = num_experts_per_tok.
 
-    No host synchronization: usable inside CUDA graphs. The k ids of a token come in no particular order."""
+    CUDA tensors take one Triton launch (router_kernels.py), others the PyTorch ops below. No host
+    synchronization: usable inside CUDA graphs. The k ids of a token come in no particular order."""
     check_routing_supported(spec)
     num_tokens, num_experts = router_logits.shape
     if num_experts != spec.n_routed_experts:
         raise ValueError(f"router logits have {num_experts} experts, the MoE spec {spec.n_routed_experts}")
+    if router_logits.is_cuda:
+        from braid.runtime.layers.moe.router_kernels import route_topk_triton
+
+        return route_topk_triton(router_logits, spec)
+    return select_experts_torch(router_logits, spec)
+
+
+def select_experts_torch(router_logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts in PyTorch ops, in HF DeepseekV2TopkRouter's order."""
+    num_tokens, num_experts = router_logits.shape
     scores = router_logits.float().softmax(dim=-1)
     if spec.topk_method == "group_limited_greedy":
         # a group's score is its best expert's; only experts of the topk_group best groups stay selectable
