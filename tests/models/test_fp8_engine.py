@@ -214,7 +214,7 @@ def test_gpu_fp8_engine_close_to_bf16(dense_folder, kv_cache_dtype):
     """On CUDA: bf16 with fp8 weights (GEMV at batch 1 in CUDA graphs, _scaled_mm in prefill) and each KV cache
     dtype through the Triton backend stays close to plain bf16."""
     prompts = PROMPTS + [[5] * 3]
-    common = dict(device="cuda", dtype="bfloat16")
+    common = dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=4)
     out_ref, lp_ref, _, _ = _run(dense_folder, prompts, **common)
     out, lp, _, runner = _run(dense_folder, prompts, quantization="fp8", kv_cache_dtype=kv_cache_dtype, **common)
     assert runner.cuda_graph_runner is not None and runner.cuda_graph_runner.num_replays > 0

@@ -5,7 +5,7 @@ per output row; activations one per token (dynamic, from the row's absolute maxi
 checkpoint's static `input_scale`).
 
 - `quantize_rows`: x [M, K] -> (fp8 [M, K], scale [M, 1]). One Triton launch on CUDA (one program per row:
-  amax, scale, divide, saturate, cast), torch elsewhere; both divide in fp32, so they round alike.
+  amax, scale, divide, saturate, cast), torch elsewhere; both divide in IEEE fp32, so they round alike.
 - `scaled_mm`: torch._scaled_mm with row-wise scales (activation [M, 1], weight [1, N]; sm90 needs a bf16
   output for these), or tensor-wise when both sides have one scale (a static-activation checkpoint with
   per-tensor weights). torch._scaled_mm wants a row-major A, a column-major B (the [N, K] weight transposed, no
@@ -93,11 +93,12 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, x_row_st
     cols = tl.arange(0, BLOCK_K)
     mask = cols < K
     x = tl.load(x_ptr + row.to(tl.int64) * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    # IEEE-rounded divisions (Triton's `/` is approximate on GPUs): the same scales and fp8 values as torch
     if STATIC:
         scale = tl.load(static_scale_ptr).to(tl.float32)
     else:
-        scale = tl.maximum(tl.max(tl.abs(x), axis=0) / fp8_max, min_scale)
-    q = tl.minimum(tl.maximum(x / scale, -fp8_max), fp8_max)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), fp8_max), min_scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)
     tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
