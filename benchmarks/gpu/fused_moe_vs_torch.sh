@@ -1,7 +1,7 @@
 # The fused Triton MoE (runtime/layers/moe) against its PyTorch reference at DeepSeek-V2-Lite shapes: 64 experts,
 # top-6, hidden 2048, moe_intermediate 1408, bf16, T = 1, 8, 32, 64, 256, 1024 tokens. First the gpu-marked tests
-# (fused == torch at real shapes, CUDA-graph replay); then, per T, the torch path (eager: it reads expert counts on
-# the host), the fused path with the default config (eager and in a CUDA graph) and a sweep of block configs (each in
+# (fused == torch at real shapes, CUDA-graph replay) and the small kernel cases compiled; then, per T, the torch
+# path (eager: it reads expert counts on the host), the fused path with the default config (eager and in a CUDA graph) and a sweep of block configs (each in
 # a CUDA graph, each checked against an fp32 reference). Prints the best config per T, the speed-up over torch, and
 # H200_CONFIGS rows to paste into runtime/layers/moe/fused_moe_kernels.py. Columns: experts = distinct experts the
 # T tokens routed to; fused eager = default config launched from Python; fused graph / best graph = default / best
@@ -13,10 +13,12 @@ source benchmarks/gpu/setup.sh
 OUT=${OUT:-/tmp/fused_moe_out}; mkdir -p "$OUT"
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-timeout 150 python3 -m pytest tests/kernels/test_fused_moe.py -q -m gpu -p no:cacheprovider 2>&1 | tail -8 \
+# the gpu-marked tests and the small kernel cases, compiled here (they run interpreted on CPU elsewhere)
+timeout 150 python3 -m pytest tests/kernels/test_fused_moe.py -q -k "gpu or triton or align" -p no:cacheprovider 2>&1 \
+  | tail -8 \
   | tee "$OUT/fused_moe_gpu_tests.log"
 if grep -qE "[0-9]+ passed" "$OUT/fused_moe_gpu_tests.log" && ! grep -qE "failed|error" "$OUT/fused_moe_gpu_tests.log"; then
-  echo "PASS gpu tests (tests/kernels/test_fused_moe.py -m gpu)"
+  echo "PASS gpu tests (tests/kernels/test_fused_moe.py -k 'gpu or triton or align')"
 else
   echo "FAIL gpu tests (see above)"
 fi

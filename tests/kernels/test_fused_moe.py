@@ -1,13 +1,13 @@
 """MoE layer: routing == HF DeepseekV2's router (greedy, group-limited), the FusedMoE layer == HF DeepseekV2Moe with
 weights loaded from a save_pretrained checkpoint, the fused Triton MoE == the PyTorch reference (under
-TRITON_INTERPRET=1 on CPU at tiny shapes; compiled on the GPU at DeepSeek-V2-Lite shapes, marked `gpu`)."""
+TRITON_INTERPRET=1 on CPU at tiny shapes; compiled on the GPU at DeepSeek-V2-Lite shapes, marked `gpu`).
+transformers is imported inside the HF-parity tests only, so that the kernel tests run on an image with another
+transformers version."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 
 from braid.runtime.layers.moe import FusedMoE, fused_experts, moe_forward_torch, route_expert_weights, select_experts
 from braid.runtime.layers.moe.router import select_experts_torch
@@ -29,7 +29,9 @@ ROUTINGS = {
 }
 
 
-def hf_config(routing: str, **overrides) -> DeepseekV2Config:
+def hf_config(routing: str, **overrides):
+    from transformers import DeepseekV2Config
+
     fields = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=2, n_routed_experts=16, num_experts_per_tok=4,
                   n_shared_experts=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
@@ -46,6 +48,8 @@ def sorted_routing(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tens
 
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
 def test_select_experts_matches_hf_router(routing):
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
     torch.manual_seed(0)
     config = hf_config(routing)
     spec = ModelConfig.from_hf(config.to_dict()).moe
@@ -127,6 +131,8 @@ class OneMoELayer(CausalLM):
 
 
 def save_tiny_deepseek(tmp_path, routing: str):
+    from transformers import DeepseekV2ForCausalLM
+
     torch.manual_seed(2)
     config = hf_config(routing)
     hf = DeepseekV2ForCausalLM(config).float().eval()
