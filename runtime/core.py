@@ -108,6 +108,7 @@ class Req:
     # ---- timings ----
     created_time: float = field(default_factory=time.time)
     first_token_time: Optional[float] = None
+    scheduled_time: Optional[float] = None  # first admitted to a prefill batch (queue time = this - created_time)
 
     # ---- the scheduler keeps these up to date for the output side ----
     sent_offset: int = 0  # output_ids already sent to the client
@@ -229,3 +230,6 @@ class ReqOutput:
     output_top_logprobs: Optional[list] = None
     input_token_logprobs: Optional[list] = None  # first report only
     input_top_logprobs: Optional[list] = None
+    # timings, on the finished report only: wall-clock time of the first token, seconds waiting to be scheduled
+    first_token_time: Optional[float] = None
+    queue_time: Optional[float] = None

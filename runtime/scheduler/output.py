@@ -156,6 +156,10 @@ class OutputProcessor:
             input_token_logprobs=req.input_token_logprobs if send_input_lps else None,
             input_top_logprobs=req.input_top_logprobs if send_input_lps else None,
         )
+        if req.finished:
+            out.first_token_time = req.first_token_time
+            if req.scheduled_time is not None:
+                out.queue_time = req.scheduled_time - req.created_time
         if req.return_logprob and req.input_token_logprobs is not None:
             req.sent_input_logprobs = True
         req.sent_offset = len(req.output_ids)

@@ -9,6 +9,7 @@ and overlap in decode.py, token commit, finish checks and reports in output.py, 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Optional, Protocol
 
@@ -178,6 +179,8 @@ class Scheduler:
             taken = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in taken]
             for req in admitted:
+                if req.scheduled_time is None:
+                    req.scheduled_time = time.time()
                 if req.retracted_count == 0 and not req.output_ids:
                     req.cached_tokens = req.kv_committed_len
                     self.stats["num_prompt_tokens_total"] += len(req.input_ids)

@@ -73,7 +73,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, sampling_params: SamplingParams):
         self.tokenizer = tokenizer
         self.skip_special_tokens = sampling_params.skip_special_tokens
-        self.spaces_between_special_tokens = sampling_params.spaces_between_special_tokens
+        # passed to decode only when turned off: on (the default) is what tokenizers do without the argument
+        self._decode_options = ({} if sampling_params.spaces_between_special_tokens
+                                else {"spaces_between_special_tokens": False})
         self.stops = list(sampling_params.stop or [])
         self.no_stop_trim = sampling_params.no_stop_trim
         self.ids: list[int] = []
@@ -88,8 +90,7 @@ class IncrementalDetokenizer:
         self.chars_searched = 0  # characters passed to stop searches so far (the per-update cost, for tests)
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, **self._decode_options)
 
     def _advance(self) -> None:
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])

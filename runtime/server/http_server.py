@@ -297,7 +297,7 @@ async def abort_request(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     stats = None if tm.dead else await tm.get_stats()
-    return web.Response(body=tm.metrics.render(stats).encode(), headers={"Content-Type": metrics_mod.CONTENT_TYPE})
+    return web.Response(body=tm.metrics.render(stats), headers={"Content-Type": metrics_mod.CONTENT_TYPE})
 
 
 # ---- OpenAI routes --------------------------------------------------------------------------------------

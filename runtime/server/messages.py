@@ -78,6 +78,8 @@ class Output(msgspec.Struct, tag=True):
     output_top_logprobs: Optional[list] = None  # new [[(logprob, id), ...] | None]
     input_token_logprobs: Optional[list] = None  # first output only
     input_top_logprobs: Optional[list] = None
+    first_token_time: Optional[float] = None  # finished output only: wall-clock time of the first token
+    queue_time: Optional[float] = None  # finished output only: seconds the request waited to be scheduled
 
 
 class OutputBatch(msgspec.Struct, tag=True):
@@ -146,5 +148,6 @@ def output_from_req_output(o: Any) -> Output:
     for every streamed request on every step."""
     return Output(o.rid, o.index, o.output_ids_offset, o.new_token_ids, o.finished, o.finish_reason, o.prompt_tokens,
                   o.completion_tokens, o.cached_tokens, o.completion_tokens_wo_jump_forward, o.output_token_logprobs,
-                  o.output_top_logprobs, o.input_token_logprobs, o.input_top_logprobs)
+                  o.output_top_logprobs, o.input_token_logprobs, o.input_top_logprobs, o.first_token_time,
+                  o.queue_time)
 

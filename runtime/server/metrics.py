@@ -1,140 +1,136 @@
-"""Prometheus metrics in the text exposition format (version 0.0.4), written by hand.
+"""Prometheus metrics (prometheus-client, text format 0.0.4), named like vLLM's with the `braid:` prefix.
 
-Latency histograms and token counters are measured in the server process; gauges come from the
-scheduler's `get_stats()` at scrape time.
+Per-request histograms and counters are observed in the server process as requests finish (latencies the server
+cannot see for a non-streamed request, such as its first token or its time in the queue, come with the scheduler's
+final output). Gauges and token totals come from the scheduler's `get_stats()` at scrape time. docs/api.md lists
+every name and its vLLM counterpart.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
-from typing import Iterable, Optional
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-PREFIX = "braid_"
+PREFIX = "braid:"
 
-_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
-_ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
-_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                            240.0, 480.0, 960.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+_N_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 128)
+FINISH_REASONS = ("stop", "length", "abort")
 
-# scheduler stats exported as gauges: stats key -> help
+# scheduler stats key -> (gauge name, help)
 _STAT_GAUGES = {
-    "num_running_reqs": "Requests being decoded or prefilled",
-    "num_waiting_reqs": "Requests waiting to be scheduled",
-    "kv_used_tokens": "KV cache slots held by live requests",
-    "kv_total_tokens": "KV cache size in tokens",
-    "kv_free_tokens": "KV cache slots free (including evictable prefix cache)",
-    "cache_hit_rate": "Fraction of prompt tokens served from the radix cache",
+    "num_running_reqs": ("num_requests_running", "Requests being prefilled or decoded"),
+    "num_waiting_reqs": ("num_requests_waiting", "Requests waiting to be scheduled (including grammar compiles)"),
+    "kv_used_tokens": ("kv_used_tokens", "KV cache slots held by live requests"),
+    "kv_total_tokens": ("kv_total_tokens", "KV cache size in tokens"),
+    "cache_hit_rate": ("gpu_prefix_cache_hit_rate", "Fraction of prompt tokens served from the radix (prefix) cache"),
 }
-# cumulative scheduler totals exported as counters: stats key -> (metric name, help)
+# cumulative scheduler totals -> (counter name without _total, help)
 _STAT_COUNTERS = {
-    "num_prompt_tokens_total": ("prompt_tokens_total", "Prompt tokens received"),
-    "num_generated_tokens_total": ("generation_tokens_total", "Tokens generated"),
-    "num_cached_tokens_total": ("cached_prompt_tokens_total", "Prompt tokens served from the radix cache"),
-    "num_computed_prompt_tokens_total": ("computed_prompt_tokens_total", "Prompt tokens run through the model"),
+    "num_prompt_tokens_total": ("prompt_tokens", "Prompt tokens received"),
+    "num_generated_tokens_total": ("generation_tokens", "Tokens generated"),
+    "num_cached_tokens_total": ("cached_prompt_tokens", "Prompt tokens served from the radix cache"),
+    "num_computed_prompt_tokens_total": ("computed_prompt_tokens", "Prompt tokens run through the model"),
+    "num_retractions": ("num_preemptions", "Requests taken out of the running batch when the KV cache ran out"),
 }
 
 
-def _fmt(v: float) -> str:
-    if math.isinf(v):
-        return "+Inf" if v > 0 else "-Inf"
-    if float(v).is_integer():
-        return str(int(v))
-    return repr(float(v))
+class _SchedulerStats:
+    """A collector yielding the scheduler's stats of the current scrape."""
 
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats: dict = {}
 
-class Histogram:
-    def __init__(self, name: str, help: str, buckets: Iterable[float]):
-        self.name, self.help = PREFIX + name, help
-        self.bounds = sorted(buckets)
-        self.counts = [0] * (len(self.bounds) + 1)  # last: +Inf
-        self.sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float) -> None:
-        with self._lock:
-            self.counts[bisect.bisect_left(self.bounds, value)] += 1
-            self.sum += value
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        with self._lock:
-            cumulative = 0
-            for bound, c in zip(self.bounds + [math.inf], self.counts):
-                cumulative += c
-                lines.append(f'{self.name}_bucket{{le="{_fmt(bound)}"}} {cumulative}')
-            lines.append(f"{self.name}_sum {_fmt(self.sum)}")
-            lines.append(f"{self.name}_count {cumulative}")
-        return lines
-
-
-class Counter:
-    def __init__(self, name: str, help: str):
-        self.name, self.help = PREFIX + name, help
-        self.value = 0.0
-
-    def inc(self, by: float = 1.0) -> None:
-        self.value += by
-
-    def render(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} counter", f"{self.name} {_fmt(self.value)}"]
+    def collect(self):
+        labels = [self.model_name]
+        s = self.stats
+        for key, (name, doc) in _STAT_GAUGES.items():
+            if isinstance(s.get(key), (int, float)):
+                g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+                g.add_metric(labels, s[key])
+                yield g
+        total, used = s.get("kv_total_tokens"), s.get("kv_used_tokens")
+        if isinstance(total, (int, float)) and isinstance(used, (int, float)) and total > 0:
+            g = GaugeMetricFamily(PREFIX + "gpu_cache_usage_perc",
+                                  "Fraction of the KV cache held by live requests (1 = full; the CPU pool on CPU)",
+                                  labels=["model_name"])
+            g.add_metric(labels, used / total)
+            yield g
+        for key, (name, doc) in _STAT_COUNTERS.items():
+            if isinstance(s.get(key), (int, float)):
+                c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+                c.add_metric(labels, s[key])
+                yield c
 
 
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
-        self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first output token", _TTFT_BUCKETS)
-        self.itl = Histogram("inter_token_latency_seconds", "Time between output tokens of one request", _ITL_BUCKETS)
-        self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last output token", _E2E_BUCKETS)
-        self.requests_finished = Counter("requests_finished_total", "Requests that finished (any reason)")
-        self.requests_aborted = Counter("requests_aborted_total", "Requests aborted (client gone, abort_request, shutdown)")
-        self.http_errors = Counter("http_errors_total", "Requests answered with an error status")
+        self.registry = CollectorRegistry()
+        self._scheduler = _SchedulerStats(model_name)
+        self.registry.register(self._scheduler)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first output token "
+                              "(streamed or not)", _TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first "
+                              "(one observation per token)", _TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to the last output token",
+                             _REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Time a request waited before its first "
+                                    "prefill (grammar compiles included)", _REQUEST_LATENCY_BUCKETS)
+        self.prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per request", _TOKEN_BUCKETS)
+        self.generation_tokens = histogram("request_generation_tokens", "Generated tokens per choice", _TOKEN_BUCKETS)
+        self.params_n = histogram("request_params_n", "The n of each request (choices returned)", _N_BUCKETS)
+        self.params_best_of = histogram("request_params_best_of", "The best_of of each request (choices sampled)",
+                                        _N_BUCKETS)
+        success = Counter(PREFIX + "request_success", "Finished choices by finish reason",
+                          ["model_name", "finished_reason"], registry=self.registry)
+        self.success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        self.requests_aborted = counter("requests_aborted", "Requests aborted (client gone, abort_request, shutdown)")
+        self.http_errors = counter("http_errors", "Requests answered with an error status")
+        info = Gauge(PREFIX + "model_info", "Served model", ["model_name"], registry=self.registry)
+        info.labels(model_name).set(1)
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
-    def observe_tokens(self, seconds_since_last: float, num_tokens: int) -> None:
-        """One chunk of `num_tokens` arrived `seconds_since_last` after the previous one."""
+    def observe_tokens(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` output tokens (after the first) that took `seconds` together."""
         if num_tokens <= 0:
             return
-        per_token = seconds_since_last / num_tokens
+        per_token = seconds / num_tokens
         for _ in range(num_tokens):
-            self.itl.observe(per_token)
+            self.tpot.observe(per_token)
 
-    def observe_finished(self, e2e_seconds: float, aborted: bool) -> None:
+    def observe_choice(self, prompt_tokens: int, completion_tokens: int, finish_type: Optional[str]) -> None:
+        self.generation_tokens.observe(completion_tokens)
+        self.success[finish_type if finish_type in ("stop", "length") else "abort"].inc()
+
+    def observe_request(self, e2e_seconds: float, prompt_tokens: int, queue_seconds: Optional[float], n: int,
+                        best_of: int) -> None:
         self.e2e.observe(e2e_seconds)
-        self.requests_finished.inc()
-        if aborted:
-            self.requests_aborted.inc()
+        self.prompt_tokens.observe(prompt_tokens)
+        if queue_seconds is not None:
+            self.queue_time.observe(max(queue_seconds, 0.0))
+        self.params_n.observe(n)
+        self.params_best_of.observe(best_of)
 
-    def render(self, stats: Optional[dict]) -> str:
-        lines: list[str] = []
-        stats = stats or {}
-        for key, help in _STAT_GAUGES.items():
-            if isinstance(stats.get(key), (int, float)):
-                name = PREFIX + key
-                lines += [f"# HELP {name} {help}", f"# TYPE {name} gauge", f"{name} {_fmt(stats[key])}"]
-        total, used = stats.get("kv_total_tokens"), stats.get("kv_used_tokens")
-        if isinstance(total, (int, float)) and isinstance(used, (int, float)) and total > 0:
-            name = PREFIX + "kv_usage_ratio"
-            lines += [f"# HELP {name} Fraction of the KV cache held by live requests", f"# TYPE {name} gauge",
-                      f"{name} {_fmt(used / total)}"]
-        for key, (metric, help) in _STAT_COUNTERS.items():
-            if isinstance(stats.get(key), (int, float)):
-                name = PREFIX + metric
-                lines += [f"# HELP {name} {help}", f"# TYPE {name} counter", f"{name} {_fmt(stats[key])}"]
-        for metric in (self.ttft, self.itl, self.e2e, self.requests_finished, self.requests_aborted, self.http_errors):
-            lines += metric.render()
-        name = PREFIX + "model_info"
-        lines += [f"# HELP {name} Served model", f"# TYPE {name} gauge",
-                  f'{name}{{model="{_escape(self.model_name)}"}} 1']
-        return "\n".join(lines) + "\n"
-
-
-def _escape(label: str) -> str:
-    return label.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    def render(self, stats: Optional[dict]) -> bytes:
+        self._scheduler.stats = stats or {}
+        return generate_latest(self.registry)

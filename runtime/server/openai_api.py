@@ -232,6 +232,7 @@ class OpenAIServing:
                                          add_special_tokens=bool(req.add_special_tokens),
                                          max_new_tokens_fills_context=True, **lps.prepare_options(), **media)
         handle = await self.tm.submit(prepared)
+        handle.returned_n = n
         try:
             rid = f"chatcmpl-{handle.rid}"
             if req.stream:
@@ -367,6 +368,7 @@ class OpenAIServing:
         try:
             for prepared, _ in prompts:
                 handles.append(await self.tm.submit(prepared))
+                handles[-1].returned_n = n
             rid = f"cmpl-{handles[0].rid}"
             if req.stream:
                 return await self._stream_completion(request, handles, prompts, rid, model, req, lps, n)

@@ -28,7 +28,7 @@ class _LocalAbort:
 
 
 class RequestHandle:
-    def __init__(self, req: Req, tokenizer, metrics: ServerMetrics):
+    def __init__(self, req: Req, tokenizer, metrics: ServerMetrics, timeout_s: Optional[float] = None):
         self.req = req
         self.rid = req.rid
         self.stream = req.stream
@@ -44,7 +44,13 @@ class RequestHandle:
         self.created = time.time()
         self._arrival = time.perf_counter()
         self._last_token_time: Optional[float] = None
+        self.returned_n = self.n  # choices the client gets (fewer than n when best_of ranks them)
+        self._first_token_seen = False
+        self._queue_time: Optional[float] = None
         self.num_finished = 0
+        self.scheduler_finished = 0  # choices the scheduler reported finished; the rest need an AbortReq on release
+        self.timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.released = False
         self.abort_message: Optional[str] = None  # replaces the scheduler's message when it reports an abort
 
@@ -55,7 +61,7 @@ class RequestHandle:
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Yields until every choice finished; raises APIError if the scheduler rejected the request."""
         while not self.finished:
-            item = await self.queue.get()
+            item = await self._next_item()
             if isinstance(item, APIError):
                 self.num_finished = self.n
                 raise item
@@ -74,19 +80,45 @@ class RequestHandle:
             if update is not None:
                 yield update
 
+    async def _next_item(self):
+        if self._deadline is None:
+            return await self.queue.get()
+        try:
+            return await asyncio.wait_for(self.queue.get(), max(0.0, self._deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self._deadline = None
+            return _LocalAbort(f"the request did not finish within its deadline of {self.timeout_s:g}s "
+                               "(--request-timeout-s)")
+
     def _apply(self, out: M.Output) -> Optional[ChoiceUpdate]:
+        if out.finished:
+            self.scheduler_finished += 1
         c = self.choices[out.index]
         if c.finished:
             return None
         if self.abort_message and out.finished and (out.finish_reason or {}).get("type") == "abort":
             out.finish_reason = {**out.finish_reason, "message": self.abort_message}
-        if out.new_token_ids and self.stream:  # non-streamed requests report all tokens at once: no latencies
+        if out.new_token_ids and self.stream:
             now = time.perf_counter()
-            if self._last_token_time is None:
+            if not self._first_token_seen:
+                self._first_token_seen = True
                 self.metrics.observe_first_token(now - self._arrival)
+                new_after_first = len(out.new_token_ids) - 1
             else:
-                self.metrics.observe_tokens(now - self._last_token_time, len(out.new_token_ids))
+                new_after_first = len(out.new_token_ids)
+            if self._last_token_time is not None:
+                self.metrics.observe_tokens(now - self._last_token_time, new_after_first)
             self._last_token_time = now
+        elif out.finished and out.first_token_time is not None and out.new_token_ids:
+            # a non-streamed choice: its first token's time comes from the scheduler (the same host's clock)
+            ttft = max(out.first_token_time - self.created, 0.0)
+            if not self._first_token_seen:
+                self._first_token_seen = True
+                self.metrics.observe_first_token(ttft)
+            decode_s = time.perf_counter() - self._arrival - ttft
+            self.metrics.observe_tokens(max(decode_s, 0.0), len(out.new_token_ids) - 1)
+        if out.finished and out.queue_time is not None:
+            self._queue_time = out.queue_time if self._queue_time is None else min(self._queue_time, out.queue_time)
         update = c.add(out)
         if update.finished:
             self._count_finished(c)
@@ -94,9 +126,10 @@ class RequestHandle:
 
     def _count_finished(self, c: OutputAccumulator) -> None:
         self.num_finished += 1
+        self.metrics.observe_choice(c.prompt_tokens, c.completion_tokens, c.finish_reason.get("type"))
         if self.finished:
-            self.metrics.observe_finished(time.perf_counter() - self._arrival,
-                                          aborted=c.finish_reason.get("type") == "abort")
+            self.metrics.observe_request(time.perf_counter() - self._arrival, len(self.prompt_ids), self._queue_time,
+                                         self.returned_n, self.n)
 
     def abort_locally(self, message: Optional[str] = None) -> None:
         """Finish every unfinished choice with finish_reason abort (later scheduler outputs are dropped)."""

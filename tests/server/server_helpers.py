@@ -27,3 +27,16 @@ def sse_events(resp: requests.Response) -> list:
         events.append(json.loads(payload))
     assert done, "stream ended without [DONE]"
     return events
+
+
+def metric_values(text: str) -> dict:
+    """Prometheus text -> {metric name (labels dropped): value}; a name with several label sets keeps the sum."""
+    values: dict = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            sample, value = line.rsplit(" ", 1)
+            name = sample.split("{", 1)[0]
+            if 'le="' in sample:  # a histogram bucket keeps its bound: name{le="0.5"}
+                name += '{le="' + sample.split('le="', 1)[1].split('"', 1)[0] + '"}'
+            values[name] = values.get(name, 0.0) + float(value.replace("+Inf", "inf"))
+    return values

@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 import openai
 
-from server_helpers import API_KEY
+from server_helpers import API_KEY, metric_values
 
 PROMPTS = ["Write a word that rhymes with cat.", "What is 2 + 2?", "Name a planet.", "Say something about dogs."]
 MAX_TOKENS = 8
@@ -85,6 +85,5 @@ def test_disconnects_do_not_disturb_others_and_free_kv(server, model_name):
     info = wait_idle(server)
     assert info["num_server_requests"] == 0
     metrics = server.get("/metrics").text
-    aborted = next(float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith("braid_requests_aborted_total "))
+    aborted = metric_values(metrics)["braid:requests_aborted_total"]
     assert aborted >= 22

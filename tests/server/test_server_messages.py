@@ -1,4 +1,4 @@
-"""Wire messages, the scheduler-process loop (over real ZMQ sockets, with a stand-in scheduler) and metrics."""
+"""Wire messages, the scheduler-process loop (over real ZMQ sockets, with a stand-in scheduler)."""
 
 import os
 import signal
@@ -15,7 +15,6 @@ import zmq
 from braid.runtime.core import ReqOutput
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.server import messages as M
-from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.scheduler.process import SchedulerLoop
 
 
@@ -172,27 +171,3 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
-
-
-def test_metrics_text_format():
-    m = ServerMetrics("smol")
-    m.observe_first_token(0.03)
-    m.observe_tokens(0.02, 2)
-    m.observe_finished(1.0, aborted=True)
-    text = m.render({"num_running_reqs": 2, "num_waiting_reqs": 1, "kv_used_tokens": 10, "kv_total_tokens": 40,
-                     "cache_hit_rate": 0.5, "num_prompt_tokens_total": 7, "num_generated_tokens_total": 9})
-    lines = text.splitlines()
-    assert "braid_num_running_reqs 2" in lines and "braid_kv_usage_ratio 0.25" in lines
-    assert "braid_cache_hit_rate 0.5" in lines and "braid_prompt_tokens_total 7" in lines
-    assert "braid_generation_tokens_total 9" in lines and "# TYPE braid_generation_tokens_total counter" in lines
-    assert 'braid_time_to_first_token_seconds_bucket{le="0.025"} 0' in lines
-    assert 'braid_time_to_first_token_seconds_bucket{le="0.05"} 1' in lines
-    assert 'braid_time_to_first_token_seconds_bucket{le="+Inf"} 1' in lines
-    assert "braid_inter_token_latency_seconds_count 2" in lines
-    assert 'braid_inter_token_latency_seconds_bucket{le="0.01"} 2' in lines
-    assert "braid_requests_aborted_total 1" in lines
-    assert 'braid_model_info{model="smol"} 1' in lines
-    for line in lines:  # every sample line is "name{labels} value"
-        if not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            float(value.replace("+Inf", "inf"))

@@ -5,7 +5,7 @@ import time
 
 import requests
 
-from server_helpers import sse_events
+from server_helpers import metric_values, sse_events
 
 PROMPT = "The three primary colors are"
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
@@ -135,14 +135,11 @@ def test_metrics(server):
     stream(server, text=PROMPT, sampling_params={"temperature": 0, "max_new_tokens": 4, "ignore_eos": True})
     r = server.get("/metrics")
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain")
-    values = {}
-    for line in r.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value.replace("+Inf", "inf"))
-    assert values["braid_time_to_first_token_seconds_count"] >= 1
-    assert values["braid_inter_token_latency_seconds_count"] >= 3
-    assert values["braid_generation_tokens_total"] >= 4 and values["braid_prompt_tokens_total"] >= 6
-    for name in ("braid_num_running_reqs", "braid_num_waiting_reqs", "braid_kv_usage_ratio", "braid_cache_hit_rate"):
+    values = metric_values(r.text)
+    assert values["braid:time_to_first_token_seconds_count"] >= 1
+    assert values["braid:time_per_output_token_seconds_count"] >= 3
+    assert values["braid:generation_tokens_total"] >= 4 and values["braid:prompt_tokens_total"] >= 6
+    for name in ("braid:num_requests_running", "braid:num_requests_waiting", "braid:gpu_cache_usage_perc",
+                 "braid:gpu_prefix_cache_hit_rate"):
         assert name in values
     assert requests.get(server.base_url + "/metrics", timeout=10).status_code == 401  # behind the key too
