@@ -1,23 +1,25 @@
 # The fused Triton MoE (runtime/layers/moe) against its PyTorch reference at DeepSeek-V2-Lite shapes: 64 experts,
 # top-6, hidden 2048, moe_intermediate 1408, bf16, T = 1, 8, 32, 64, 256, 1024 tokens. First the gpu-marked tests
 # (fused == torch at real shapes, CUDA-graph replay) and the small kernel cases compiled; then, per T, the torch
-# path (eager: it reads expert counts on the host), the fused path with the default config (eager and in a CUDA graph) and a sweep of block configs (each in
-# a CUDA graph, each checked against an fp32 reference). Prints the best config per T, the speed-up over torch, and
-# H200_CONFIGS rows to paste into runtime/layers/moe/fused_moe_kernels.py. Columns: experts = distinct experts the
-# T tokens routed to; fused eager = default config launched from Python; fused graph / best graph = default / best
-# config replayed in a CUDA graph; w TB/s = touched experts' weight bytes / best time; align us = the expert sort
-# alone. carry: .whl
+# path (eager: it reads expert counts on the host), the fused path with the default config (eager and in a CUDA
+# graph) and a sweep of block configs (each in a CUDA graph, each checked against an fp32 reference). Prints the
+# best config per T, the speed-up over torch, and H200_CONFIGS rows to paste into
+# runtime/layers/moe/fused_moe_kernels.py. Columns: experts = distinct experts the T tokens routed to; fused eager =
+# default config launched from Python; fused graph / best graph = default / best config replayed in a CUDA graph;
+# w TB/s = touched experts' weight bytes / best time; align us = the expert sort alone. carry: .whl
 #   bash benchmarks/gpu/fused_moe_vs_torch.sh
 set -o pipefail
 source benchmarks/gpu/setup.sh
 OUT=${OUT:-/tmp/fused_moe_out}; mkdir -p "$OUT"
 nvidia-smi -L
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__,
+  torch.cuda.get_device_name())"
 # the gpu-marked tests and the small kernel cases, compiled here (they run interpreted on CPU elsewhere)
 timeout 150 python3 -m pytest tests/kernels/test_fused_moe.py -q -k "gpu or triton or align" -p no:cacheprovider 2>&1 \
   | tail -8 \
   | tee "$OUT/fused_moe_gpu_tests.log"
-if grep -qE "[0-9]+ passed" "$OUT/fused_moe_gpu_tests.log" && ! grep -qE "failed|error" "$OUT/fused_moe_gpu_tests.log"; then
+LOG="$OUT/fused_moe_gpu_tests.log"
+if grep -qE "[0-9]+ passed" "$LOG" && ! grep -qE "failed|error" "$LOG"; then
   echo "PASS gpu tests (tests/kernels/test_fused_moe.py -k 'gpu or triton or align')"
 else
   echo "FAIL gpu tests (see above)"
@@ -119,15 +121,16 @@ print(f"{'T':>5} {'experts':>7} {'torch us':>9} {'fused eager':>11} {'fused grap
 for T, touched, torch_us, eager_us, default_us, best_us, best, err, align_us in rows:
     tbps = touched * EXPERT_BYTES / (best_us * 1e-6) / 1e12
     print(f"{T:5d} {touched:7d} {torch_us:9.1f} {eager_us:11.1f} {default_us:11.1f} {best_us:10.1f} "
-          f"{torch_us / best_us:9.1f}x {tbps:7.2f} {align_us:8.1f}  ({best.block_m}, {best.block_n}, {best.block_k}, {best.group_m}, "
-          f"{best.num_warps}, {best.num_stages}) err {err:.1e}")
+          f"{torch_us / best_us:9.1f}x {tbps:7.2f} {align_us:8.1f}  ({best.block_m}, {best.block_n}, {best.block_k}, "
+          f"{best.group_m}, {best.num_warps}, {best.num_stages}) err {err:.1e}")
 print("H200_CONFIGS rows from this sweep (bound = T*k/E of the T measured):")
 for bound, c in table_rows:
     print(f"    ({bound:g}, MoEKernelConfig({c.block_m}, {c.block_n}, {c.block_k}, {c.group_m}, {c.num_warps}, "
           f"{c.num_stages})),")
 with torch.device(dev):
     layer = FusedMoE(E, K, H, I, spec)
-layer.w13_weight, layer.w2_weight = torch.nn.Parameter(w13, requires_grad=False), torch.nn.Parameter(w2, requires_grad=False)
+layer.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
+layer.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
 torch.nn.init.normal_(layer.gate.weight, std=H ** -0.5)
 layer.gate.prepack_weights()
 for T in (1, 64):

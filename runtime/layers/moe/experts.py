@@ -58,7 +58,8 @@ def moe_forward_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, activation: str = "silu", config: Optional["MoEKernelConfig"] = None) -> torch.Tensor:
+                  topk_ids: torch.Tensor, activation: str = "silu",
+                  config: Optional["MoEKernelConfig"] = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k] int -> [T, H].
 
     CUDA tensors take the fused Triton kernels (no host sync, CUDA-graph capturable; `config` overrides the block

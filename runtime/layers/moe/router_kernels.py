@@ -16,7 +16,8 @@ from braid.runtime.loader.config_specs import MoESpec
 def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, logits_stride, scaling,
                        NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr,
                        TOP_K_POW2: tl.constexpr, GROUP_LIMITED: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                       GROUPS_POW2: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                       GROUPS_POW2: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
+                       RENORMALIZE: tl.constexpr,
                        BLOCK_T: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_valid = rows < num_tokens
