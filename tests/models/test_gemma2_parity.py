@@ -330,3 +330,55 @@ def test_triton_kernels_skip_keys_outside_the_window():
         slots = req_to_token[b, :n].long()
         want = _reference(qd[b:b + 1], truth_k[slots], truth_v[slots], torch.tensor([n - 1]), scale, cap, WINDOW)
         assert (od[b:b + 1] - want).abs().max() < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------- on the GPU
+
+GPU_WINDOW = 64
+
+
+@pytest.fixture(scope="module")
+def gpu_checkpoint(tmp_path_factory):
+    """head_dim 64 (a FlashInfer size), window 64, on the GPU; HF's reference there in fp32 eager."""
+    path = tmp_path_factory.mktemp("gemma2_gpu")
+    cfg = _config(hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64, sliding_window=GPU_WINDOW,
+                  query_pre_attn_scalar=64, max_position_embeddings=1024)
+    return str(path), _save(path, cfg).cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend,dtype,tol", [("triton", "float32", 2e-3), ("triton", "bfloat16", 0.1),
+                                               ("flashinfer", "bfloat16", 0.1)])
+def test_gpu_backends_match_hf(gpu_checkpoint, backend, dtype, tol):
+    """Prompts of 300/150/70 tokens in chunks of 128 (crossing the window), 40 decode steps through CUDA graphs, then
+    a follow-up on the first request's cached prefix: the logprobs of braid's tokens equal HF's (fp32: also the
+    greedy tokens); FlashInfer where it is installed, else a clear refusal."""
+    import importlib.util
+
+    path, hf = gpu_checkpoint
+    kw = dict(dtype=dtype, chunked_prefill_size=128, cuda_graph_max_bs=4, max_total_tokens=8192)
+    if backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+        with pytest.raises(ValueError, match="flashinfer"):
+            _engine(path, backend, **kw)
+        return
+    prompts = _prompts([300, 150, 70], seed=9)
+    sampling = {**GREEDY, "max_new_tokens": 40}
+    with _engine(path, backend, **kw) as engine:
+        results = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True)
+        follow_up = prompts[0] + results[0]["output_ids"] + _prompts([20], seed=10)[0]
+        results.append(engine.generate(input_ids=follow_up, sampling_params=sampling, return_logprob=True))
+        assert engine.scheduler.runner.cuda_graph_runner.num_replays >= 39
+    prompts.append(follow_up)
+    worst = 0.0
+    for prompt, res in zip(prompts, results):
+        seq = prompt + res["output_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([seq], device="cuda")).logits[0].float(), -1).cpu()
+            if dtype == "float32":
+                ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=40, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+                assert res["output_ids"] == ref[0, len(prompt):].tolist()
+        for k, (lp, tok) in enumerate(res["meta_info"]["output_token_logprobs"]):
+            worst = max(worst, abs(lp - logp[len(prompt) - 1 + k, tok].item()))
+    assert worst <= tol, f"{backend} {dtype}: max |Δlogprob| {worst:.2e}"

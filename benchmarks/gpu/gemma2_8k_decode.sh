@@ -1,0 +1,40 @@
+# Gemma-2-9B-shaped dummy bf16 (benchmarks/configs/gemma2-9b.json) at 8K context on the H200:
+#   1. the Gemma-2 GPU parity tests (tests/models/test_gemma2_parity.py -m gpu: Triton fp32 vs HF, Triton and
+#      FlashInfer bf16, window 64 crossed in prefill, chunked prefill, cached prefixes and decode, CUDA graphs)
+#   2. per attention backend (triton; flashinfer when it imports, or when its wheel halves were staged as
+#      flashinfer_vs_triton.sh describes): an 8,000-token prompt prefilled and decoded 64 steps at batch 1 and 8,
+#      and a 4,000-token one; decode tok/s and its fraction of the ceiling (weights + window-trimmed KV per step at
+#      4.28 TB/s); HF transformers generate (eager) on the same shape at batch 1 beside the Triton run
+#   3. the table, then PASS/FAIL lines (token ids valid; from 4K to 8K the step grows by the global layers' KV only)
+# carry: .whl (and .gpu/fi2 on the second call of a flashinfer staging)
+#   bash benchmarks/gpu/gemma2_8k_decode.sh        (~6 min)
+set -o pipefail
+source benchmarks/gpu/setup.sh
+nvidia-smi -L
+RESULT="$OUT/gemma2_8k.jsonl"
+rm -f "$RESULT"
+
+W=/tmp/flashinfer_python-0.7.2-py3-none-any.whl
+if ! python3 -c "import flashinfer" >/dev/null 2>&1 && [ -f /tmp/fi_part_aa ] && [ -f .gpu/fi2/fi_part_ab ]; then
+  cat /tmp/fi_part_aa .gpu/fi2/fi_part_ab > $W && echo "$(cat .gpu/fi2/fi.sha256)  $W" | sha256sum -c \
+    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $W .gpu/fi2/apache_tvm_ffi-*.whl \
+    2>&1 | tail -2
+fi
+export FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+BACKENDS=triton
+if python3 -c "import flashinfer" >/dev/null 2>&1; then BACKENDS="triton flashinfer"
+else echo "SKIP flashinfer: not importable here (stage its wheel as benchmarks/gpu/flashinfer_vs_triton.sh does)"; fi
+
+timeout 100 python3 -m pytest tests/models/test_gemma2_parity.py -q -m gpu -p no:cacheprovider 2>&1 | tail -8 \
+  | tee "$OUT/gpu_tests.log"
+grep -q " passed" "$OUT/gpu_tests.log" && ! grep -q "failed\|error" "$OUT/gpu_tests.log" \
+  && echo "PASS Gemma-2 GPU parity tests" || echo "FAIL Gemma-2 GPU parity tests (see gpu_tests.log)"
+
+for BACKEND in $BACKENDS; do
+  HF=; [ "$BACKEND" = triton ] && HF=--hf
+  timeout 160 python3 benchmarks/gpu/gemma2_8k_decode.py --backend $BACKEND $HF --out "$RESULT" 2>&1 \
+    | grep -v Warning | tee "$OUT/run_$BACKEND.log" | grep -v '^{' | tail -5 \
+    || echo "FAIL $BACKEND run did not finish (see run_$BACKEND.log)"
+done
+
+python3 benchmarks/gpu/gemma2_8k_decode.py --table "$RESULT"
