@@ -242,10 +242,11 @@ def fp32_reference(x, w13, w2, weights, ids):
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
-def test_moe_align_block_size_groups_and_pads_pairs(block_m):
+@pytest.mark.parametrize("tokens", [11, 97], ids=["placed_by_one_program", "placed_by_atomics"])
+def test_moe_align_block_size_groups_and_pads_pairs(block_m, tokens):
     gen = torch.Generator().manual_seed(3)
-    # 6 experts (not a power of two), one never chosen; more pairs than one chunk of the kernel (256)
-    num_experts, tokens, top_k = 6, 97, 3
+    # 6 experts (not a power of two), one never chosen; 11 * 3 pairs fit the counting program, 97 * 3 do not
+    num_experts, top_k = 6, 3
     ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(tokens)]).int()
     sorted_pairs, block_experts, padded_total = (t.cpu() for t in moe_align_block_size(ids.to(DEVICE), block_m,
                                                                                           num_experts))
@@ -254,13 +255,16 @@ def test_moe_align_block_size_groups_and_pads_pairs(block_m):
     assert sorted_pairs.numel() == num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     padded_counts = (counts + block_m - 1) // block_m * block_m
     assert int(padded_total) == int(padded_counts.sum())
-    # the used rows: each expert's pairs in ascending order, then padding (= num_pairs) up to its padded end
-    expected_rows, expected_blocks = [], []
+    # the used rows: each expert's pairs (ascending when one program placed them), then padding (= num_pairs) up to
+    # its padded end; one expert per block
+    start, expected_blocks = 0, []
     for expert in range(num_experts):
         pairs = (ids.flatten() == expert).nonzero().flatten().tolist()
-        expected_rows += pairs + [num_pairs] * (int(padded_counts[expert]) - len(pairs))
+        run = sorted_pairs[start:start + int(padded_counts[expert])].tolist()
+        got_pairs = run[:len(pairs)] if num_pairs <= 128 else sorted(run[:len(pairs)])
+        assert got_pairs == pairs and run[len(pairs):] == [num_pairs] * (len(run) - len(pairs))
+        start += int(padded_counts[expert])
         expected_blocks += [expert] * (int(padded_counts[expert]) // block_m)
-    assert sorted_pairs[:int(padded_total)].tolist() == expected_rows
     assert block_experts[:len(expected_blocks)].tolist() == expected_blocks
 
 
@@ -268,7 +272,7 @@ TINY_CONFIGS = [MoEKernelConfig(16, 16, 32, 1, 4, 1), MoEKernelConfig(32, 32, 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 7, 40])
+@pytest.mark.parametrize("tokens", [1, 7, 50])  # 50 * 3 pairs: the two-launch expert sort
 @pytest.mark.parametrize("config", TINY_CONFIGS, ids=["bm16", "bm32_group4"])
 def test_fused_triton_matches_torch(dtype, tokens, config):
     # H 48 and I 40 are not multiples of the blocks: the column and K masks are exercised

@@ -1,7 +1,8 @@
 """The fused MoE on the GPU: (token, slot) pairs sorted by expert in blocks of BLOCK_M rows, then two grouped GEMMs.
 
 1. `moe_align_block_size`: the T*k (token, slot) pairs, grouped by expert, each expert's run padded to a multiple of
-   BLOCK_M; one expert id per block. One single-program kernel (counts, prefix sums, placement), no host sync.
+   BLOCK_M; one expert id per block. A single-program kernel counts and pads (and places small batches); larger
+   ones are placed by a second, parallel kernel through per-expert atomic cursors. No host sync.
 2. gate_up GEMM with SiLU-and-mul in its epilogue: each program computes a [BLOCK_M, BLOCK_N] tile of both the gate
    and the up half of its expert's w13 and writes silu(gate) * up, [T*k, I].
 3. down GEMM: [T*k, I] x w2[e]^T, each row scaled by its top-k weight, [T*k, H]; then the k rows of a token summed.
@@ -53,69 +54,110 @@ H200_CONFIGS: tuple[tuple[float, MoEKernelConfig], ...] = (
 )
 
 
+ALIGN_COUNT_CHUNK = 4096  # ids per histogram step
+ALIGN_PLACE_CHUNK = 128  # up to this many pairs are placed by the counting program itself (decode batches)
+
+
 def pick_config(num_tokens: int, top_k: int, num_experts: int) -> MoEKernelConfig:
     rows_per_expert = num_tokens * top_k / num_experts
     return next(config for bound, config in H200_CONFIGS if rows_per_expert <= bound)
 
 
 @triton.jit
-def _align_block_size_kernel(topk_ids_ptr, sorted_pairs_ptr, block_experts_ptr, padded_total_ptr, num_pairs,
-                             NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                             CHUNK: tl.constexpr):
-    # one program; the pairs go by in chunks of CHUNK, each chunk as a [CHUNK, EXPERTS_POW2] one-hot
-    experts = tl.arange(0, EXPERTS_POW2)
-    offs = tl.arange(0, CHUNK)
-    counts = tl.zeros((EXPERTS_POW2,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        ids = tl.load(topk_ids_ptr + start + offs, mask=start + offs < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+def _expert_blocks(block_experts_ptr, padded_end, first_block, total, BLOCK_M: tl.constexpr,
+                   BLOCK_CHUNK: tl.constexpr):
+    # block b holds rows [b * BLOCK_M, (b + 1) * BLOCK_M): its expert is the number of experts ending at or before it
+    blocks = first_block + tl.arange(0, BLOCK_CHUNK)
+    expert = tl.sum((padded_end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+    tl.store(block_experts_ptr + blocks, expert, mask=blocks * BLOCK_M < total)
+
+
+@triton.jit
+def _align_counts_kernel(topk_ids_ptr, sorted_pairs_ptr, block_experts_ptr, padded_total_ptr, scratch_ptr, num_pairs,
+                         NUM_EXPERTS: tl.constexpr, BINS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         COUNT_CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr, PLACE_HERE: tl.constexpr,
+                         PLACE_CHUNK: tl.constexpr):
+    # one program: per-expert counts, padded extents, the padding rows; with PLACE_HERE (num_pairs <= PLACE_CHUNK)
+    # also the pairs' rows and the block experts, else the row cursors and extents for _align_place_kernel
+    bins = tl.arange(0, BINS)  # BINS > NUM_EXPERTS: bin NUM_EXPERTS collects the masked-off lanes
+    counts = tl.zeros((BINS,), dtype=tl.int32)
+    for start in range(0, num_pairs, COUNT_CHUNK):
+        offs = start + tl.arange(0, COUNT_CHUNK)
+        counts += tl.histogram(tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS), BINS)
+    counts = tl.where(bins < NUM_EXPERTS, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
     total = tl.sum(padded, axis=0)
     tl.store(padded_total_ptr, total)
-    # rows [padded_start + count, padded_end) of each expert are padding; every BLOCK_M-th row names its block's expert
-    for start in range(0, total, CHUNK):
-        rows = start + offs
-        row_expert = tl.sum((padded_end[None, :] <= rows[:, None]).to(tl.int32), axis=1)  # [CHUNK]
-        is_row_expert = row_expert[:, None] == experts[None, :]
-        real_end = tl.sum(tl.where(is_row_expert, padded_start + counts, 0), axis=1)
-        in_range = rows < total
-        tl.store(sorted_pairs_ptr + rows, num_pairs, mask=in_range & (rows >= real_end))
-        tl.store(block_experts_ptr + rows // BLOCK_M, row_expert, mask=in_range & (rows % BLOCK_M == 0))
-    # each pair goes to its expert's next free row, pairs of one expert in ascending order
-    cursor = padded_start
-    for start in range(0, num_pairs, CHUNK):
-        pairs = start + offs
+    # rows [padded_start + count, padded_end) of an expert are padding: fewer than BLOCK_M of them
+    pad_rows = (padded_start + counts)[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_pairs_ptr + pad_rows, num_pairs, mask=pad_rows < padded_end[:, None])
+    if PLACE_HERE:
+        # the pairs as one [PLACE_CHUNK, BINS] one-hot: a pair's row is its expert's start plus the number of
+        # earlier pairs of that expert
+        pairs = tl.arange(0, PLACE_CHUNK)
         ids = tl.load(topk_ids_ptr + pairs, mask=pairs < num_pairs, other=-1)
-        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        one_hot = (ids[:, None] == bins[None, :]).to(tl.int32)
         earlier_same = tl.cumsum(one_hot, axis=0) - one_hot
-        row = tl.sum(one_hot * (earlier_same + cursor[None, :]), axis=1)
+        row = tl.sum(one_hot * (earlier_same + padded_start[None, :]), axis=1)
         tl.store(sorted_pairs_ptr + row, pairs, mask=pairs < num_pairs)
-        cursor += tl.sum(one_hot, axis=0)
+        for first_block in range(0, total // BLOCK_M, BLOCK_CHUNK):
+            _expert_blocks(block_experts_ptr, padded_end, first_block, total, BLOCK_M, BLOCK_CHUNK)
+    else:
+        tl.store(scratch_ptr + bins, padded_start)
+        tl.store(scratch_ptr + BINS + bins, padded_end)
+
+
+@triton.jit
+def _align_place_kernel(topk_ids_ptr, sorted_pairs_ptr, block_experts_ptr, padded_total_ptr, scratch_ptr, num_pairs,
+                        BINS: tl.constexpr, BLOCK_M: tl.constexpr, PLACE_CHUNK: tl.constexpr,
+                        BLOCK_CHUNK: tl.constexpr):
+    # program p: pairs [p * PLACE_CHUNK, ...) take rows from their expert's cursor (the order inside an expert's run
+    # varies; each row's result does not depend on it), and blocks [p * BLOCK_CHUNK, ...) get their expert
+    pid = tl.program_id(0)
+    pairs = pid * PLACE_CHUNK + tl.arange(0, PLACE_CHUNK)
+    valid = pairs < num_pairs
+    ids = tl.load(topk_ids_ptr + pairs, mask=valid, other=0)
+    row = tl.atomic_add(scratch_ptr + ids, 1, mask=valid)
+    tl.store(sorted_pairs_ptr + row, pairs, mask=valid)
+    padded_end = tl.load(scratch_ptr + BINS + tl.arange(0, BINS))
+    _expert_blocks(block_experts_ptr, padded_end, pid * BLOCK_CHUNK, tl.load(padded_total_ptr), BLOCK_M, BLOCK_CHUNK)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_pairs [P] int32, block_experts [P / block_m] int32, padded_total [1] int32).
 
-    sorted_pairs lists the flat pair indices t * k + j grouped by expert (ascending within one), each expert's run
-    padded with T * k (an out-of-range index the kernels skip) to a multiple of block_m; block_experts[b] is the
-    expert of rows [b * block_m, (b + 1) * block_m); padded_total is where the used rows end, and entries past it
-    are left unwritten. P = T*k + min(E, T*k) * (block_m - 1), the most padding can need, is fixed by T.
-    One kernel launch, no host sync."""
+    sorted_pairs lists the flat pair indices t * k + j grouped by expert, each expert's run padded with T * k (an
+    out-of-range index the kernels skip) to a multiple of block_m; block_experts[b] is the expert of rows
+    [b * block_m, (b + 1) * block_m); padded_total is where the used rows end, and entries past it are left
+    unwritten. P = T*k + min(E, T*k) * (block_m - 1), the most padding can need, is fixed by T. Inside an expert's
+    run the pairs ascend when T*k <= ALIGN_PLACE_CHUNK (one launch), else they come in any order (two launches).
+    No host sync."""
     ids = topk_ids.reshape(-1)
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         ids = ids.to(torch.int32).contiguous()
     num_pairs = ids.numel()
     capacity = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=ids.device)
-    block_experts = torch.empty(triton.cdiv(capacity, block_m), dtype=torch.int32, device=ids.device)
-    padded_total = torch.empty(1, dtype=torch.int32, device=ids.device)
-    experts_pow2 = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(256, 16384 // experts_pow2))
-    _align_block_size_kernel[(1,)](ids, sorted_pairs, block_experts, padded_total, num_pairs, NUM_EXPERTS=num_experts,
-                                   EXPERTS_POW2=experts_pow2, BLOCK_M=block_m, CHUNK=chunk, num_warps=8)
+    device = ids.device
+    sorted_pairs = torch.empty(capacity, dtype=torch.int32, device=device)
+    num_blocks = triton.cdiv(capacity, block_m)
+    block_experts = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    padded_total = torch.empty(1, dtype=torch.int32, device=device)
+    bins = triton.next_power_of_2(num_experts + 1)
+    place_here = num_pairs <= ALIGN_PLACE_CHUNK
+    scratch = padded_total if place_here else torch.empty(2 * bins, dtype=torch.int32, device=device)
+    block_chunk = max(16, 8192 // bins)
+    _align_counts_kernel[(1,)](ids, sorted_pairs, block_experts, padded_total, scratch, num_pairs,
+                               NUM_EXPERTS=num_experts, BINS=bins, BLOCK_M=block_m, COUNT_CHUNK=ALIGN_COUNT_CHUNK,
+                               BLOCK_CHUNK=block_chunk, PLACE_HERE=place_here, PLACE_CHUNK=ALIGN_PLACE_CHUNK,
+                               num_warps=8)
+    if not place_here:
+        grid = (max(triton.cdiv(num_pairs, ALIGN_PLACE_CHUNK), triton.cdiv(num_blocks, block_chunk)),)
+        _align_place_kernel[grid](ids, sorted_pairs, block_experts, padded_total, scratch, num_pairs, BINS=bins,
+                                  BLOCK_M=block_m, PLACE_CHUNK=ALIGN_PLACE_CHUNK, BLOCK_CHUNK=block_chunk,
+                                  num_warps=4)
     return sorted_pairs, block_experts, padded_total
 
 
