@@ -332,6 +332,39 @@ def test_triton_kernels_skip_keys_outside_the_window():
         assert (od[b:b + 1] - want).abs().max() < 1e-4
 
 
+def test_window_kv_lists_hold_exactly_the_keys_a_window_layer_sees():
+    """FlashInfer plans window layers over trimmed KV lists (triton_ops/kv_indices.py): from the first query's window
+    start to the end. With FlashInfer's mask convention (queries aligned to the list's end: key j visible to query i
+    when i + L - n - window_left <= j <= i + L - n) those lists give the same attention as the full keys under
+    braid's (p - W, p] window, in extend (cached prefixes, chunks) and decode."""
+    from braid.runtime.layers.attention.triton_ops.kv_indices import build_kv_indices, csr_indptr, window_kv_spans
+
+    gen = torch.Generator().manual_seed(11)
+    seq_lens, qo_lens = [60, 9, 40, 17, 100], [12, 9, 1, 1, 30]  # extend on prefixes, a fresh prompt, decodes
+    req_to_token = torch.randint(1, 1000, (7, 128), generator=gen, dtype=torch.int32)
+    rows = torch.tensor([3, 0, 6, 2, 5])
+    starts, lens = window_kv_spans(seq_lens, qo_lens, WINDOW)
+    indptr = csr_indptr(lens)
+    indices = torch.full((int(indptr[-1]) + 5,), -7, dtype=torch.int32)
+    build_kv_indices(req_to_token, rows, indptr, indices, len(rows), kv_starts=torch.tensor(starts, dtype=torch.int32))
+    h, d, scale, cap = 2, 16, 0.3, 3.0
+    for b, (seq, n) in enumerate(zip(seq_lens, qo_lens)):
+        got = indices[indptr[b]:indptr[b + 1]]
+        assert torch.equal(got, req_to_token[rows[b], starts[b]:seq]) and starts[b] == max(0, seq - n - WINDOW + 1)
+        keys, vals = torch.randn(seq, h, d, generator=gen), torch.randn(seq, h, d, generator=gen)
+        q = torch.randn(n, h, d, generator=gen)
+        want = _reference(q, keys, vals, torch.arange(seq - n, seq), scale, cap, WINDOW)
+        # FlashInfer's view: L = lens[b] keys, queries aligned to their end, window_left = W - 1
+        L, kk, vv = lens[b], keys[starts[b]:], vals[starts[b]:]
+        i, j = torch.arange(n)[:, None], torch.arange(L)[None, :]
+        visible = (j <= i + L - n) & (j >= i + L - n - (WINDOW - 1))
+        s = torch.einsum("nhd,lhd->hnl", q, kk) * scale
+        s = (cap * torch.tanh(s / cap)).masked_fill(~visible, float("-inf"))
+        got_out = torch.einsum("hnl,lhd->nhd", torch.softmax(s, -1), vv)
+        assert (got_out - want).abs().max() < 1e-5
+    assert (indices[int(indptr[-1]):] == -7).all()  # nothing written past the lists
+
+
 # ---------------------------------------------------------------------------------------------- on the GPU
 
 GPU_WINDOW = 64

@@ -10,7 +10,9 @@ over the batch (CSR with `kv_indptr`), and every last page holds one token. Each
 
 FlashInfer fixes sm_scale, the soft cap and the sliding window when a wrapper is planned, so layers are grouped
 into variants (heads, head_dim, window, soft cap, scale) with one wrapper each; every variant is planned once per
-batch in init_forward_metadata. The variants are read from the model's RadixAttention modules when the runner
+batch in init_forward_metadata. A window-W variant is planned over its own page lists, which start at the first
+query's window (FlashInfer's kernels load every listed key and only mask those outside window_left): its layers
+read W - 1 + new tokens per request, not the whole context, and never a hybrid pool's released window KV. The variants are read from the model's RadixAttention modules when the runner
 has a model; a layer of a variant not seen yet is planned when it first runs (never inside a graph capture).
 
 plan() runs the scheduler on the host: braid hands it host copies of the indptr arrays (built from
@@ -45,11 +47,9 @@ except Exception as e:  # an import that fails for any reason (missing package, 
                       f"which did not import here ({type(e).__name__}: {e}); the default 'triton' backend needs "
                       f"nothing extra") from e
 
-import triton
-import triton.language as tl
-
 from braid.runtime.layers import pdl
 from braid.runtime.layers.attention.base import AttentionBackend
+from braid.runtime.layers.attention.triton_ops.kv_indices import build_kv_indices, csr_indptr, window_kv_spans
 
 if TYPE_CHECKING:
     from braid.runtime.core import ForwardBatch
@@ -62,41 +62,7 @@ DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
 # from this query/KV head ratio on, decode runs FlashInfer's tensor-core (prefill) kernel instead of the CUDA-core
 # decode kernel, which is also compiled only for ratios 1, 2, 3, 4, 6, 8 and 16
 TENSOR_CORE_DECODE_MIN_GROUP = 4
-_KV_INDICES_BLOCK = 512
-
-
-# ---------------------------------------------------------------------------------------------- kv indices
-
-@triton.jit
-def _kv_indices_kernel(req_to_token, req_pool_indices, kv_indptr, kv_indices, stride_row, BLOCK: tl.constexpr):
-    # one program per request: kv_indices[kv_indptr[b]:kv_indptr[b+1]] = req_to_token[req_pool_indices[b], :len]
-    b = tl.program_id(0)
-    row = tl.load(req_pool_indices + b).to(tl.int64)
-    start = tl.load(kv_indptr + b)
-    n = tl.load(kv_indptr + b + 1) - start
-    for off in range(0, n, BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        mask = offs < n
-        slots = tl.load(req_to_token + row * stride_row + offs, mask=mask)
-        tl.store(kv_indices + start + offs, slots, mask=mask)
-
-
-def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, kv_indptr: torch.Tensor,
-                     kv_indices: torch.Tensor, batch_size: int) -> None:
-    """req_to_token: [R, C] int32; req_pool_indices: [>= B]; kv_indptr: [>= B + 1] int32 on the same device;
-    writes kv_indices[:kv_indptr[B]] (int32) in one launch, without a host synchronization."""
-    if batch_size == 0:
-        return
-    _kv_indices_kernel[(batch_size,)](req_to_token, req_pool_indices, kv_indptr, kv_indices,
-                                      req_to_token.stride(0), BLOCK=_KV_INDICES_BLOCK)
-
-
-def _indptr(lengths: list[int]) -> torch.Tensor:
-    # host CSR offsets [len(lengths) + 1] int32
-    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if lengths:
-        out[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    return out
+_indptr = csr_indptr
 
 
 # ---------------------------------------------------------------------------------------------- metadata
@@ -116,6 +82,10 @@ class _Variant:
     def group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def window(self) -> int:
+        return self.window_left + 1 if self.window_left >= 0 else 0
+
 
 @dataclass
 class FlashInferMetadata:
@@ -127,8 +97,11 @@ class FlashInferMetadata:
     last_page_len_cpu: Optional[torch.Tensor] = None  # [B] int32 ones, host
     graph_bs: Optional[int] = None  # DECODE under CUDA graphs: the captured batch size whose wrappers are used
     wrappers: dict = field(default_factory=dict)  # _Variant -> wrapper planned for this batch
-    # hybrid KV pool (mem_cache/window_pool.py): kv_indices translated to window slots, for the window variants
-    window_kv_indices: Optional[torch.Tensor] = None
+    # window W -> (kv_indptr_cpu, kv_indices) over only the keys a window-W layer sees (from the first query's
+    # window on), in a hybrid KV pool's window slots (mem_cache/window_pool.py) when the pool keeps them apart
+    window_kv: dict = field(default_factory=dict)
+    source: Optional["ForwardBatch"] = None  # for a window first seen mid-batch
+    qo_lens: Optional[list] = None  # EXTEND: new tokens per request (DECODE: one each)
 
 
 def _variant_of(layer) -> _Variant:
@@ -201,8 +174,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._graph_indptr: Optional[torch.Tensor] = None
         self._graph_indices: Optional[torch.Tensor] = None
         self._graph_last_page_len: Optional[torch.Tensor] = None
-        self._graph_window_indices: Optional[torch.Tensor] = None
-        pool = getattr(model_runner, "token_to_kv_pool", None)
+        self._graph_window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # W -> (indptr, indices) buffers
         self._hybrid_pool = hasattr(pool, "window_slots")  # window layers' KV in window slots
 
         model = getattr(model_runner, "model", None)
@@ -238,11 +210,11 @@ class FlashInferAttnBackend(AttentionBackend):
         w = per_bs.get(variant)
         if w is None:
             with torch.inference_mode(False):
+                indptr, indices = (self._graph_window_buffers(variant.window) if variant.window
+                                   else (self._graph_indptr, self._graph_indices))
                 w = BatchDecodeWithPagedKVCacheWrapper(
                     self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=tensor_cores,
-                    paged_kv_indptr_buffer=self._graph_indptr[:graph_bs + 1],
-                    paged_kv_indices_buffer=(self._graph_window_indices if self._reads_window_slots(variant)
-                                             else self._graph_indices),
+                    paged_kv_indptr_buffer=indptr[:graph_bs + 1], paged_kv_indices_buffer=indices,
                     paged_kv_last_page_len_buffer=self._graph_last_page_len[:graph_bs], backend="fa2")
             per_bs[variant] = w
         return w
@@ -265,21 +237,20 @@ class FlashInferAttnBackend(AttentionBackend):
             done.synchronize()  # the previous plan's pinned-buffer copy has run (see the module docstring)
         common = dict(window_left=variant.window_left, logits_soft_cap=variant.logit_cap, sm_scale=variant.sm_scale,
                       q_data_type=self.dtype, kv_data_type=self.kv_dtype, non_blocking=True)
-        kv_indices = md.window_kv_indices if self._reads_window_slots(variant) else md.kv_indices
+        # a window layer's plan covers only the keys its window can see: FlashInfer's kernels mask keys outside
+        # window_left but still load them; trimmed lists make them skip the rest (and never read released KV)
+        kv_indptr_cpu, kv_indices = (self._window_kv(md, variant.window) if variant.window
+                                     else (md.kv_indptr_cpu, md.kv_indices))
         if md.mode == "decode":
-            w.plan(md.kv_indptr_cpu, kv_indices, md.last_page_len_cpu, variant.num_heads, variant.num_kv_heads,
+            w.plan(kv_indptr_cpu, kv_indices, md.last_page_len_cpu, variant.num_heads, variant.num_kv_heads,
                    variant.head_dim, 1, **common)
         else:
-            w.plan(md.qo_indptr_cpu, md.kv_indptr_cpu, kv_indices, md.last_page_len_cpu, variant.num_heads,
+            w.plan(md.qo_indptr_cpu, kv_indptr_cpu, kv_indices, md.last_page_len_cpu, variant.num_heads,
                    variant.num_kv_heads, variant.head_dim, 1, head_dim_vo=variant.head_dim, causal=True, **common)
         if done is None:
             done = self._plan_events[id(w)] = torch.cuda.Event()
         done.record()
         md.wrappers[variant] = w
-
-    def _reads_window_slots(self, variant: _Variant) -> bool:
-        # a hybrid pool keeps exactly the sliding-window layers' KV in window slots
-        return self._hybrid_pool and variant.window_left >= 0
 
     def _plan_all(self, md: FlashInferMetadata, variants) -> None:
         for variant in variants:
@@ -316,17 +287,32 @@ class FlashInferAttnBackend(AttentionBackend):
             kv_indptr.copy_(kv_indptr_cpu, non_blocking=True)
             kv_indices = self._graph_indices
         build_kv_indices(req_to_token, fb.req_pool_indices, kv_indptr, kv_indices, bs)
-        md = FlashInferMetadata(mode=mode, batch_size=bs, kv_indptr_cpu=kv_indptr_cpu, kv_indices=kv_indices,
-                                last_page_len_cpu=self._last_page_len(bs), graph_bs=graph_bs)
-        if self._hybrid_pool:
-            # a gather on the device; only the first `total` entries are the batch's (the rest may be stale)
-            window = fb.token_to_kv_pool.window_slots(kv_indices[:total])
-            if graph_bs is None:
-                md.window_kv_indices = window if total else kv_indices
-            else:
-                self._graph_window_indices[:window.numel()].copy_(window)
-                md.window_kv_indices = self._graph_window_indices
-        return md
+        return FlashInferMetadata(mode=mode, batch_size=bs, kv_indptr_cpu=kv_indptr_cpu, kv_indices=kv_indices,
+                                  last_page_len_cpu=self._last_page_len(bs), graph_bs=graph_bs, source=fb)
+
+    def _window_kv(self, md: FlashInferMetadata, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv_indptr_cpu, kv_indices) of the keys window-W layers see in this batch, built once per batch."""
+        if window in md.window_kv:
+            return md.window_kv[window]
+        fb, bs = md.source, md.batch_size
+        seq_lens = [int(n) for n in (fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens.tolist())]
+        starts, lens = window_kv_spans(seq_lens, md.qo_lens or [1] * bs, window)
+        indptr_cpu = _indptr(lens)
+        total = int(indptr_cpu[-1])
+        if md.graph_bs is None:
+            indptr = indptr_cpu.to(self.device, non_blocking=True)
+            indices = torch.empty(max(total, 1), dtype=torch.int32, device=self.device)
+        else:
+            indptr, indices = self._graph_window_buffers(window)
+            indptr = indptr[:bs + 1]
+            indptr.copy_(indptr_cpu, non_blocking=True)
+        build_kv_indices(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, indptr, indices, bs,
+                         kv_starts=torch.tensor(starts, dtype=torch.int32).to(self.device, non_blocking=True))
+        if self._hybrid_pool and total:
+            # window layers' KV lives in window slots: a gather on the device
+            indices[:total] = fb.token_to_kv_pool.window_slots(indices[:total])
+        md.window_kv[window] = (indptr_cpu, indices)
+        return md.window_kv[window]
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         if fb.batch_size == 0 or not (fb.forward_mode.is_decode() or fb.forward_mode.is_extend()):
@@ -337,7 +323,8 @@ class FlashInferAttnBackend(AttentionBackend):
         else:
             md = self._kv_metadata(fb, "extend")
             ext = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else fb.extend_seq_lens.tolist()
-            md.qo_indptr_cpu = _indptr([int(n) for n in ext])
+            md.qo_lens = [int(n) for n in ext]
+            md.qo_indptr_cpu = _indptr(md.qo_lens)
         self._plan_all(md, list(self._variants))
         fb.attn_metadata = md
 
@@ -390,6 +377,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int) -> None:
         self._graph_max_bs = int(max_bs)
         self._graph_indptr = self._graph_indices = self._graph_last_page_len = None
+        self._graph_window = {}
         self._graph_wrappers.clear()  # they point into the buffers allocated at the next capture
 
     def _ensure_graph_buffers(self, req_to_token: torch.Tensor) -> None:
@@ -405,8 +393,22 @@ class FlashInferAttnBackend(AttentionBackend):
             # every captured request may reach the full context
             self._graph_indices = torch.zeros(need, dtype=torch.int32, device=self.device)
             self._graph_last_page_len = torch.ones(self._graph_max_bs, dtype=torch.int32, device=self.device)
-            if self._hybrid_pool:
-                self._graph_window_indices = torch.zeros(need, dtype=torch.int32, device=self.device)
+        for variant in self._variants:
+            if variant.window:
+                self._graph_window_buffers(variant.window)
+
+    def _graph_window_buffers(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Static (indptr [max_bs + 1], indices [max_bs * W]) of window-W decode wrappers under CUDA graphs."""
+        buffers = self._graph_window.get(window)
+        if buffers is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"FlashInferAttnBackend: window {window} was not planned before the CUDA-graph "
+                                   f"capture; run the model once before capturing")
+            with torch.inference_mode(False):
+                buffers = self._graph_window[window] = (
+                    torch.zeros(self._graph_max_bs + 1, dtype=torch.int32, device=self.device),
+                    torch.zeros(self._graph_max_bs * window, dtype=torch.int32, device=self.device))
+        return buffers
 
     def init_forward_metadata_capture(self, bs: int, fb: "ForwardBatch") -> None:
         md = self._kv_metadata(fb, "decode", graph_bs=bs)
