@@ -50,11 +50,21 @@ def _server_args(**kw):
     return ServerArgs(**{**base, **kw})
 
 
+def _timed(time_us, fn) -> float:
+    """time_us(fn), or NaN (with the error printed) when the kernel fails, so one failure leaves the rest measured."""
+    try:
+        return time_us(fn)
+    except Exception as e:  # noqa: BLE001 - reported, the run goes on
+        print(f"FAIL timing: {e!r}"[:300], flush=True)
+        return float("nan")
+
+
 def gemv_floor(out_path: str) -> None:
     import torch
 
     from braid.runtime.layers.gemv import gemv
-    from braid.runtime.layers.quantization.fp8_kernels import quantize_rows, quantize_weight_per_channel, scaled_mm
+    from braid.runtime.layers.quantization.fp8_kernels import (quantize_rows, quantize_weight_per_channel, scaled_mm,
+                                                               small_batch_gemm)
     from decode_b1 import graph_time_us  # benchmarks/gpu, this script's folder
 
     cfg = json.load(open(CONFIG))
@@ -69,9 +79,15 @@ def gemv_floor(out_path: str) -> None:
         silu = name == "gate_up"
         row = {"shape": name, "n": n, "k": k, "layers": layers}
         bf16_bytes, fp8_bytes = layers * n * k * 2, layers * (n * k + n * 4)
-        row["bf16_gemv_us"] = graph_time_us(lambda: [gemv(x, w, silu_mul=silu) for w in dense])
-        row["fp8_gemv_us"] = graph_time_us(lambda: [gemv(x, q, silu_mul=silu, weight_scale=s) for q, s in fp8])
-        row["fp8_scaled_mm_us"] = graph_time_us(lambda: [scaled_mm(*quantize_rows(x), q, s, torch.bfloat16) for q, s in fp8])
+        timed = lambda fn: _timed(graph_time_us, fn)  # noqa: E731
+        row["bf16_gemv_us"] = timed(lambda: [gemv(x, w, silu_mul=silu) for w in dense])
+        row["fp8_gemv_us"] = timed(lambda: [gemv(x, q, silu_mul=silu, weight_scale=s) for q, s in fp8])
+        row["fp8_scaled_mm_us"] = timed(lambda: [scaled_mm(*quantize_rows(x), q, s, torch.bfloat16) for q, s in fp8])
+        x8 = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
+        row["m8_bf16_linear_us"] = timed(lambda: [torch.nn.functional.linear(x8, w) for w in dense])
+        row["m8_fp8_small_batch_us"] = timed(lambda: [small_batch_gemm(x8, q, s, silu_mul=silu) for q, s in fp8])
+        row["m8_fp8_scaled_mm_us"] = timed(lambda: [scaled_mm(*quantize_rows(x8), q, s, torch.bfloat16)
+                                                    for q, s in fp8])
         row["bf16_gemv_tb_s"] = bf16_bytes / row["bf16_gemv_us"] / 1e6
         row["fp8_gemv_tb_s"] = fp8_bytes / row["fp8_gemv_us"] / 1e6
         row["fp8_scaled_mm_tb_s"] = fp8_bytes / row["fp8_scaled_mm_us"] / 1e6
@@ -189,10 +205,12 @@ def summary(folder: str) -> int:
     if gemv_rows:
         print("\nbatch-1 GEMM floor, all 32 layers of a shape in one CUDA graph (TB/s of weight bytes):")
         print(f"{'shape':>8} {'bf16 gemv':>10} {'fp8 gemv':>10} {'fp8 _scaled_mm':>15} {'fp8 gemv us':>12} "
-              f"{'bf16 gemv us':>13}")
+              f"{'bf16 gemv us':>13} | M=8 us: {'bf16 F.linear':>12} {'fp8 small-batch':>15} {'fp8 _scaled_mm':>14}")
         for r in gemv_rows:
             print(f"{r['shape']:>8} {r['bf16_gemv_tb_s']:10.2f} {r['fp8_gemv_tb_s']:10.2f} "
-                  f"{r['fp8_scaled_mm_tb_s']:15.2f} {r['fp8_gemv_us']:12.1f} {r['bf16_gemv_us']:13.1f}")
+                  f"{r['fp8_scaled_mm_tb_s']:15.2f} {r['fp8_gemv_us']:12.1f} {r['bf16_gemv_us']:13.1f} | "
+                  f"{'':8}{r['m8_bf16_linear_us']:12.1f} {r['m8_fp8_small_batch_us']:15.1f} "
+                  f"{r['m8_fp8_scaled_mm_us']:14.1f}")
     print("\nbench_one_batch, Llama-3-8B-shaped dummy, 128 in / 512 out, decode tok/s (median step):")
     print(f"{'batch':>6} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'fp8/bf16':>9} {'bf16 ms':>8} {'fp8 ms':>8} "
           f"{'prefill bf16/fp8 ms':>20}")
