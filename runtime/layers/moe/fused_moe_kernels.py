@@ -44,15 +44,15 @@ class MoEKernelConfig:
 
 
 # Chosen by average rows per expert, T * k / E (the GEMMs' M per expert): the first row whose bound is >= it.
-# Tuned on the H200 at DeepSeek-V2-Lite shapes (64 experts, top-6, H 2048, I 1408) with
-# benchmarks/gpu/fused_moe_vs_torch.sh.
+# Starting points, not yet measured on the H200: benchmarks/gpu/fused_moe_vs_torch.sh sweeps configs at
+# DeepSeek-V2-Lite shapes (64 experts, top-6, H 2048, I 1408) and prints the rows to put here.
 H200_CONFIGS: tuple[tuple[float, MoEKernelConfig], ...] = (
-    (1.0, MoEKernelConfig(16, 64, 128, 1, 4, 4)),
-    (8.0, MoEKernelConfig(16, 128, 128, 1, 4, 3)),
-    (32.0, MoEKernelConfig(32, 128, 64, 8, 4, 4)),
+    (0.1, MoEKernelConfig(16, 32, 64, 1, 4, 4)),
+    (3.0, MoEKernelConfig(16, 32, 128, 1, 4, 4)),
+    (6.0, MoEKernelConfig(16, 64, 128, 1, 4, 4)),
+    (24.0, MoEKernelConfig(64, 128, 64, 1, 4, 3)),
     (float("inf"), MoEKernelConfig(64, 128, 64, 8, 8, 3)),
 )
-
 
 ALIGN_COUNT_CHUNK = 4096  # ids per histogram step
 ALIGN_PLACE_CHUNK = 128  # up to this many pairs are placed by the counting program itself (decode batches)
