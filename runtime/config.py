@@ -62,6 +62,11 @@ class ServerArgs:
     disable_window_kv_trimming: bool = _opt(False, "models mixing sliding-window and global layers (Gemma-2): keep "
                                                    "every token's KV in the window layers too, instead of releasing "
                                                    "what no request's window can see (one pool for all layers)")
+    window_kv_ratio: Optional[float] = _opt(None, "with window KV trimming: window-layer token slots per global-layer "
+                                                  "slot of the same memory budget (default: sliding window / context "
+                                                  "length, what context-long requests need; requests shorter than "
+                                                  "the window need one per token, so short-request workloads want it "
+                                                  "nearer 1.0)")
     enable_mixed_chunk: bool = _opt(False, "run the running requests' decode tokens in the same forward pass as a "
                                            "prefill batch instead of a pass of their own")
     disable_overlap_schedule: bool = _opt(False, "on CUDA, do each decode step's host bookkeeping after the GPU "
@@ -121,9 +126,6 @@ class ServerArgs:
     log_requests: bool = _opt(False, "log every request")
     stream_interval: int = _opt(1, "streamed requests get an update every this many tokens (and when they finish)")
 
-    def __post_init__(self):
-        for name, aliases in VALUE_ALIASES.items():
-            value = getattr(self, name)
     # ---- images and video (vision models) ----
     allowed_local_media_path: Optional[str] = _opt(None, "image/video files may be read from this directory (and "
                                                          "below) by path or file:// URL (None: no local files)")
@@ -135,18 +137,26 @@ class ServerArgs:
     max_media_items: int = _opt(16, "most images and videos in one request (400 beyond it)")
     media_timeout_s: float = _opt(10.0, "longest time one remote image download may take (400 beyond it)")
 
+    def __post_init__(self):
+        for name, aliases in VALUE_ALIASES.items():
+            value = getattr(self, name)
             if value in aliases:
                 object.__setattr__(self, name, aliases[value])
-        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
-            raise ValueError("chunked_prefill_size must be -1 or >= 1")
-        if not 0.0 < self.mem_fraction_static < 1.0:
         if min(self.max_image_bytes, self.max_image_pixels, self.max_video_frames, self.max_media_items) < 1 \
                 or self.media_timeout_s <= 0:
             raise ValueError("max_image_bytes, max_image_pixels, max_video_frames, max_media_items must be >= 1 and "
                              "media_timeout_s > 0")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            raise ValueError("chunked_prefill_size must be -1 or >= 1")
+        if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("max_total_tokens must be >= 16")
+        if self.window_kv_ratio is not None and not 0 < self.window_kv_ratio <= 1:
+            raise ValueError("window_kv_ratio must be in (0, 1]")
+        if self.window_kv_ratio is not None and self.disable_window_kv_trimming:
+            raise ValueError("window_kv_ratio sizes the trimmed window-layer pool; it has no effect with "
+                             "--disable-window-kv-trimming")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if self.tp_size != 1:

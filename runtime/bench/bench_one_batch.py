@@ -101,9 +101,12 @@ class StaticBatchRunner:
             raise BenchOneBatchError(f"batch size {len(prompts)} exceeds the {self.req_pool.available_size()} free "
                                      "request slots; raise --max-running-requests")
         need = sum(len(p) for p in prompts) + len(prompts) * (output_len - 1)
-        if need > self.kv_pool.available_size():
-            raise BenchOneBatchError(f"the batch needs {need} KV slots, the pool has {self.kv_pool.available_size()} "
-                                     "free; raise --max-total-tokens")
+        free = self.kv_pool.available_size()
+        if hasattr(self.kv_pool, "window_available_size"):  # a hybrid pool: nothing is released here
+            free = min(free, self.kv_pool.window_available_size())
+        if need > free:
+            raise BenchOneBatchError(f"the batch needs {need} KV slots, the pool has {free} free; raise "
+                                     "--max-total-tokens (or --window-kv-ratio)")
 
     @torch.no_grad()
     def run(self, prompts: list[list[int]], output_len: int) -> BatchRun:
@@ -384,7 +387,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
                 runs.append(result)
                 if args.result_filename:
                     append_jsonl(args.result_filename, result)
-                if sb.kv_pool.available_size() != sb.kv_pool.size:
+                if sb.kv_pool.available_size() != sb.kv_pool.size or (
+                        getattr(sb.kv_pool, "window_size", None) is not None
+                        and sb.kv_pool.window_available_size() != sb.kv_pool.window_size):
                     raise RuntimeError("KV slots leaked by a benchmark run")
     print_table(runs)
     return {**setup, "runs": runs, "correctness": correctness,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from braid.runtime.mem_cache.window_pool import HybridKVPool
+from braid.runtime.mem_cache.window_pool import RELEASE_STEP, HybridKVPool
 
 if TYPE_CHECKING:
     from braid.runtime.mem_cache.pools import KVPool, ReqToTokenPool
@@ -56,20 +56,22 @@ class PrefixCache(ABC):
             self.evict(max(short, 0), max(short_window, 0))
         return self.token_to_kv_pool.alloc(n)
 
-    def trim_window_kv(self, reqs) -> None:
+    def trim_window_kv(self, reqs, exact: bool = False) -> None:
         """Hybrid pool: release the window-layer KV of each request's tokens that its next query can no longer see
-        (positions below kv_committed_len - window_keep), where no other request holds them. Call after every
-        forward pass; the release runs on the device in stream order, after the pass (no sync)."""
+        (positions below kv_committed_len - window_keep), where no other request holds them; in steps of
+        RELEASE_STEP positions unless `exact`. Call after every forward pass; the release runs on the device in
+        stream order, after the pass (no sync)."""
         pool = self.window_pool
         if pool is None:
             return
         req_to_token = self.req_to_token_pool.req_to_token
         released: list[torch.Tensor] = []
+        step = 1 if exact else RELEASE_STEP
         for req in reqs:
             if req.req_pool_idx is None:
                 continue
             until = req.kv_committed_len - pool.window_keep(req)
-            if until <= req.window_kv_from:
+            if until < req.window_kv_from + step:
                 continue
             own_lo = self._cache_owned_len(req)
             released.extend(self._release_cached_window(req, until))
@@ -101,7 +103,7 @@ class PrefixCache(ABC):
         if req.prefix_indices is not None and new_len < len(req.prefix_indices):
             req.prefix_indices = req.prefix_indices[:new_len]
         req.kv_committed_len = new_len
-        if self.window_pool is not None and new_len - self.window_pool.window_keep(req) < req.window_kv_from:
+        if self.window_pool is not None and new_len - (self.window_pool.window - 1) < req.window_kv_from:
             # window_keep's margin exists so that jump-forward rollbacks never reach released window KV
             raise RuntimeError(f"request {getattr(req, 'rid', '?')}: rolled back to {new_len} tokens, but the window "
                                f"KV below position {req.window_kv_from} was released")

@@ -52,29 +52,34 @@ def max_tokens_for_budget(budget_bytes: int, bytes_per_token: int) -> int:
     return max(int(budget_bytes // bytes_per_token) - 1, 0)
 
 
-def window_tokens_for(full_tokens: int, window: int, context_len: int, prefill_tokens: int) -> int:
-    """Window slots of a hybrid pool (mem_cache/window_pool.py) whose full-layer pool holds full_tokens: enough for
-    the windows of as many context_len-long requests as the full pool holds (each keeps at most `window`), plus one
-    extend batch's new tokens (they all get window slots until the pass ends); never more than full_tokens."""
+def window_tokens_for(full_tokens: int, window: int, context_len: int, prefill_tokens: int,
+                      ratio: Optional[float] = None) -> int:
+    """Window slots of a hybrid pool (mem_cache/window_pool.py) whose full-layer pool holds full_tokens.
+
+    Default: enough for the windows of as many context_len-long requests as the full pool holds (each keeps at most
+    `window`), plus one extend batch's new tokens (they all get window slots until the pass ends). `ratio`: window
+    slots per full slot instead, never fewer than one extend batch plus a window. Never more than full_tokens."""
     if min(full_tokens, window, context_len, prefill_tokens) < 1:
         raise ValueError("window sizing needs positive full_tokens, window, context_len and prefill_tokens")
+    if ratio is not None:
+        return min(full_tokens, max(-(-int(full_tokens * ratio * 1024) // 1024), prefill_tokens + window))
     running_windows = -(-full_tokens * min(window, context_len) // context_len)
     return min(full_tokens, running_windows + prefill_tokens)
 
 
 def hybrid_tokens_for_budget(budget_bytes: int, full_bytes_per_token: int, window_bytes_per_token: int, window: int,
-                             context_len: int, prefill_tokens: int) -> tuple[int, int]:
+                             context_len: int, prefill_tokens: int, ratio: Optional[float] = None) -> tuple[int, int]:
     """(full tokens, window tokens) of a hybrid pool that fits budget_bytes, the window space sized by
     window_tokens_for (each space's +1 dummy slot paid out of the budget)."""
     if full_bytes_per_token <= 0 or window_bytes_per_token <= 0:
         raise ValueError("bytes per token must be positive")
-    # full * f + (full * window / context_len + prefill) * w = budget, solved for full; when the window space is
-    # the smaller one that fits less than an untrimmed split (both spaces one size), the untrimmed split is taken
-    usable = budget_bytes - full_bytes_per_token - window_bytes_per_token * (1 + prefill_tokens)
-    ratio = min(window, context_len) / context_len
-    full = max(int(usable / (full_bytes_per_token + ratio * window_bytes_per_token)), 0)
-    while full and (full * full_bytes_per_token + window_tokens_for(full, window, context_len, prefill_tokens)
+    # full * f + (full * r + prefill) * w = budget (r = window / context_len, or the ratio given), solved for full;
+    # when that fits less than an untrimmed split (both spaces one size), the untrimmed split is taken
+    usable = budget_bytes - full_bytes_per_token - window_bytes_per_token * (1 + (0 if ratio else prefill_tokens))
+    r = ratio if ratio is not None else min(window, context_len) / context_len
+    full = max(int(usable / (full_bytes_per_token + r * window_bytes_per_token)), 0)
+    while full and (full * full_bytes_per_token + window_tokens_for(full, window, context_len, prefill_tokens, ratio)
                     * window_bytes_per_token > budget_bytes - full_bytes_per_token - window_bytes_per_token):
-        full -= 1  # the window term rounds up
+        full -= max(full // 1000, 1)  # the window term rounds up
     full = max(full, max_tokens_for_budget(budget_bytes, full_bytes_per_token + window_bytes_per_token), 1)
-    return full, window_tokens_for(full, window, context_len, prefill_tokens)
+    return full, window_tokens_for(full, window, context_len, prefill_tokens, ratio)

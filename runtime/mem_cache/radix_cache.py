@@ -356,7 +356,7 @@ class RadixCache(PrefixCache):
     def cache_finished_req(self, req) -> None:
         if req.req_pool_idx is None:
             raise RuntimeError(f"request {getattr(req, 'rid', '?')} has no req_to_token row to release")
-        self.trim_window_kv([req])  # keep only the last W - 1 tokens' window KV in the cache
+        self.trim_window_kv([req], exact=True)  # keep only the last W - 1 tokens' window KV in the cache
         self._insert_committed(req)
         self.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)

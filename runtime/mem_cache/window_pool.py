@@ -16,10 +16,10 @@ slot reads window slot 0, which attention never weighs: all backends skip or mas
 
 Releasing: after each forward pass the prefix cache (mem_cache/base.py `trim_window_kv`) releases the window slots
 of each request's tokens at positions below kv_committed_len - (W - 1) - margin that only this request uses
-(its own slots, and radix-tree nodes it alone has locked). Tokens shared with other running requests keep their
+(its own slots, and radix-tree nodes it alone has locked), in steps of RELEASE_STEP positions while it runs. Tokens shared with other running requests keep their
 window KV until the last of them trims it. A finished request keeps the window KV of its last W - 1 tokens in the
 cache. So a request of L tokens holds full KV for L tokens and window KV for at most W - 1 (+ one step's tokens)
-once it runs alone on its prefix. The radix cache's reuse rule for a prefix whose window KV was released is in
+(+ RELEASE_STEP) once it runs alone on its prefix. The radix cache's reuse rule for a prefix whose window KV was released is in
 radix_cache.py.
 
 Counts stay exact on the host without device syncs: which tokens hold window KV is a function of positions the
@@ -35,10 +35,13 @@ import torch
 
 from braid.runtime.mem_cache.pools import DeviceLike, KVPool, MHAKVPool, ScaleLike, _outside_inference_mode
 
-__all__ = ["HybridKVPool", "window_layer_split", "JUMP_FORWARD_MARGIN"]
+__all__ = ["HybridKVPool", "window_layer_split", "JUMP_FORWARD_MARGIN", "RELEASE_STEP"]
 
 # extra positions kept for requests whose grammar may roll tokens back (jump-forward re-tokenizes a few tokens)
 JUMP_FORWARD_MARGIN = 64
+# a running request releases window KV once this many positions have left its window (one batched release per
+# 16 decode steps instead of one per step); finishing releases down to the window exactly
+RELEASE_STEP = 16
 
 
 def window_layer_split(layer_windows: Sequence[Optional[int]]) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -79,7 +82,7 @@ class HybridKVPool(KVPool):
             self._where[layer_id] = (self.window_pool, local)
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, self.full_pool.v_head_dim
         # full slot -> window slot: [size + 1] int32, -1 = released (set up by clear())
-        self.full_to_window: torch.Tensor
+        self.full_to_window: Optional[torch.Tensor] = None
         super().__init__(size, dtype, len(layer_windows), device, kv_cache_dtype, k_scale, v_scale)
 
     # ---- layers ----
@@ -194,5 +197,8 @@ class HybridKVPool(KVPool):
     def clear(self) -> None:
         super().clear()
         self.window_pool.clear()
-        self.full_to_window = torch.full((self.size + 1,), -1, dtype=torch.int32, device=self.device)
+        if getattr(self, "full_to_window", None) is None:
+            self.full_to_window = torch.empty((self.size + 1,), dtype=torch.int32, device=self.device)
+        # in place: CUDA graphs captured the map's address
+        self.full_to_window.fill_(-1)
         self.full_to_window[0] = 0

@@ -102,7 +102,8 @@ class ModelRunner:
         if hybrid:
             if self.window_kv_tokens is None:
                 self.window_kv_tokens = window_tokens_for(self.max_total_tokens, max(w for w in layer_windows if w),
-                                                          self.context_len, self._extend_tokens_bound())
+                                                          self.context_len, self._extend_tokens_bound(),
+                                                          self.server_args.window_kv_ratio)
             k_scales, v_scales = getattr(self.model, "kv_cache_scales", None) or (1.0, 1.0)
             self.token_to_kv_pool = HybridKVPool(
                 self.max_total_tokens, self.window_kv_tokens, self.dtype, heads_kv, mc.head_dim, layer_windows,
@@ -137,7 +138,8 @@ class ModelRunner:
         per_layer = mha_kv_bytes_per_token(mc.num_key_value_heads, mc.head_dim, 1, kv_dtype, mc.v_head_dim)
         full, window = hybrid_tokens_for_budget(int(budget), per_layer * (len(layer_windows) - num_window),
                                                 per_layer * num_window, max(w for w in layer_windows if w),
-                                                self.context_len, self._extend_tokens_bound())
+                                                self.context_len, self._extend_tokens_bound(),
+                                                self.server_args.window_kv_ratio)
         return max(full, 1024), max(window, 1024)
 
     # ---- forward ----

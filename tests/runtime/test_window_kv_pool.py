@@ -100,7 +100,7 @@ class Sim:
         start = req.kv_committed_len
         self.req_pool.req_to_token[req.req_pool_idx, start:start + n] = loc.int()
         req.kv_committed_len += n
-        self.cache.trim_window_kv([req])
+        self.cache.trim_window_kv([req], exact=self.rng.random() < 0.5)
         return True
 
     def step(self) -> None:
@@ -203,6 +203,19 @@ def test_gemma2_9b_capacity_at_8k_is_at_least_1_3x_an_untrimmed_pool_of_the_same
     assert full / untrimmed >= 1.3, (full, untrimmed)
     # requests of 8192 tokens: each holds 8192 full slots and at most 4096 window slots
     assert full // 8192 * 4096 + 4096 + 256 <= window
+    # --window-kv-ratio trades long-context capacity for short requests (each of their tokens needs window KV)
+    full_08, window_08 = hybrid_tokens_for_budget(budget, 21 * per_layer, 21 * per_layer, 4096, 8192, 4352, 0.8)
+    assert window_08 == pytest.approx(0.8 * full_08, rel=1e-3) and window < window_08 < untrimmed < full_08 < full
+    assert hybrid_tokens_for_budget(budget, 21 * per_layer, 21 * per_layer, 4096, 8192, 4352, 1.0) == (untrimmed,) * 2
+
+
+def test_window_kv_flags_are_checked():
+    from braid.runtime.config import ServerArgs
+
+    with pytest.raises(ValueError, match="window_kv_ratio"):
+        ServerArgs(window_kv_ratio=1.5)
+    with pytest.raises(ValueError, match="no effect"):
+        ServerArgs(window_kv_ratio=0.8, disable_window_kv_trimming=True)
 
 
 # ---------------------------------------------------------------------------------------------- through the scheduler
