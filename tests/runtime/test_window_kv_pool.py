@@ -248,6 +248,25 @@ def one_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def gemma2_model(tmp_path_factory):
+    """A tiny Gemma-2 (runtime/models/gemma2.py): window 16 on layers 0 and 2, soft-caps on."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("gemma2_window")
+    cfg = transformers.Gemma2Config(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, sliding_window=WINDOW,
+        query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.5 if name.endswith("norm.weight") else 0.25)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
 def _prompts():
     gen = torch.Generator().manual_seed(1)
     return [torch.randint(0, 49152, (n,), generator=gen).tolist() for n in (200, 40, 23, 90)]
@@ -274,10 +293,13 @@ def _run(model: str, trim: bool, **flags):
     return first + second, stats, end_stats
 
 
-@pytest.mark.parametrize("chunk", [4096, 8], ids=["whole_prefill", "chunked_prefill_8"])
-def test_trimmed_outputs_equal_untrimmed_and_window_kv_is_released(mixed_window_model, chunk):
-    trimmed, stats, end = _run(mixed_window_model, True, chunked_prefill_size=chunk)
-    plain, plain_stats, _ = _run(mixed_window_model, False, chunked_prefill_size=chunk)
+@pytest.mark.parametrize("model,chunk", [("mixed_window_model", 4096), ("mixed_window_model", 8),
+                                         ("gemma2_model", 8)],
+                         ids=["whole_prefill", "chunked_prefill_8", "gemma2_chunked_prefill_8"])
+def test_trimmed_outputs_equal_untrimmed_and_window_kv_is_released(request, model, chunk):
+    model = request.getfixturevalue(model)
+    trimmed, stats, end = _run(model, True, chunked_prefill_size=chunk)
+    plain, plain_stats, _ = _run(model, False, chunked_prefill_size=chunk)
     assert "window_kv_total_tokens" not in plain_stats, "trimming off: one pool"
     for a, b in zip(trimmed, plain):
         assert a["output_ids"] == b["output_ids"]
