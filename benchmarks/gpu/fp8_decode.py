@@ -5,6 +5,8 @@
   python3 benchmarks/gpu/fp8_decode.py kv OUT.jsonl fp8|bf16 [KV_DTYPE...]
                                                            decode step at 8K context, batch 8 and 64, with fp8 or bf16
                                                            weights, by KV cache dtype (default auto fp8_e5m2 fp8_e4m3)
+  python3 benchmarks/gpu/fp8_decode.py attn OUT.jsonl      Triton decode attention alone (one layer, batch 64, 8K
+                                                           context, 8B heads) by KV dtype and launch config, TB/s
   python3 benchmarks/gpu/fp8_decode.py summary DIR         the table of everything under DIR, PASS/FAIL lines
 
 The KV runs skip the 8K-token prefill (batch 64 would be one 512K-token extend): every request's 8192 cached
@@ -94,6 +96,48 @@ def gemv_floor(out_path: str) -> None:
         _append(out_path, row)
         del dense, fp8
         torch.cuda.empty_cache()
+
+
+ATTN_CONFIGS = [dict(BLOCK_N=bn, num_warps=w, num_stages=st)
+                for bn, w, st in ((64, 2, 2), (128, 2, 2), (128, 4, 2), (64, 4, 2), (128, 8, 3), (256, 8, 2))]
+
+
+def attention_sweep(out_path: str) -> None:
+    """One layer's decode attention at batch 64 and 8K context, bf16 vs fp8 KV, for each launch config: which
+    config an fp8 cache wants (the kernel picks by head dims only, tuned on bf16)."""
+    import torch
+
+    from braid.runtime.layers.attention.triton_ops import decode_attention as da
+    from braid.runtime.layers.attention.triton_ops import extend_attention
+    from decode_b1 import graph_time_us
+
+    cfg = json.load(open(CONFIG))
+    batch, heads, kv_heads, dim = 64, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    tokens = batch * KV_CONTEXT
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    table = torch.randperm(tokens, device="cuda", generator=gen).add_(1).to(torch.int32).view(batch, KV_CONTEXT)
+    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    o = torch.empty_like(q)
+    seq_lens = torch.full((batch,), KV_CONTEXT, dtype=torch.int32, device="cuda")
+    req_idx = torch.arange(batch, device="cuda")
+    original = da._decode_launch_configs
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        k = torch.randn(tokens + 1, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+        v = torch.randn(tokens + 1, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+        nbytes = 2 * tokens * kv_heads * dim * k.element_size()
+        for splits in (16, 32):
+            scratch = torch.empty(batch, heads, splits, dim + 1, device="cuda", dtype=torch.float32)
+            for launch in ATTN_CONFIGS:
+                da._decode_launch_configs = lambda d, dv, device, launch=launch: [launch]
+                extend_attention._FITTING_CONFIG.clear()
+                us = _timed(lambda fn: graph_time_us(fn, iters=20), lambda: da.decode_attention_fwd(
+                    q, k, v, o, table, req_idx, seq_lens, scratch, splits, dim ** -0.5))
+                _append(out_path, {"kv_dtype": str(kv_dtype).removeprefix("torch."), "num_kv_splits": splits,
+                                   **launch, "us": us, "tb_s": nbytes / us / 1e6})
+        del k, v
+        torch.cuda.empty_cache()
+    da._decode_launch_configs = original
+    extend_attention._FITTING_CONFIG.clear()
 
 
 def _fill_kv(runner, batch: int, context: int):
@@ -201,6 +245,20 @@ def summary(folder: str) -> int:
     fp8 = {r["batch_size"]: r for r in _read(os.path.join(folder, "one_batch_fp8.jsonl"))}
     kv = _read(os.path.join(folder, "kv.jsonl"))
     gemv_rows = _read(os.path.join(folder, "gemv.jsonl"))
+    attn_rows = [r for r in _read(os.path.join(folder, "attn.jsonl")) if r["us"] == r["us"]]  # NaN: failed
+    if attn_rows:
+        print(f"\ndecode attention alone, one layer, batch 64 x {KV_CONTEXT} tokens (best launch per KV dtype and "
+              "split count; the kernel now uses BLOCK_N 64, 2 warps, 2 stages, 16 splits):")
+        for dtype in dict.fromkeys(r["kv_dtype"] for r in attn_rows):
+            for splits in sorted({r["num_kv_splits"] for r in attn_rows}):
+                rows = [r for r in attn_rows if r["kv_dtype"] == dtype and r["num_kv_splits"] == splits]
+                if not rows:
+                    continue
+                best = min(rows, key=lambda r: r["us"])
+                now = next((r for r in rows if (r["BLOCK_N"], r["num_warps"], r["num_stages"]) == (64, 2, 2)), None)
+                print(f"  {dtype:>14} splits {splits:>2}: best {best['us']:7.1f} us ({best['tb_s']:.2f} TB/s) with "
+                      f"BLOCK_N {best['BLOCK_N']}, {best['num_warps']} warps, {best['num_stages']} stages; current "
+                      f"config {now['us'] if now else float('nan'):7.1f} us")
     failures = 0
     if gemv_rows:
         print("\nbatch-1 GEMM floor, all 32 layers of a shape in one CUDA graph (TB/s of weight bytes):")
@@ -269,6 +327,8 @@ def main() -> int:
         gemv_floor(target)
     elif what == "kv":
         kv_decode(target, sys.argv[3], sys.argv[4:] or KV_DTYPES)
+    elif what == "attn":
+        attention_sweep(target)
     elif what == "summary":
         return summary(target)
     else:
