@@ -22,7 +22,12 @@ class ChunkCache(PrefixCache):
         if req.req_pool_idx is None:
             raise RuntimeError(f"request {getattr(req, 'rid', '?')} has no req_to_token row to release")
         slots = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len]
-        self.token_to_kv_pool.free(slots)  # a hybrid pool also frees the window slots the request still holds
+        if self.window_pool is not None:
+            # the request's window slots are those from window_kv_from on: released without a device sync
+            self.window_pool.release_window(slots[min(req.window_kv_from, req.kv_committed_len):])
+            self.window_pool.free(slots, window_released=True)
+        else:
+            self.token_to_kv_pool.free(slots)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None
