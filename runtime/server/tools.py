@@ -49,7 +49,8 @@ class ToolPlan:
         options = [_call_schema(f) for f in self.functions if self.choice == "required" or f["name"] == self.named]
         return options[0] if len(options) == 1 else {"anyOf": options}
 
-    def call_prefix(self, name: str) -> str:
+    @staticmethod
+    def call_prefix(name: str) -> str:
         """The text a constrained call starts with, up to its arguments (compact JSON, properties in schema order)."""
         return '{"name":' + json.dumps(name, ensure_ascii=False) + ',"arguments":'
 
@@ -153,14 +154,20 @@ def tool_call(name: str, arguments: str, index: int) -> dict:
 
 
 def parse_constrained(text: str) -> Optional[dict]:
-    """The call a constrained request wrote (None if it was cut short)."""
+    """The call a constrained request wrote (None if it was cut short); its arguments as the model wrote them, the
+    same text the streamed deltas carry."""
     try:
         obj = json.loads(text)
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
         return None
-    return tool_call(obj["name"], json.dumps(obj["arguments"], ensure_ascii=False), 0)
+    prefix = ToolPlan.call_prefix(obj["name"])
+    if text.startswith(prefix) and text.endswith("}"):
+        arguments = text[len(prefix):-1]
+    else:
+        arguments = json.dumps(obj["arguments"], ensure_ascii=False)
+    return tool_call(obj["name"], arguments, 0)
 
 
 def parse_auto(text: str, plan: ToolPlan) -> tuple[Optional[str], list[dict]]:
