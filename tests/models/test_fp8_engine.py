@@ -230,3 +230,20 @@ def test_gpu_without_fp8_is_refused(dense_folder):
     with pytest.raises(ValueError, match="compute capability 8.9"):
         Engine(model_path=dense_folder, tokenizer_path="smollm2", quantization="fp8", device="cuda",
                dtype="bfloat16", log_level="warning", max_total_tokens=1024)
+
+
+def test_fp8_linear_edge_rows():
+    """No rows in, no rows out (the GEMM kernels need one); a bias is added after the fp8 product."""
+    from braid.runtime.layers.activation import SiluAndMul
+    from braid.runtime.layers.linear import Linear
+    from braid.runtime.layers.quantization import Fp8LinearMethod
+
+    lin = Linear(32, 64, bias=True, output_sizes=[32, 32], linear_method=Fp8LinearMethod())
+    torch.manual_seed(0)
+    lin.weight.data.normal_(0, 0.1)
+    lin.bias.data.normal_(0, 1.0)
+    lin.prepack_weights()
+    assert lin(torch.empty(0, 32)).shape == (0, 64) and lin(torch.empty(0, 32), SiluAndMul()).shape == (0, 32)
+    x = torch.randn(3, 32)
+    dense = lin.weight.float() * lin.weight_scale[:, None]
+    torch.testing.assert_close(lin(x), x @ dense.t() + lin.bias, rtol=0.1, atol=0.05)

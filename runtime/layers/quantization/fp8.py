@@ -162,7 +162,9 @@ class Fp8LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
               act: Optional[nn.Module] = None) -> torch.Tensor:
         weight, scale = layer.weight, layer.weight_scale
-        if x.is_cuda:
+        if x.shape[0] == 0:  # no tokens: torch._scaled_mm and the kernels want at least one row
+            y = x.new_zeros((0, weight.shape[0]))
+        elif x.is_cuda:
             if bias is None and gemv.enabled() and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_ROWS:
                 fused = isinstance(act, SiluAndMul)
                 y = None
