@@ -36,7 +36,23 @@ def dense_folder(tmp_path_factory):
             if p.dim() > 1:
                 p.normal_(0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
+    _byte_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def _byte_tokenizer():
+    """A byte-level tokenizer without merges (ids 0..255 and an eos), so the folder needs nothing from elsewhere
+    (the GPU machine has no SmolLM2); ids past it decode to nothing."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
 def _tensors(folder: str) -> dict:
@@ -54,11 +70,16 @@ def _copy_config(src: str, dst: str, quantization_config=None) -> None:
 
 
 def _save(src: str, dst, tensors: dict, quantization_config=None) -> str:
+    import shutil
+
     from safetensors.torch import save_file
 
     os.makedirs(dst, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"))
     _copy_config(src, dst, quantization_config)
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(src, name), dst)
     return str(dst)
 
 
@@ -67,7 +88,7 @@ def _is_linear(name: str) -> bool:
 
 
 def _run(path: str, prompts, **kw):
-    with Engine(model_path=path, tokenizer_path="smollm2", log_level="warning", max_total_tokens=1024, **kw) as e:
+    with Engine(model_path=path, log_level="warning", max_total_tokens=1024, **kw) as e:
         res = e.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
         runner = e.scheduler.runner
         scales = [runner.token_to_kv_pool.kv_scales(i) for i in range(runner.token_to_kv_pool.layer_num)]
@@ -181,7 +202,7 @@ def _fp8_checkpoint(dense_folder, tmp_path, config, weight_dtype=FP8, scale_shap
 def test_unsupported_fp8_checkpoints_are_refused(dense_folder, tmp_path, config, weight_dtype, scale_shape, match):
     folder = _fp8_checkpoint(dense_folder, tmp_path, config, weight_dtype, scale_shape)
     with pytest.raises(ValueError, match=match):
-        Engine(model_path=folder, tokenizer_path="smollm2", log_level="warning", max_total_tokens=1024)
+        Engine(model_path=folder, log_level="warning", max_total_tokens=1024)
 
 
 def test_refused_flag_combinations(dense_folder):
@@ -192,8 +213,8 @@ def test_refused_flag_combinations(dense_folder):
     fp8_config = json.load(open(os.path.join(dense_folder, "config.json")))
     fp8_config["quantization_config"] = {"quant_method": "fp8"}
     with pytest.raises(ValueError, match="--load-format dummy with a config quantized"):
-        Engine(model_path="tiny", load_format="dummy", model_config=json.dumps(fp8_config),
-               tokenizer_path="smollm2", log_level="warning", max_total_tokens=1024)
+        Engine(model_path=dense_folder, load_format="dummy", model_config=json.dumps(fp8_config),
+               log_level="warning", max_total_tokens=1024)
 
 
 def _parse(argv):
@@ -228,8 +249,8 @@ def test_gpu_fp8_engine_close_to_bf16(dense_folder, kv_cache_dtype):
 @pytest.mark.skipif(not torch.cuda.is_available() or HAS_FP8_GPU, reason="needs a CUDA GPU without fp8")
 def test_gpu_without_fp8_is_refused(dense_folder):
     with pytest.raises(ValueError, match="compute capability 8.9"):
-        Engine(model_path=dense_folder, tokenizer_path="smollm2", quantization="fp8", device="cuda",
-               dtype="bfloat16", log_level="warning", max_total_tokens=1024)
+        Engine(model_path=dense_folder, quantization="fp8", device="cuda", dtype="bfloat16", log_level="warning",
+               max_total_tokens=1024)
 
 
 def test_fp8_linear_edge_rows():
