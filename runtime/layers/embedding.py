@@ -17,13 +17,16 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.scale = scale
+        self.rounded_scale = scale  # set by build_cache once the weight's dtype is known
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def build_cache(self, device) -> None:
+        if self.scale is not None:
+            self.rounded_scale = torch.tensor(self.scale, dtype=self.weight.dtype).item()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(input_ids, self.weight)
-        if self.scale is None:
-            return rows
-        return rows * torch.tensor(self.scale, dtype=self.weight.dtype).item()
+        return rows if self.scale is None else rows * self.rounded_scale
 
 
 class LMHead(nn.Module):

@@ -258,6 +258,21 @@ def test_soft_caps_are_active(tmp_path, checkpoint):
         assert abs(lp - logp[pos - 1, tok].item()) < ATOL
 
 
+def test_embedding_scale_is_rounded_to_the_weight_dtype_like_hf():
+    """Gemma multiplies embeddings by sqrt(hidden) rounded to the weight dtype (3584: 59.87 -> 59.75 in bf16)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2TextScaledWordEmbedding
+
+    from braid.runtime.layers.embedding import VocabEmbedding
+
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        hf = Gemma2TextScaledWordEmbedding(7, 3584, 0, embed_scale=3584 ** 0.5).to(dtype)
+        ours = VocabEmbedding(7, 3584, scale=3584 ** 0.5)
+        ours.weight = torch.nn.Parameter(hf.weight.detach().clone(), requires_grad=False)
+        ours.build_cache("cpu")
+        ids = torch.tensor([0, 3, 6])
+        assert torch.equal(ours(ids), hf(ids)), dtype
+
+
 # ---------------------------------------------------------------------------------------------- the kernels
 
 def _scattered_layout(seq_lens, h_kv, d, gen):
