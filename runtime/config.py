@@ -173,6 +173,9 @@ class ServerArgs:
             raise ValueError("tokenizer_threads must be >= 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
+        if self.quantization == "fp8" and self.enable_torch_compile:
+            raise ValueError("quantization='fp8' with enable_torch_compile is not supported yet (the fp8 kernels are "
+                             "not traced by torch.compile); drop one of them")
         if self.kv_cache_dtype.startswith("fp8") and self.attention_backend == "flashinfer":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} with attention_backend='flashinfer' is not "
                              "supported; use attention_backend='triton' (or 'torch') for an fp8 KV cache")

@@ -208,6 +208,8 @@ def test_unsupported_fp8_checkpoints_are_refused(dense_folder, tmp_path, config,
 def test_refused_flag_combinations(dense_folder):
     with pytest.raises(ValueError, match="flashinfer"):
         ServerArgs(kv_cache_dtype="fp8_e5m2", attention_backend="flashinfer")
+    with pytest.raises(ValueError, match="enable_torch_compile"):
+        ServerArgs(quantization="fp8", enable_torch_compile=True)
     with pytest.raises(ValueError, match="invalid choice|quantization"):
         ServerArgs.from_cli_args(_parse(["--quantization", "int4"]))
     fp8_config = json.load(open(os.path.join(dense_folder, "config.json")))
