@@ -88,6 +88,33 @@ def hf_decode(runner, context: int, new_tokens: int, seed: int) -> dict:
     return {"hf_prefill_s": prefill, "hf_decode_step_s": (total - prefill) / (new_tokens - 1)}
 
 
+def prebuild_flashinfer(head_dim: int) -> None:
+    """Compiles, side by side, the FlashInfer modules Gemma-2 plans (prefill and decode, bf16, for the window +
+    soft-cap layers and the soft-cap-only global ones); plan() would otherwise build them one after another.
+    Best effort: what fails here, plan() builds (and reports) itself."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        from flashinfer.jit.attention import modules as m
+
+        bf16, i32 = torch.bfloat16, torch.int32
+        specs = [m._gen_batch_prefill_primary_module("fa2", bf16, bf16, bf16, i32, head_dim, head_dim, 0, window,
+                                                      True, False) for window in (True, False)]
+        specs += [m.gen_batch_decode_module(bf16, bf16, bf16, i32, head_dim, head_dim, 0, window, True)
+                  for window in (True, False)]
+    except Exception as e:  # noqa: BLE001
+        print(f"could not prebuild FlashInfer modules ({type(e).__name__}: {e}); plan() builds them", flush=True)
+        return
+    t0 = time.time()
+    with ThreadPoolExecutor(len(specs)) as pool:
+        for spec, fut in [(s, pool.submit(s.build, need_lock=True)) for s in specs]:
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001
+                print(f"prebuilding {spec.name} failed ({type(e).__name__}: {e})"[:300], flush=True)
+    print(f"FlashInfer modules for head_dim {head_dim} ready in {time.time() - t0:.0f} s", flush=True)
+
+
 def measure(args) -> list[dict]:
     from braid.runtime.bench.bench_one_batch import StaticBatchRunner, latency_test
 
@@ -187,7 +214,12 @@ def main(argv=None) -> int:
     p.add_argument("--hf-new-tokens", type=int, default=17)
     p.add_argument("--out", default=None, help="append JSON lines here")
     p.add_argument("--table", default=None, help="print the table and checks of this JSON-lines file and exit")
+    p.add_argument("--prebuild-flashinfer", type=int, default=None, metavar="HEAD_DIM",
+                   help="only compile the FlashInfer modules Gemma-2 needs at this head_dim, then exit")
     args = p.parse_args(argv)
+    if args.prebuild_flashinfer:
+        prebuild_flashinfer(args.prebuild_flashinfer)
+        return 0
     if args.table:
         with open(args.table) as f:
             return print_table([json.loads(line) for line in f if line.strip()])

@@ -387,10 +387,11 @@ GPU_WINDOW = 64
 
 @pytest.fixture(scope="module")
 def gpu_checkpoint(tmp_path_factory):
-    """head_dim 64 (a FlashInfer size), window 64, on the GPU; HF's reference there in fp32 eager."""
+    """Gemma-2's head_dim 256 (the FlashInfer modules gemma2_8k_decode.sh prebuilds), window 64, on the GPU; HF's
+    reference there in fp32 eager."""
     path = tmp_path_factory.mktemp("gemma2_gpu")
-    cfg = _config(hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64, sliding_window=GPU_WINDOW,
-                  query_pre_attn_scalar=64, max_position_embeddings=1024)
+    cfg = _config(hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=256, sliding_window=GPU_WINDOW,
+                  query_pre_attn_scalar=256, max_position_embeddings=1024)
     return str(path), _save(path, cfg).cuda()
 
 
