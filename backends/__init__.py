@@ -8,6 +8,8 @@ _LAZY = {
     "Runtime": "braid.backends.runtime",
     "LocalEngine": "braid.backends.local",
     "OpenAI": "braid.backends.openai",
+    "LiteLLM": "braid.backends.litellm",
+    "TokenUsage": "braid.backends.base",
 }
 
 

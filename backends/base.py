@@ -11,6 +11,7 @@ the backend and the capability when it is missing, so a program fails early with
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
@@ -75,8 +76,46 @@ class LogprobRequest:
     top_logprobs_num: int = 0
 
 
+class TokenUsage:
+    """Tokens a backend's calls used, summed over every call since creation or `reset()` (as SGLang's
+    `backend.token_usage`): prompt_tokens as the model processed them (a select's scoring calls and a fork's
+    prefix caching included), completion_tokens generated. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+
+    def add(self, prompt_tokens: Any, completion_tokens: Any) -> None:
+        with self._lock:
+            self.prompt_tokens += int(prompt_tokens or 0)
+            self.completion_tokens += int(completion_tokens or 0)
+
+    def add_meta(self, meta_info: Optional[dict]) -> None:
+        """Add a native meta_info's (or OpenAI usage's) prompt_tokens and completion_tokens."""
+        if meta_info:
+            self.add(meta_info.get("prompt_tokens"), meta_info.get("completion_tokens"))
+
+    def reset(self) -> None:
+        with self._lock:
+            self.prompt_tokens = 0
+            self.completion_tokens = 0
+
+    def __repr__(self) -> str:
+        return f"TokenUsage(prompt_tokens={self.prompt_tokens}, completion_tokens={self.completion_tokens})"
+
+
 class Backend(ABC):
     capabilities: frozenset[str] = frozenset({CAP_GEN})
+    # True for backends that take messages and answer whole assistant turns (no prompt continuation)
+    is_chat_model: bool = False
+
+    @property
+    def token_usage(self) -> TokenUsage:
+        usage = self.__dict__.get("_token_usage")
+        if usage is None:
+            usage = self.__dict__.setdefault("_token_usage", TokenUsage())
+        return usage
 
     # ---- capabilities -------------------------------------------------------------------------
     @property

@@ -67,6 +67,15 @@ class LocalEngine(NativeApiBackend):
         tokenizer = getattr(engine, "tokenizer", None)
         return {"model_path": self.model_path, "chat_template": getattr(tokenizer, "chat_template", None)}
 
+    def get_server_args(self) -> dict:
+        """The engine's ServerArgs as a dict (the API key, if any, redacted), as GET /get_server_args gives."""
+        import dataclasses
+
+        args = dataclasses.asdict(self.engine.server_args)
+        if args.get("api_key"):
+            args["api_key"] = "<redacted>"
+        return args
+
     def get_server_info(self) -> dict:
         engine = self.engine
         getter = getattr(engine, "get_server_info", None) or getattr(engine, "get_stats")

@@ -100,7 +100,7 @@ class NativeApiBackend(Backend):
 
     def generate(self, prompt: Prompt, sampling_params: SamplingParams,
                  logprobs: LogprobRequest = LogprobRequest()) -> GenOutput:
-        out = _one(self._generate(self.request_body(prompt, sampling_params, logprobs)))
+        out = self._call(self.request_body(prompt, sampling_params, logprobs))
         return GenOutput(out.get("text", ""), out.get("meta_info", {}))
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams,
@@ -114,11 +114,18 @@ class NativeApiBackend(Backend):
             meta = chunk.get("meta_info", meta)
             if delta:
                 yield delta, None
+        self.token_usage.add_meta(meta)
         yield "", meta
+
+    def _call(self, body: dict) -> dict:
+        """One non-streaming generate (first output of a batch answer), its tokens added to token_usage."""
+        out = _one(self._generate(body))
+        self.token_usage.add_meta(out.get("meta_info"))
+        return out
 
     def prefill(self, prompt: Prompt) -> dict:
         """A zero-token prefill of `prompt`: caches it; returns its meta_info (prompt_tokens = its length)."""
-        out = _one(self._generate(self.request_body(prompt, {"max_new_tokens": 0})))
+        out = self._call(self.request_body(prompt, {"max_new_tokens": 0}))
         return out.get("meta_info", {})
 
     def cache_prefix(self, prompt: Prompt) -> None:
@@ -141,7 +148,7 @@ class NativeApiBackend(Backend):
 
         def score(choice: str) -> list[float]:
             body = self.request_body(prompt, scoring, LogprobRequest(True, start, 0), text=prompt.text + choice)
-            entries = _one(self._generate(body))["meta_info"]["input_token_logprobs"]
+            entries = self._call(body)["meta_info"]["input_token_logprobs"]
             return _choice_logprobs(entries, prefix_len - start, choice)
 
         with ThreadPoolExecutor(max_workers=min(len(choices), _SELECT_PARALLELISM)) as pool:

@@ -82,19 +82,11 @@ class OpenAI(Backend):
 
     # ---- request building -----------------------------------------------------------------------
     def _request_kwargs(self, sp: SamplingParams) -> dict:
-        kw: dict[str, Any] = {"model": self.model, "max_tokens": sp.max_new_tokens, "temperature": sp.temperature,
-                              "top_p": sp.top_p}
-        if sp.stop:
-            kw["stop"] = list(sp.stop)
-        if sp.frequency_penalty:
-            kw["frequency_penalty"] = sp.frequency_penalty
-        if sp.presence_penalty:
-            kw["presence_penalty"] = sp.presence_penalty
-        if sp.seed is not None:
-            kw["seed"] = sp.seed
-        extra: dict[str, Any] = {}
-        if self.base_url is not None:
-            extra = {k: v for k, v in sp.to_dict(drop_defaults=True).items() if k not in _NATIVE_FIELDS}
+        kw: dict[str, Any] = {"model": self.model, **openai_sampling_kwargs(sp)}
+        extra = fields_beyond_openai(sp)
+        if extra and self.base_url is None:
+            raise ProgramError(f"{self.model}: the OpenAI API takes no {', '.join(sorted(extra))} (braid-compatible "
+                               "servers do: pass base_url)")
         if sp.regex is not None:
             extra["regex"] = sp.regex
         if sp.json_schema is not None:
@@ -108,28 +100,10 @@ class OpenAI(Backend):
         return kw
 
     def _messages(self, prompt: Prompt) -> list[dict]:
-        if prompt.open_role != "assistant":
-            raise ProgramError(f"{self.model} is a chat model: gen/select must be inside an assistant() block")
-        if prompt.open_role_text.strip():
-            raise ProgramError(f"{self.model} is a chat model: it cannot continue a partly written assistant message; "
-                               "put gen/select first in the assistant() block")
-        if prompt.loose_text:
-            raise ProgramError(f"{self.model} is a chat model: text outside system/user/assistant blocks would be lost")
-        return [dict(m) for m in prompt.messages]
+        return chat_messages(prompt, self.model)
 
     def _call(self, fn: Any, **kwargs: Any) -> Any:
-        import openai
-
-        try:
-            return fn(**kwargs)
-        except openai.BadRequestError as e:
-            raise BackendRequestError(f"{self.model}: request rejected: {e}", 400) from None
-        except openai.APIStatusError as e:
-            if 400 <= e.status_code < 500:
-                raise BackendRequestError(f"{self.model}: request rejected ({e.status_code}): {e}", e.status_code) from None
-            raise BackendError(f"{self.model}: server error ({e.status_code}): {e}") from None
-        except openai.APIError as e:
-            raise BackendError(f"{self.model}: {e}") from None
+        return call_openai_style(self.model, self.token_usage, fn, kwargs)
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: Prompt, sampling_params: SamplingParams,
@@ -143,26 +117,18 @@ class OpenAI(Backend):
             resp = self._call(self.client.completions.create, prompt=prompt.text, **kw)
             choice = resp.choices[0]
             text = choice.text or ""
-        return GenOutput(text, _meta(resp, choice.finish_reason))
+        return GenOutput(text, response_meta(resp, choice.finish_reason))
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams,
                         logprobs: LogprobRequest = LogprobRequest()) -> Iterator[tuple[str, Optional[dict]]]:
         kw = self._request_kwargs(sampling_params)
         if self.is_chat_model:
-            stream = self._call(self.client.chat.completions.create, messages=self._messages(prompt), stream=True, **kw)
+            stream = self._call(self.client.chat.completions.create, messages=self._messages(prompt), stream=True,
+                                stream_options={"include_usage": True}, **kw)
         else:
-            stream = self._call(self.client.completions.create, prompt=prompt.text, stream=True, **kw)
-        finish, rid = None, None
-        for chunk in stream:
-            rid = chunk.id or rid
-            if not chunk.choices:
-                continue
-            c = chunk.choices[0]
-            delta = (c.delta.content if self.is_chat_model else c.text) or ""
-            finish = c.finish_reason or finish
-            if delta:
-                yield delta, None
-        yield "", {"id": rid, "finish_reason": {"type": _finish_type(finish), "matched": None}}
+            stream = self._call(self.client.completions.create, prompt=prompt.text, stream=True,
+                                stream_options={"include_usage": True}, **kw)
+        yield from stream_deltas(stream, self.is_chat_model, self.token_usage)
 
     # ---- select ---------------------------------------------------------------------------------
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoicesDecision:
@@ -222,14 +188,94 @@ class OpenAI(Backend):
             answer = stripped
         index = choices.index(answer)
         scores = [0.0 if i == index else float("-inf") for i in range(len(choices))]
-        return ChoicesDecision(answer, index, scores, {"choices_method": "constrained", "raw": raw, **_meta(resp, None)})
+        meta = {"choices_method": "constrained", "raw": raw, **response_meta(resp, None)}
+        return ChoicesDecision(answer, index, scores, meta)
+
+
+def openai_sampling_kwargs(sp: SamplingParams) -> dict:
+    """The sampling fields the OpenAI API itself names, as its keyword arguments."""
+    kw: dict[str, Any] = {"max_tokens": sp.max_new_tokens, "temperature": sp.temperature, "top_p": sp.top_p}
+    if sp.stop:
+        kw["stop"] = list(sp.stop)
+    if sp.frequency_penalty:
+        kw["frequency_penalty"] = sp.frequency_penalty
+    if sp.presence_penalty:
+        kw["presence_penalty"] = sp.presence_penalty
+    if sp.seed is not None:
+        kw["seed"] = sp.seed
+    return kw
+
+
+def fields_beyond_openai(sp: SamplingParams) -> dict:
+    """Non-default SamplingParams fields the OpenAI API has no parameter for (top_k, min_p, ...), regex and
+    json_schema left out (they have their own routes)."""
+    return {k: v for k, v in sp.to_dict(drop_defaults=True).items() if k not in _NATIVE_FIELDS}
+
+
+def chat_messages(prompt: Prompt, model: str) -> list[dict]:
+    """The closed role blocks as chat messages, for a gen/select that opens the assistant's turn."""
+    if prompt.open_role != "assistant":
+        raise ProgramError(f"{model} is a chat model: gen/select must be inside an assistant() block")
+    if prompt.open_role_text.strip():
+        raise ProgramError(f"{model} is a chat model: it cannot continue a partly written assistant message; "
+                           "put gen/select first in the assistant() block")
+    if prompt.loose_text:
+        raise ProgramError(f"{model} is a chat model: text outside system/user/assistant blocks would be lost")
+    return [dict(m) for m in prompt.messages]
+
+
+def call_openai_style(model: str, token_usage: Any, fn: Any, kwargs: dict) -> Any:
+    """`fn(**kwargs)` with the openai client's errors (LiteLLM's subclass them) as braid's; a response's usage is
+    added to `token_usage` (a stream reports its usage in its last chunk: see stream_deltas)."""
+    import openai
+
+    try:
+        resp = fn(**kwargs)
+    except openai.BadRequestError as e:
+        raise BackendRequestError(f"{model}: request rejected: {e}", 400) from None
+    except openai.APIStatusError as e:
+        if 400 <= e.status_code < 500:
+            raise BackendRequestError(f"{model}: request rejected ({e.status_code}): {e}", e.status_code) from None
+        raise BackendError(f"{model}: server error ({e.status_code}): {e}") from None
+    except openai.APIError as e:
+        raise BackendError(f"{model}: {e}") from None
+    add_usage(token_usage, getattr(resp, "usage", None))
+    return resp
+
+
+def stream_deltas(stream: Any, is_chat: bool, token_usage: Any) -> Iterator[tuple[str, Optional[dict]]]:
+    """generate_stream's (delta, None) pieces and final ("", meta_info) from an OpenAI-shaped chunk stream
+    (requested with stream_options include_usage: the usage comes once, in the last chunk)."""
+    finish, rid, usage = None, None, None
+    for chunk in stream:
+        rid = chunk.id or rid
+        usage = getattr(chunk, "usage", None) or usage
+        if not chunk.choices:
+            continue
+        c = chunk.choices[0]
+        delta = (c.delta.content if is_chat else c.text) or ""
+        finish = c.finish_reason or finish
+        if delta:
+            yield delta, None
+    add_usage(token_usage, usage)
+    yield "", {"id": rid, "finish_reason": {"type": _finish_type(finish), "matched": None}}
+
+
+def add_usage(token_usage: Any, usage: Any) -> None:
+    """Add an OpenAI-shaped `usage` object (or dict) to a backend's TokenUsage."""
+    if usage is None:
+        return
+    if isinstance(usage, dict):
+        token_usage.add(usage.get("prompt_tokens"), usage.get("completion_tokens"))
+    else:
+        token_usage.add(getattr(usage, "prompt_tokens", 0), getattr(usage, "completion_tokens", 0))
 
 
 def _finish_type(reason: Optional[str]) -> str:
     return {"stop": "stop", "length": "length", None: "stop"}.get(reason, reason)
 
 
-def _meta(resp: Any, finish_reason: Optional[str]) -> dict:
+def response_meta(resp: Any, finish_reason: Optional[str]) -> dict:
     usage = getattr(resp, "usage", None)
     meta: dict[str, Any] = {"id": getattr(resp, "id", None),
                             "finish_reason": {"type": _finish_type(finish_reason), "matched": None}}

@@ -173,6 +173,13 @@ class Runtime:
     def get_model_info(self) -> dict:
         return self.endpoint.get_model_info()
 
+    def get_server_args(self) -> dict:
+        return self.endpoint.get_server_args()
+
+    @property
+    def token_usage(self):
+        return self.endpoint.token_usage
+
     def flush_cache(self) -> None:
         self.endpoint.flush_cache()
 

@@ -125,6 +125,7 @@ class RuntimeEndpoint(NativeApiBackend):
         from braid.backends.native import _one
 
         out = _one(await self._apost("/generate", self.request_body(prompt, sampling_params, logprobs)))
+        self.token_usage.add_meta(out.get("meta_info"))
         return GenOutput(out.get("text", ""), out.get("meta_info", {}))
 
     async def agenerate_stream(self, prompt: Prompt, sampling_params: SamplingParams,
@@ -138,6 +139,7 @@ class RuntimeEndpoint(NativeApiBackend):
             meta = chunk.get("meta_info", meta)
             if delta:
                 yield delta, None
+        self.token_usage.add_meta(meta)
         yield "", meta
 
     # ---- server routes --------------------------------------------------------------------------
@@ -148,6 +150,10 @@ class RuntimeEndpoint(NativeApiBackend):
 
     def get_server_info(self) -> dict:
         return self._request("GET", "/get_server_info")
+
+    def get_server_args(self) -> dict:
+        """The server's ServerArgs as JSON (GET /get_server_args)."""
+        return self._request("GET", "/get_server_args")
 
     def health(self, timeout: float = 5.0) -> bool:
         try:

@@ -11,15 +11,18 @@ from braid.errors import ProgramError
 from braid.media import image_to_data_url, video_to_frame_data_urls
 from braid.program import BraidFunction
 from braid.runtime.sampling_params import SamplingParams
-from braid.sampling import dtype_regex, merge, pick_sampling_keywords, schema_to_json, to_field_overrides
+from braid.sampling import DTYPE_NAMES, dtype_regex, merge, pick_sampling_keywords, schema_to_json, to_field_overrides
 
 
-def function(func: Optional[Callable] = None, **default_sampling: Any) -> Any:
+def function(func: Optional[Callable] = None, *, num_api_spec_tokens: Optional[int] = None,
+             **default_sampling: Any) -> Any:
     """`@braid.function` or `@braid.function(temperature=0, max_tokens=64)` (sampling defaults for
-    every gen of the program; run()'s keywords override them, gen's own override both)."""
+    every gen of the program; run()'s keywords override them, gen's own override both).
+    num_api_spec_tokens=N: API speculative execution, one call generating up to N tokens ahead for several
+    gens (see braid.speculation)."""
     if func is None:
-        return lambda f: BraidFunction(f, default_sampling=default_sampling)
-    return BraidFunction(func, default_sampling=default_sampling)
+        return lambda f: BraidFunction(f, default_sampling=default_sampling, num_api_spec_tokens=num_api_spec_tokens)
+    return BraidFunction(func, default_sampling=default_sampling, num_api_spec_tokens=num_api_spec_tokens)
 
 
 def gen(
@@ -51,6 +54,8 @@ def gen(
     if choices is not None:
         return select(name, choices, temperature=temperature or 0.0,
                       choices_method=choices_method or token_length_normalized)
+    if isinstance(dtype, str):
+        dtype = DTYPE_NAMES.get(dtype, dtype)
     keywords = pick_sampling_keywords(locals())
     keywords.update(more_sampling)
     if json_schema is not None:
@@ -149,3 +154,22 @@ def assistant_end() -> ir.Node:
 def flush_cache(backend: Any = None) -> None:
     """Drop the backend's cached prefixes."""
     resolve_backend(backend).flush_cache()
+
+
+def _server_route(backend: Any, method: str) -> dict:
+    resolved = resolve_backend(backend)
+    getter = getattr(resolved, method, None)
+    if getter is None:
+        raise ProgramError(f"{resolved.name} is not a braid runtime; {method} needs RuntimeEndpoint, Runtime or "
+                           "LocalEngine")
+    return getter()
+
+
+def get_server_info(backend: Any = None) -> dict:
+    """The runtime's /get_server_info (load, cache and token counters, server args)."""
+    return _server_route(backend, "get_server_info")
+
+
+def get_server_args(backend: Any = None) -> dict:
+    """The runtime's ServerArgs (/get_server_args)."""
+    return _server_route(backend, "get_server_args")

@@ -22,21 +22,30 @@ from braid.choices import token_length_normalized
 from braid.errors import ProgramError
 from braid.runtime.sampling_params import SamplingParams
 from braid.sampling import convert_dtype, merge
+from braid.speculation import (SPEC_CHAT_TRIES, BlockGen, BlockItem, Speculation, is_speculable, speculative_params,
+                               split_reply, stop_list)
 
 _END = object()
+_SETTLE = object()  # a waiting thread asks the worker to settle a speculative gen
 _ids = itertools.count()
 
 
 class StreamExecutor:
     def __init__(self, backend: Backend, defaults: SamplingParams, *, stream: bool = False,
                  chat_template: Optional[ChatTemplate] = None, arguments: Optional[dict] = None,
-                 record_nodes: bool = False):
+                 record_nodes: bool = False, num_api_spec_tokens: Optional[int] = None):
         self.backend = backend
         self.defaults = defaults
         self.stream = stream
         self.template = chat_template or backend.get_chat_template()
         self.arguments = dict(arguments or {})
         self.recorded: Optional[list[ir.Node]] = [] if record_nodes else None
+
+        # API speculative execution (braid.speculation); None: off
+        self.num_api_spec_tokens = num_api_spec_tokens
+        self._speculation: Optional[Speculation] = None
+        self._waiting_gen: Optional[tuple[ir.Gen, SamplingParams]] = None  # a gen cut by the next literal
+        self._spec_block: Optional[list[BlockItem]] = None  # chat models: the open assistant block's items
 
         # program state: written by the worker, read by others under _cond
         self.text_ = ""
@@ -77,14 +86,28 @@ class StreamExecutor:
 
     def sync(self) -> None:
         """Wait until every submitted node ran; raise the program's error if one happened."""
+        self._wait_idle()
         with self._cond:
-            self._cond.wait_for(lambda: self._pending == 0)
             if self._error is not None:
                 raise self._error
+
+    def _wait_idle(self) -> None:
+        """Wait until the worker ran every node; a speculative gen still waiting for the program's next literal
+        is settled first (the waiting thread appends nothing more until this returns)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending == 0)
+            if self._waiting_gen is None or self._error is not None or self._ended:
+                return
+            self._pending += 1
+        self._queue.put(_SETTLE)
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending == 0)
 
     def end(self) -> None:
         """No more nodes: the worker exits once the queue is drained. Ends forked children too."""
         if not self._ended:
+            with self._cond:
+                self._pending += 1  # the worker settles a waiting speculative gen at the end
             self._ended = True
             self._queue.put(_END)
         for child in self._children:
@@ -105,13 +128,24 @@ class StreamExecutor:
     def error(self) -> Optional[BaseException]:
         return self._error
 
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
     def get_var(self, name: str) -> Any:
         with self._cond:
             self._cond.wait_for(lambda: name in self.variables or self._error is not None or self._pending == 0)
+        if name not in self.variables and self._error is None:
+            self._wait_idle()
+        with self._cond:
             if name in self.variables:
                 return self.variables[name]
             if self._error is not None:
                 raise self._error
+        if self._spec_block is not None and any(isinstance(i, BlockGen) and i.node.name == name
+                                                for i in self._spec_block):
+            raise ProgramError(f"variable {name!r} is generated speculatively: it is known once its assistant() "
+                               "block ends")
         raise ProgramError(f"variable {name!r} is not set (set: {', '.join(sorted(self.variables)) or 'none'})")
 
     def set_var(self, name: str, value: Any, meta: Any = None) -> None:
@@ -167,17 +201,20 @@ class StreamExecutor:
     def _work(self) -> None:
         while True:
             node = self._queue.get()
-            if node is _END:
-                break
             try:
                 if self._error is None:
-                    self.visit(node)
+                    if node is _END or node is _SETTLE:
+                        self._settle_waiting_gen()
+                    else:
+                        self.visit(node)
             except BaseException as e:  # noqa: BLE001 - stored and re-raised to the program's waiter
                 self.fail(e)
             finally:
                 with self._cond:
                     self._pending -= 1
                     self._cond.notify_all()
+            if node is _END:
+                break
         with self._cond:
             self._finished = True
             self._cond.notify_all()
@@ -185,13 +222,18 @@ class StreamExecutor:
     def visit(self, node: ir.Node) -> None:
         if self.recorded is not None and not isinstance(node, ir.Concat):
             self.recorded.append(node)
+        if self.num_api_spec_tokens is not None and not isinstance(node, _SPECULATION_AWARE):
+            self._leave_speculation(node)
         _DISPATCH[type(node)](self, node)
 
     # ---- text bookkeeping (worker) --------------------------------------------------------------
-    def _append(self, text: str, var: Optional[str] = None) -> None:
-        """Content text: goes into the open role block's content (or counts as loose text)."""
+    def _append(self, text: str, var: Optional[str] = None, generated: bool = False) -> None:
+        """Content text: goes into the open role block's content (or counts as loose text). Text the program
+        wrote (not `generated` by the model) is checked against a speculation first."""
         if not text:
             return
+        if not generated:
+            self._literal(text)
         with self._cond:
             self.text_ += text
             if self.role is not None:
@@ -207,6 +249,7 @@ class StreamExecutor:
 
     def _append_markup(self, text: str) -> None:
         """Template markup (role markers): in the prompt text, never in a message's content."""
+        self._literal(text)
         with self._cond:
             self.text_ += text
             if self.stream and text:
@@ -228,6 +271,12 @@ class StreamExecutor:
 
     # ---- visit methods: one per node type -------------------------------------------------------
     def visit_text(self, node: ir.Text) -> None:
+        if self._spec_block is not None:
+            if self._spec_block and isinstance(self._spec_block[-1], str):
+                self._spec_block[-1] += node.value
+            elif node.value:
+                self._spec_block.append(node.value)
+            return
         self._append(node.value)
 
     def visit_concat(self, node: ir.Concat) -> None:
@@ -248,11 +297,15 @@ class StreamExecutor:
         self._append_markup(template.role_prefix(node.role))
         self.role = node.role
         self._role_parts = []
+        if node.role == "assistant" and self.num_api_spec_tokens is not None and self.backend.is_chat_model:
+            self._spec_block = []
 
     def visit_role_end(self, node: ir.RoleEnd) -> None:
         if self.role != node.role:
             opened = f"the open block is {self.role}()" if self.role else "no block is open"
             raise ProgramError(f"{node.role}_end() does not match: {opened}")
+        if self._spec_block is not None:
+            self._run_spec_block()
         self._close_role(node.role)
 
     def _close_role(self, role: str) -> None:
@@ -290,6 +343,15 @@ class StreamExecutor:
         )
         if logprobs.return_logprob:
             backend.require(CAP_LOGPROBS, f"{what} with return_logprob")
+        if self.num_api_spec_tokens is not None:
+            if is_speculable(node, sp, logprobs.return_logprob):
+                self._speculative_gen(node, sp)
+                return
+            self._leave_speculation(node)
+        self._plain_gen(node, sp, logprobs)
+
+    def _plain_gen(self, node: ir.Gen, sp: SamplingParams, logprobs: LogprobRequest = LogprobRequest()) -> None:
+        backend = self.backend
         prompt = self.snapshot()
         if self.stream and backend.supports(CAP_STREAM):
             pieces: list[str] = []
@@ -297,18 +359,132 @@ class StreamExecutor:
             for delta, chunk_meta in backend.generate_stream(prompt, sp, logprobs):
                 if delta:
                     pieces.append(delta)
-                    self._append(delta, var=node.name)
+                    self._append(delta, var=node.name, generated=True)
                 if chunk_meta is not None:
                     meta = chunk_meta
             text = "".join(pieces)
         else:
             out = backend.generate(prompt, sp, logprobs)
             text, meta = out.text, out.meta_info
-            self._append(text, var=node.name)
+            self._append(text, var=node.name, generated=True)
+        self._finish_gen(node, text, meta)
+
+    def _finish_gen(self, node: ir.Gen, text: str, meta: dict) -> None:
         self.last_meta_info = meta
         if node.name is not None:
             value = convert_dtype(node.dtype, text) if node.dtype is not None else text
             self.set_var(node.name, value, meta)
+
+    # ---- API speculative execution (see braid.speculation) ---------------------------------------
+    def _speculative_gen(self, node: ir.Gen, sp: SamplingParams) -> None:
+        if self._spec_block is not None:
+            self._spec_block.append(BlockGen(node, sp))
+            return
+        self._settle_waiting_gen()
+        if not self._speculation or not self._speculation.text:
+            out = self.backend.generate(self.snapshot(), speculative_params(sp, self.num_api_spec_tokens))
+            self._speculation = Speculation.from_output(out.text, out.meta_info)
+        spec = self._speculation
+        stops = stop_list(sp)
+        if not stops:
+            self._waiting_gen = (node, sp)
+            return
+        cut = spec.cut_at_stop(stops)
+        if cut is not None:
+            self._gen_from_speculation(node, cut[0], spec.meta("stop", cut[1]))
+            return
+        rest = spec.take_rest(sp.max_new_tokens)
+        if rest is not None:
+            self._gen_from_speculation(node, rest, spec.meta("stop"))
+            return
+        self._speculation = None
+        self._plain_gen(node, sp)
+
+    def _gen_from_speculation(self, node: ir.Gen, text: str, meta: dict) -> None:
+        self._append(text, var=node.name, generated=True)
+        self._finish_gen(node, text, meta)
+
+    def _literal(self, text: str) -> None:
+        """The program is about to append literal text (its own or template markup): cut a waiting gen before
+        it, or check it against the speculation."""
+        spec = self._speculation
+        if spec is None or not text:
+            return
+        if self._waiting_gen is not None:
+            node, _ = self._waiting_gen
+            value = spec.cut_before(text)
+            if value is None:
+                self._settle_waiting_gen()
+                self._speculation = None
+                return
+            self._waiting_gen = None
+            self._gen_from_speculation(node, value, spec.meta("stop", text))
+            return
+        spec.consume_literal(text)
+
+    def _settle_waiting_gen(self) -> None:
+        """Decide a waiting gen without a following literal: the whole speculation when the model ended it
+        within the gen's budget, otherwise the gen's normal call."""
+        if self._waiting_gen is None:
+            return
+        node, sp = self._waiting_gen
+        self._waiting_gen = None
+        spec = self._speculation
+        rest = spec.take_rest(sp.max_new_tokens) if spec is not None else None
+        if rest is not None:
+            self._gen_from_speculation(node, rest, spec.meta("stop"))
+        else:
+            self._speculation = None
+            self._plain_gen(node, sp)
+
+    def _leave_speculation(self, node: ir.Node) -> None:
+        """`node` cannot take part in speculation: settle what waits and drop the speculation."""
+        if self._spec_block is not None:
+            if isinstance(node, ir.SetVar):
+                return
+            if any(isinstance(item, BlockGen) for item in self._spec_block):
+                raise ProgramError(f"{type(node).__name__} cannot follow a speculative gen in the same assistant() "
+                                   "block (only text and gens without regex/json_schema/dtype/logprobs can)")
+            texts, self._spec_block = self._spec_block, None
+            for text in texts:
+                self._append(text)
+            return
+        self._settle_waiting_gen()
+        self._speculation = None
+
+    def _run_spec_block(self) -> None:
+        """A chat model's speculative assistant block: one call for the whole turn, split at the block's text."""
+        items, self._spec_block = self._spec_block, None
+        gens = [item for item in items if isinstance(item, BlockGen)]
+        if not gens:
+            for text in items:
+                self._append(text)
+            return
+        params = speculative_params(gens[0].sp, self.num_api_spec_tokens)
+        prompt = self.snapshot()
+        can_fall_back = isinstance(items[0], BlockGen) and len(gens) == 1  # the gen's normal call needs no prefill
+        replies = []
+        for _ in range(1 if can_fall_back else SPEC_CHAT_TRIES):
+            out = self.backend.generate(prompt, params)
+            replies.append(out.text)
+            values = split_reply(out.text, items)
+            if values is not None:
+                break
+        else:
+            if can_fall_back:
+                self._plain_gen(items[0].node, items[0].sp)
+                for text in items[1:]:
+                    self._append(text)
+                return
+            pattern = "".join(item if isinstance(item, str) else "{" + str(item.node.name) + "}" for item in items)
+            raise ProgramError(f"speculative execution: {SPEC_CHAT_TRIES} replies of {self.backend.name} did not "
+                               f"follow the assistant block's text {pattern!r}; last reply: {replies[-1]!r}")
+        spec = Speculation.from_output(out.text, out.meta_info)
+        for item, value in zip(items, values):
+            if isinstance(item, str):
+                self._append(value)
+            else:
+                self._gen_from_speculation(item.node, value, spec.meta("stop"))
 
     def visit_select(self, node: ir.Select) -> None:
         backend = self.backend
@@ -319,7 +495,7 @@ class StreamExecutor:
         decision = backend.select(self.snapshot(), list(node.choices), node.temperature, node.method)
         if decision.decision not in node.choices:
             raise ProgramError(f"{backend.name} selected {decision.decision!r}, which is not one of {node.choices}")
-        self._append(decision.decision, var=node.name)
+        self._append(decision.decision, var=node.name, generated=True)
         self.last_meta_info = decision.meta_info
         if node.name is not None:
             self.set_var(node.name, decision.decision, decision.meta_info)
@@ -347,7 +523,7 @@ class StreamExecutor:
         children = []
         for _ in range(n):
             child = StreamExecutor(self.backend, self.defaults, stream=self.stream, chat_template=self.template,
-                                   arguments=self.arguments)
+                                   arguments=self.arguments, num_api_spec_tokens=self.num_api_spec_tokens)
             child._copy_state(self)
             children.append(child)
         self._children.extend(children)
@@ -372,6 +548,9 @@ class StreamExecutor:
 def _snake(name: str) -> str:
     return re.sub(r"(?<!^)([A-Z])", r"_\1", name).lower()
 
+
+# nodes that handle speculation themselves; any other node first leaves it
+_SPECULATION_AWARE = (ir.Text, ir.Concat, ir.Gen, ir.RoleBegin, ir.RoleEnd)
 
 _DISPATCH: dict[type, Callable[[StreamExecutor, Any], None]] = {
     cls: getattr(StreamExecutor, "visit_" + _snake(cls.__name__)) for cls in ir.NODE_TYPES

@@ -89,6 +89,14 @@ class SetVar(Node):
     value: Any = field(default=None)
 
 
+# gen(dtype=...) constraints, named as SGLang's sglang.lang.ir names them. A number may end with one space or
+# newline and then must stop (a model that does not stop on its own is cut there, not at max_tokens); digit runs
+# are bounded like the JSON-schema regexes' (int64 has 19 digits).
+REGEX_INT = r"-?(0|[1-9][0-9]{0,18})[ \n]?"
+REGEX_FLOAT = r"-?(0|[1-9][0-9]{0,18})(\.[0-9]{1,16})?([eE][-+]?[0-9]{1,3})?[ \n]?"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r'"([^"\\\n]|\\["\\nt])*"'
+
 NODE_TYPES: tuple[type, ...] = (Text, Concat, Gen, Select, Image, Video, RoleBegin, RoleEnd,
                                 VarScopeBegin, VarScopeEnd, SetVar)
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Union
 from braid.backends.base import CAP_PREFIX_CACHE, Backend, Prompt
 from braid.defaults import resolve_backend
 from braid.errors import ProgramError
+from braid.global_config import global_config
 from braid.interpreter import StreamExecutor
 from braid.sampling import defaults_from_keywords, is_sampling_keyword, to_field_overrides
 from braid.state import ProgramState
@@ -20,12 +21,17 @@ _MAX_AUTO_THREADS = 64
 
 
 class BraidFunction:
-    def __init__(self, func: Callable, bound: Optional[dict] = None, default_sampling: Optional[dict] = None):
+    def __init__(self, func: Callable, bound: Optional[dict] = None, default_sampling: Optional[dict] = None,
+                 num_api_spec_tokens: Optional[int] = None):
         if not callable(func):
             raise ProgramError("braid.function decorates a function taking the state as its first parameter")
         params = list(inspect.signature(func).parameters.values())
         if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
             raise ProgramError(f"{func.__name__}: a braid function takes the state `s` as its first parameter")
+        if num_api_spec_tokens is not None and (isinstance(num_api_spec_tokens, bool)
+                                                or not isinstance(num_api_spec_tokens, int) or num_api_spec_tokens < 1):
+            raise ProgramError(f"num_api_spec_tokens must be a positive integer, got {num_api_spec_tokens!r}")
+        self.num_api_spec_tokens = num_api_spec_tokens
         self.func = func
         self.bound = dict(bound or {})
         self.default_sampling = dict(default_sampling or {})
@@ -41,7 +47,7 @@ class BraidFunction:
         unknown = [k for k in kwargs if k not in self.arg_names and not self._takes_var_kwargs]
         if unknown:
             raise ProgramError(f"{self.__name__}() has no argument(s) {', '.join(unknown)} to bind")
-        return BraidFunction(self.func, {**self.bound, **kwargs}, self.default_sampling)
+        return BraidFunction(self.func, {**self.bound, **kwargs}, self.default_sampling, self.num_api_spec_tokens)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Called with a state first, runs the body on that state (a sub-program); otherwise run()."""
@@ -93,7 +99,11 @@ class BraidFunction:
 
     def _run(self, backend: Backend, arguments: dict, sampling: dict, stream: bool) -> ProgramState:
         defaults = defaults_from_keywords({**self.default_sampling, **sampling})
-        executor = StreamExecutor(backend, defaults, stream=stream, arguments=arguments)
+        if stream and self.num_api_spec_tokens is not None:
+            raise ProgramError(f"{self.__name__}: stream=True cannot be combined with num_api_spec_tokens "
+                               "(speculated gens are known only once the speculation is cut)")
+        executor = StreamExecutor(backend, defaults, stream=stream, arguments=arguments,
+                                  num_api_spec_tokens=self.num_api_spec_tokens)
         state = ProgramState(executor)
         if stream:
             threading.Thread(target=self._body_in_background, args=(state, arguments), daemon=True,
@@ -104,6 +114,8 @@ class BraidFunction:
         finally:
             executor.end()
         executor.sync()
+        if global_config.verbosity >= 2:
+            print(state.text())
         return state
 
     def _body_in_background(self, state: ProgramState, arguments: dict) -> None:
@@ -132,7 +144,7 @@ class BraidFunction:
             num_threads = min(n, _MAX_AUTO_THREADS)
         if not isinstance(num_threads, int) or num_threads < 1:
             raise ProgramError(f"num_threads must be 'auto' or a positive integer, got {num_threads!r}")
-        if n > 1 and backend.supports(CAP_PREFIX_CACHE):
+        if n > 1 and global_config.enable_precache_with_tracing and backend.supports(CAP_PREFIX_CACHE):
             self.cache_constant_prefix(backend, varying={k for item in batch_kwargs for k in item})
 
         results: list[Any] = [None] * n

@@ -1,7 +1,7 @@
 """The DSL's sampling keywords, derived from SamplingParams (never a hand-copied field list).
 
 The DSL spells a few fields differently from SamplingParams (gen's `max_tokens` is
-`max_new_tokens`); everything else is the SamplingParams field name itself.
+`max_new_tokens`, SGLang's `min_tokens` is `min_new_tokens`); everything else is the SamplingParams field name itself.
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from braid import ir
 from braid.errors import ProgramError
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 
 # DSL keyword -> SamplingParams field
-RENAMES: dict[str, str] = {"max_tokens": "max_new_tokens"}
+RENAMES: dict[str, str] = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 
 FIELD_NAMES: frozenset[str] = frozenset(SamplingParams.field_names())
 DSL_KEYWORDS: frozenset[str] = frozenset(RENAMES) | FIELD_NAMES
@@ -73,13 +74,7 @@ def schema_to_json(schema: Any) -> str:
                        f"got {type(schema).__name__}")
 
 
-# dtype -> (regex constraining the output, converter of the output text)
-INT_REGEX = r"-?(0|[1-9][0-9]*)"
-FLOAT_REGEX = r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?"
-BOOL_REGEX = r"(True|False)"
-STR_REGEX = r'"([^"\\\n]|\\["\\nt])*"'
-
-
+# dtype -> (regex constraining the output, converter of the output text); the regexes live in braid.ir
 def _to_bool(text: str) -> bool:
     return text.strip() == "True"
 
@@ -92,11 +87,15 @@ def _to_str(text: str) -> str:
 
 
 DTYPES: dict[type, tuple[str, Any]] = {
-    int: (INT_REGEX, lambda t: int(t.strip())),
-    float: (FLOAT_REGEX, lambda t: float(t.strip())),
-    bool: (BOOL_REGEX, _to_bool),
-    str: (STR_REGEX, _to_str),
+    int: (ir.REGEX_INT, lambda t: int(t.strip())),
+    float: (ir.REGEX_FLOAT, lambda t: float(t.strip())),
+    bool: (ir.REGEX_BOOL, _to_bool),
+    str: (ir.REGEX_STR, _to_str),
 }
+
+
+# SGLang also spells dtypes as strings
+DTYPE_NAMES: dict[str, type] = {t.__name__: t for t in DTYPES}
 
 
 def dtype_regex(dtype: type) -> str:

@@ -58,7 +58,13 @@ class ProgramState:
         return self._executor.get_var(name)
 
     def __setitem__(self, name: str, value: Any) -> None:
-        self._executor.submit(ir.SetVar(name, value))
+        """While the program runs, the assignment takes its place among the appended nodes; after `run()`
+        (as in SGLang) it sets the variable at once."""
+        if self._executor.ended:
+            self._executor.sync()
+            self._executor.set_var(name, value)
+        else:
+            self._executor.submit(ir.SetVar(name, value))
 
     def set_var(self, name: str, value: Any) -> None:
         self[name] = value
@@ -148,13 +154,26 @@ class ForkGroup:
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
 
+    def __setitem__(self, i: int, state: ProgramState) -> None:
+        """Completes `forks[i] += expr` (which appends to branch i, then assigns the branch back); a branch
+        cannot be replaced by another state."""
+        if state is not self.states[i]:
+            raise ProgramError(f"forks[{i}] can only be appended to (forks[{i}] += ...), not replaced")
+
     def __iter__(self) -> Iterator[ProgramState]:
         return iter(self.states)
 
-    def __iadd__(self, other: Union[Callable[[int], Any], Any]) -> "ForkGroup":
-        """`forks += expr` appends expr to every branch; `forks += lambda i: ...` appends f(i) to branch i."""
+    def __iadd__(self, other: Union[Callable[[int], Any], list, tuple, Any]) -> "ForkGroup":
+        """`forks += expr` appends expr to every branch; `forks += lambda i: ...` appends f(i) to branch i;
+        `forks += [e0, e1, ...]` appends e_i to branch i (one per branch)."""
+        if isinstance(other, (list, tuple)) and len(other) != len(self.states):
+            raise ProgramError(f"forks += list needs one item per branch: {len(self.states)} branches, "
+                               f"{len(other)} items")
         for i, state in enumerate(self.states):
-            item = other(i) if callable(other) else other
+            if isinstance(other, (list, tuple)):
+                item = other[i]
+            else:
+                item = other(i) if callable(other) else other
             if item is not None:
                 state += item
         return self

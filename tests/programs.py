@@ -199,6 +199,87 @@ def program_streaming(backend: Any) -> None:
     assert state.text().endswith(state["answer"] + state.chat_template.role_suffix("assistant"))
 
 
+# ---- fork branches appended to by index (forks[i] += ..., forks += [...]) ----------------------------
+@braid.function
+def fork_by_index(s, n):
+    s += braid.system(SYSTEM)
+    s += braid.user("Name a color.")
+    forks = s.fork(n)
+    for i in range(n):
+        forks[i] += braid.assistant(braid.gen("color", max_tokens=8))
+    forks += [braid.user(f"Why color {i + 1}?") for i in range(n)]
+    forks.join()
+
+
+def program_fork_by_index(backend: Any) -> None:
+    n = 2
+    state = fork_by_index.run(n=n, backend=backend, temperature=0)
+    colors = state["color"]
+    assert isinstance(colors, list) and len(colors) == n and all(isinstance(c, str) for c in colors)
+    assert _roles(state) == ["system", "user"]  # branch turns stay in the branches
+
+
+# ---- variables written after run() ------------------------------------------------------------------
+def program_post_run_variables(backend: Any) -> None:
+    state = short_answer.run(question="Say hi.", backend=backend, temperature=0)
+    answer, text = state["answer"], state.text()
+    state["note"] = "checked"
+    state["answer_len"] = len(answer)
+    state["answer"] = answer.upper()
+    assert state["note"] == "checked" and "note" in state
+    assert state.variables()["answer_len"] == len(answer)
+    assert state["answer"] == answer.upper()
+    assert state.text() == text  # assignments do not append text
+
+
+# ---- typed gens (dtype int / float / bool / str) ---------------------------------------------------
+@braid.function
+def typed_answers(s):
+    s += braid.system(SYSTEM)
+    s += braid.user("How many legs does a spider have? Answer with a number.")
+    s += braid.assistant(braid.gen("legs", dtype=int, max_tokens=24))
+    s += braid.user("What is half of three? Answer with a number.")
+    s += braid.assistant(braid.gen("half", dtype=float, max_tokens=40))
+    s += braid.user("Is the sky blue? Answer True or False.")
+    s += braid.assistant(braid.gen("sky", dtype=bool, max_tokens=4))
+    s += braid.user("Name a color, in double quotes.")
+    s += braid.assistant(braid.gen("color", dtype=str, max_tokens=16))
+
+
+def program_typed_gen(backend: Any) -> None:
+    from braid import ir
+
+    state = typed_answers.run(backend=backend, temperature=0)
+    replies = [m["content"] for m in state.messages() if m["role"] == "assistant"]
+    assert isinstance(state["legs"], int) and re.fullmatch(ir.REGEX_INT, replies[0]), replies[0]
+    assert int(replies[0]) == state["legs"]
+    assert isinstance(state["half"], float) and re.fullmatch(ir.REGEX_FLOAT, replies[1]), replies[1]
+    assert isinstance(state["sky"], bool) and replies[2] == str(state["sky"])
+    assert isinstance(state["color"], str)
+    for name in ("legs", "half"):  # a number ends by itself (at most 19 digits, one space or newline)
+        assert state.get_meta_info(name)["finish_reason"]["type"] == "stop", state.get_meta_info(name)
+
+
+# ---- API speculative execution ----------------------------------------------------------------------
+@braid.function(num_api_spec_tokens=32)
+def speculative_split(s, topic):
+    s += braid.system(SYSTEM)
+    s += braid.user(f"Describe {topic} in one sentence.")
+    s += braid.assistant(braid.gen("first_word", max_tokens=8, stop=" ") + " "
+                         + braid.gen("rest", max_tokens=32, stop="\n"))
+
+
+def program_api_speculative(backend: Any) -> None:
+    usage = braid.defaults.as_backend(backend).token_usage
+    prompt_tokens_before = usage.prompt_tokens
+    state = speculative_split.run(topic="the Moon", backend=backend, temperature=0)
+    first, rest = state["first_word"], state["rest"]
+    assert " " not in first and "\n" not in rest
+    assert state.messages()[-1]["content"] == first + " " + rest
+    assert _roles(state) == ["system", "user", "assistant"]
+    assert usage.prompt_tokens > prompt_tokens_before  # token_usage counts every call
+
+
 PROGRAMS: dict[str, Callable[[Any], None]] = {
     "few_shot_qa": program_few_shot_qa,
     "multi_turn_chat": program_multi_turn_chat,
@@ -209,6 +290,10 @@ PROGRAMS: dict[str, Callable[[Any], None]] = {
     "regex_gen": program_regex_gen,
     "run_batch": program_run_batch,
     "streaming": program_streaming,
+    "fork_by_index": program_fork_by_index,
+    "post_run_variables": program_post_run_variables,
+    "typed_gen": program_typed_gen,
+    "api_speculative": program_api_speculative,
 }
 
 REQUIRES: dict[str, set[str]] = {
@@ -217,6 +302,7 @@ REQUIRES: dict[str, set[str]] = {
     "gen_choices": {CAP_SELECT},
     "regex_gen": {CAP_REGEX},
     "streaming": {CAP_STREAM},
+    "typed_gen": {CAP_REGEX},
 }
 
 

@@ -82,6 +82,8 @@ class FakeServer:
                                             "is_multimodal": server.multimodal})
                 if self.path == "/get_server_info":
                     return self._send(200, {"num_running_reqs": 0, "num_waiting_reqs": 0})
+                if self.path == "/get_server_args":
+                    return self._send(200, {"model_path": server.model_path, "max_total_tokens": 4096})
                 self._send(404, {"error": {"message": "no route", "type": "not_found"}})
 
             def do_POST(self):

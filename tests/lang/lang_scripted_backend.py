@@ -1,6 +1,6 @@
 """A deterministic Backend for interpreter tests (no model).
 
-Characters are its tokens. Unconstrained gens answer `responder(prompt, sp)` if given, else
+Characters are its tokens (token_usage counts them). Unconstrained gens answer `responder(prompt, sp)` if given, else
 "out<N>" with N the prompt length; regex/json_schema gens answer a matching example. Outputs honour
 max_new_tokens (characters) and stop strings. select scores each character of a choice -0.1 when the
 choice occurs in the prompt and -1.0 otherwise (`choice_logprobs` overrides). Every call is recorded.
@@ -24,8 +24,9 @@ class ScriptedBackend(Backend):
     def __init__(self, responder: Optional[Callable[[Prompt, Any], Optional[str]]] = None, *,
                  capabilities: Optional[frozenset] = None, template: ChatTemplate = CHATML,
                  choice_logprobs: Optional[Callable[[Prompt, str], list[float]]] = None,
-                 delay_s: float = 0.0, chunk_chars: int = 3):
+                 delay_s: float = 0.0, chunk_chars: int = 3, is_chat_model: bool = False):
         self.responder = responder
+        self.is_chat_model = is_chat_model
         self.capabilities = frozenset(ALL_CAPABILITIES if capabilities is None else capabilities)
         self.template = template
         self.choice_logprobs = choice_logprobs
@@ -71,7 +72,9 @@ class ScriptedBackend(Backend):
         if self.delay_s:
             time.sleep(self.delay_s)
         text = self._text(prompt, sampling_params)
-        return GenOutput(text, self._meta(prompt, text, logprobs))
+        meta = self._meta(prompt, text, logprobs)
+        self.token_usage.add_meta(meta)
+        return GenOutput(text, meta)
 
     def generate_stream(self, prompt: Prompt, sampling_params, logprobs: LogprobRequest = LogprobRequest()):
         self._record("generate_stream", prompt, (sampling_params, logprobs))
@@ -80,7 +83,9 @@ class ScriptedBackend(Backend):
             if self.delay_s:
                 time.sleep(self.delay_s)
             yield text[i:i + self.chunk_chars], None
-        yield "", self._meta(prompt, text, logprobs)
+        meta = self._meta(prompt, text, logprobs)
+        self.token_usage.add_meta(meta)
+        yield "", meta
 
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoicesDecision:
         self._record("select", prompt, (list(choices), temperature, method))

@@ -17,6 +17,7 @@ from braid.chat_template import CHATML, LLAMA3
 from braid.runtime.sampling_params import SamplingParams
 
 from lang_fake_server import REPLY, FakeServer, char_logprob
+from test_lang_shared_programs import PROGRAM_NAMES as SHARED_PROGRAMS
 
 HERE = Path(__file__).resolve().parent
 
@@ -142,8 +143,7 @@ def test_fork_prefills_shared_prefix(fake, endpoint):
     assert first == {"text": "Shared. ", "sampling_params": {"max_new_tokens": 0}}
 
 
-@pytest.mark.parametrize("name", ["few_shot_qa", "multi_turn_chat", "fork_branches", "json_extraction", "select",
-                                  "gen_choices", "regex_gen", "run_batch", "streaming"])
+@pytest.mark.parametrize("name", SHARED_PROGRAMS)
 def test_shared_programs_on_runtime_endpoint(programs, endpoint, name):
     programs.PROGRAMS[name](endpoint)
 
@@ -251,8 +251,7 @@ def test_openai_streaming(fake):
     assert list(state.text_iter("a")) == ["cha", "t r", "epl", "y"]
 
 
-@pytest.mark.parametrize("name", ["few_shot_qa", "multi_turn_chat", "fork_branches", "json_extraction", "select",
-                                  "gen_choices", "regex_gen", "run_batch", "streaming"])
+@pytest.mark.parametrize("name", SHARED_PROGRAMS)
 def test_shared_programs_on_openai_chat(programs, fake, name):
     programs.PROGRAMS[name](braid.OpenAI("smollm2", base_url=fake.url + "/v1", api_key="k"))
 

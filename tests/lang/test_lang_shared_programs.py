@@ -6,7 +6,8 @@ import pytest
 from lang_scripted_backend import ScriptedBackend
 
 PROGRAM_NAMES = ["few_shot_qa", "multi_turn_chat", "fork_branches", "json_extraction", "select", "gen_choices",
-                 "regex_gen", "run_batch", "streaming"]
+                 "regex_gen", "run_batch", "streaming", "fork_by_index", "post_run_variables", "typed_gen",
+                 "api_speculative"]
 
 
 def test_suite_lists_every_program(programs):
@@ -23,4 +24,5 @@ def test_supported_programs_filters_by_capability(programs):
 
     backend = ScriptedBackend(capabilities=frozenset({CAP_GEN, CAP_FORK, CAP_STREAM}))
     assert set(programs.supported_programs(backend)) == {"few_shot_qa", "multi_turn_chat", "fork_branches",
-                                                         "run_batch", "streaming"}
+                                                         "run_batch", "streaming", "fork_by_index",
+                                                         "post_run_variables", "api_speculative"}
