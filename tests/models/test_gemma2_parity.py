@@ -273,6 +273,22 @@ def test_embedding_scale_is_rounded_to_the_weight_dtype_like_hf():
         assert torch.equal(ours(ids), hf(ids)), dtype
 
 
+def test_gemma_gguf_is_refused_clearly(tmp_path):
+    """braid reads Gemma-2 from HF folders only; a Gemma GGUF file fails at start with the reason."""
+    import gguf
+    import numpy as np
+
+    path = str(tmp_path / "gemma2.gguf")
+    writer = gguf.GGUFWriter(path, "gemma2")
+    writer.add_block_count(2)
+    writer.add_embedding_length(64)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'gemma2' is not supported"):
+        Engine(model_path=path, tokenizer_path="smollm2", log_level="warning")
+
+
 # ---------------------------------------------------------------------------------------------- the kernels
 
 def _scattered_layout(seq_lens, h_kv, d, gen):
