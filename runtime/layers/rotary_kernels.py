@@ -18,7 +18,7 @@ from braid.runtime.layers import pdl
 from braid.runtime.layers.kernel_inputs import FusedKernelInputError, token_rows_stride
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
-__all__ = ["apply_rotary", "apply_rotary_and_store_kv"]
+__all__ = ["apply_rotary", "apply_rotary_and_store_kv", "rotary_pairs"]
 
 ROTARY_TILE_ELEMS = 2048
 
@@ -41,6 +41,24 @@ def _rotate_heads(src_row, dst_row, src_head_stride, dst_head_stride, cos, sin, 
         if COPY_REST:
             rm = (heads < NUM_HEADS)[:, None] & rest_mask[None, :]
             tl.store(dst + rest_cols[None, :], tl.load(src + rest_cols[None, :], mask=rm, other=0.0), mask=rm)
+
+
+@triton.jit
+def rotary_pairs(cache_ptr, pos, cache_stride, ROT_DIM: tl.constexpr, BLOCK_P: tl.constexpr, IS_NEOX: tl.constexpr):
+    """The cos and sin of each rotated pair at position pos, and the pair's two offsets in a head:
+    -> (cos, sin, off1, off2, pair_mask), each [BLOCK_P]."""
+    pairs = tl.arange(0, BLOCK_P)
+    pair_mask = pairs < ROT_DIM // 2
+    # cache row: cos for each pair, then sin for each pair
+    cos = tl.load(cache_ptr + pos * cache_stride + pairs, mask=pair_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cache_ptr + pos * cache_stride + ROT_DIM // 2 + pairs, mask=pair_mask, other=0.0).to(tl.float32)
+    if IS_NEOX:
+        off1 = pairs
+        off2 = pairs + ROT_DIM // 2
+    else:
+        off1 = pairs * 2
+        off2 = pairs * 2 + 1
+    return cos, sin, off1, off2, pair_mask
 
 
 @triton.jit
@@ -67,17 +85,7 @@ def _rotary_kernel(
         v_row = tl.load(v_ptr + row * v_stride + offs_v, mask=mask_v)
         tl.store(v_cache_ptr + k_out_row * v_cache_stride + offs_v, v_row, mask=mask_v)
     pos = tl.load(pos_ptr + row).to(tl.int64)
-    pairs = tl.arange(0, BLOCK_P)
-    pair_mask = pairs < ROT_DIM // 2
-    # cache row: cos for each pair, then sin for each pair
-    cos = tl.load(cache_ptr + pos * cache_stride + pairs, mask=pair_mask, other=0.0).to(tl.float32)
-    sin = tl.load(cache_ptr + pos * cache_stride + ROT_DIM // 2 + pairs, mask=pair_mask, other=0.0).to(tl.float32)
-    if IS_NEOX:
-        off1 = pairs
-        off2 = pairs + ROT_DIM // 2
-    else:
-        off1 = pairs * 2
-        off2 = pairs * 2 + 1
+    cos, sin, off1, off2, pair_mask = rotary_pairs(cache_ptr, pos, cache_stride, ROT_DIM, BLOCK_P, IS_NEOX)
     rest_cols = ROT_DIM + tl.arange(0, BLOCK_REST)
     rest_mask = rest_cols < HEAD_DIM
     _rotate_heads(q_ptr + row * q_stride, q_out_ptr + row * q_out_stride, q_head_stride, q_out_head_stride,

@@ -348,16 +348,21 @@ class MLAKVPool(KVPool):
 
     The key is the whole row, the value its first kv_lora_rank channels (a view, no copy); so an fp8 e4m3 cache
     has one scale per layer (kv_scale), used for both.
+
+    fused_rotary_store: on CUDA with a cache in the model dtype, store_latent_and_build_query (absorbed MLA decode)
+    is one Triton launch (else the norm, rotary, set_kv and concatenations one by one); the results are the same.
     """
 
     @_outside_inference_mode
     def __init__(self, size: int, dtype: torch.dtype, kv_lora_rank: int, qk_rope_head_dim: int, layer_num: int,
                  device: DeviceLike, kv_cache_dtype: Union[str, torch.dtype, None] = None,
-                 kv_scale: ScaleLike = 1.0):
+                 kv_scale: ScaleLike = 1.0, fused_rotary_store: bool = True):
         _check_positive(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         super().__init__(size, dtype, layer_num, device, kv_cache_dtype, kv_scale, kv_scale)
+        self.fused_rotary_store = fused_rotary_store
+        self._decode_store_in_one_launch = fused_rotary_store and not self.is_fp8 and _triton_kernels_run_on(self.device)
         self.head_num = 1
         self.head_dim = kv_lora_rank + qk_rope_head_dim
         self.v_head_dim = kv_lora_rank
@@ -396,6 +401,27 @@ class MLAKVPool(KVPool):
         rope = _token_rows(k, "k", tokens, 1, width)[..., width - self.qk_rope_head_dim:]
         buffer[loc, :, : self.kv_lora_rank] = self._quantized(latent, scale)
         buffer[loc, :, self.kv_lora_rank:] = self._quantized(rope, scale)
+
+    def store_latent_and_build_query(self, layer_id: int, loc: torch.Tensor, positions: torch.Tensor,
+                                     latent: torch.Tensor, k_pe: torch.Tensor, latent_norm, rotary,
+                                     q_latent: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+        """Absorbed MLA decode. latent: [T, R] before latent_norm (an RMSNorm); k_pe: [T, P] and q_pe: [T, H, P]
+        before `rotary` (a RotaryEmbedding over P dims); q_latent: [H, T, R].
+
+        Stores each token's row [latent_norm(latent) ; rotary(k_pe)] at slots `loc` and returns the query rows
+        [T, H, R + P] = [q_latent ; rotary(q_pe)] per head."""
+        if (self._decode_store_in_one_launch and rotary.cos_sin_cache is not None
+                and not latent_norm.add_unit_offset and latent.dtype == self.store_dtype):
+            from braid.runtime.layers import mla_kernels
+
+            return mla_kernels.mla_decode_prepare(
+                positions, loc, rotary.cos_sin_cache, rotary.is_neox_style, latent, k_pe, latent_norm.weight,
+                latent_norm.eps, q_latent, q_pe, self._kv_buffers[layer_id])
+        tokens, heads = q_pe.shape[0], q_pe.shape[1]
+        latent = latent_norm(latent)
+        q_pe, k_pe = rotary(positions, q_pe, k_pe)
+        self.set_kv(layer_id, loc, k_pe, latent)
+        return torch.cat([q_latent.transpose(0, 1), q_pe.view(tokens, heads, -1)], dim=-1)
 
     def mem_usage_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._kv_buffers)

@@ -114,7 +114,8 @@ class ModelRunner:
                         "(--disable-window-kv-trimming keeps one pool)", self.window_kv_tokens, self.max_total_tokens)
         elif mc.attention_arch == "mla":
             self.token_to_kv_pool = MLAKVPool(self.max_total_tokens, self.dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
-                                              mc.num_layers, self.device, kv_cache_dtype=kv_dtype)
+                                              mc.num_layers, self.device, kv_cache_dtype=kv_dtype,
+                                              fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store)
         else:
             # an fp8_e4m3 cache takes the checkpoint's per-layer KV scales when it has them (loader), else 1.0
             k_scales, v_scales = getattr(self.model, "kv_cache_scales", None) or (1.0, 1.0)

@@ -85,19 +85,31 @@ class MLAttention(nn.Module):
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_pe = q.view(T, H, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        if self.absorbed:
+            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc)  # [H, T, R]
+            if fb.forward_mode.is_decode():
+                # the pool writes the cache rows [norm(latent) ; rot(k_pe)] and builds [q_latent ; rot(q_pe)] (one
+                # launch on CUDA); attention then reads the keys and values from the pool
+                q_full = fb.token_to_kv_pool.store_latent_and_build_query(
+                    self.attn.layer_id, fb.out_cache_loc, positions, latent, k_pe, self.kv_a_layernorm,
+                    self.rotary_emb, q_latent, q_pe)  # [T, H, R + rope]
+                return self._absorbed_output(self.attn(q_full.view(T, -1), None, None, fb, save_kv_cache=False))
         latent = self.kv_a_layernorm(latent)  # [T, R]
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, H * rope], [T, rope]
         q_pe = q_pe.view(T, H, self.rope_dim)
         if self.absorbed:
-            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc)  # [H, T, R]
             q_full = torch.cat([q_latent.transpose(0, 1), q_pe], dim=-1)  # [T, H, R + rope]
             k_full = torch.cat([latent, k_pe], dim=-1)  # [T, R + rope]
-            out = self.attn(q_full.view(T, -1), k_full, latent, fb)  # [T, H * R]
-            out = torch.bmm(out.view(T, H, self.kv_lora_rank).transpose(0, 1), self.w_vc)  # [H, T, v]
-            return self.o_proj(out.transpose(0, 1).reshape(T, H * self.v_head_dim))
+            return self._absorbed_output(self.attn(q_full.view(T, -1), k_full, latent, fb))
         kv = self.kv_b_proj(latent).view(T, H, self.nope_dim + self.v_head_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.view(T, 1, self.rope_dim).expand(T, H, self.rope_dim)], dim=-1)
         q_full = torch.cat([q_nope, q_pe], dim=-1)
         out = self.attn(q_full.view(T, -1), k.view(T, -1), v.reshape(T, -1), fb)  # [T, H * v]
         return self.o_proj(out)
+
+    def _absorbed_output(self, out: torch.Tensor) -> torch.Tensor:
+        # out: [T, H * R], attention over the latent -> each head's value output via w_vc -> o_proj -> [T, hidden]
+        T, H = out.shape[0], self.num_heads
+        out = torch.bmm(out.view(T, H, self.kv_lora_rank).transpose(0, 1), self.w_vc)  # [H, T, v]
+        return self.o_proj(out.transpose(0, 1).reshape(T, H * self.v_head_dim))

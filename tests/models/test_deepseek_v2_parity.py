@@ -195,17 +195,18 @@ def test_moe_matches_hf(tmp_path, q_lora, moe):
     _check_chunked_and_prefix(runner, seq, ref)
 
 
-@pytest.mark.parametrize("disable_mla", [False], ids=["absorbed"])
-def test_triton_backend_matches_hf(tmp_path, disable_mla):
-    """The Triton extend and split-KV decode kernels (TRITON_INTERPRET=1 on CPU) on the latent (Dk 40 = 32 + 8,
-    Dv 32, one KV head for 4 query heads) and on the expanded per-head cache."""
+def test_triton_kernels_match_hf(tmp_path, monkeypatch):
+    """The GPU path's kernels under TRITON_INTERPRET=1 on CPU: Triton extend and split-KV decode attention on the
+    latent (Dk 40 = 32 + 8, Dv 32, one KV head for 4 query heads) and the pool's one-launch decode store."""
     from braid.runtime.layers.attention.triton_backend import TritonAttnBackend
+    from braid.runtime.mem_cache import pools
 
+    monkeypatch.setattr(pools, "_triton_kernels_run_on", lambda device: True)
     hf = _checkpoint(tmp_path, q_lora=True, moe="greedy", dense_layers=1)
     seq, ref = _hf_sequence(hf, _prompt(3))
-    runner = _runner(tmp_path, disable_mla=disable_mla)
+    runner = _runner(tmp_path)
     runner.attn_backend = TritonAttnBackend(runner, num_kv_splits=2)
-    assert runner.attn_backend.num_kv_heads == (4 if disable_mla else 1)
+    assert runner.attn_backend.num_kv_heads == 1 and runner.token_to_kv_pool._decode_store_in_one_launch
     _check_prefill_and_decode(runner, seq, ref, steps=4)
 
 

@@ -1,0 +1,69 @@
+"""MLAKVPool.store_latent_and_build_query: the one-launch Triton path (mla_kernels) against the unfused one (RMSNorm,
+rotary, set_kv, concatenation): the same query rows, the same cache rows, untouched slots left alone.
+
+Without a GPU the kernel runs under TRITON_INTERPRET=1 on CPU tensors (conftest.py); the pool only launches Triton
+kernels on CUDA, so on CPU the test lets it (`_triton_kernels_run_on`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from braid.runtime.layers import mla_kernels
+from braid.runtime.layers.norm import RMSNorm
+from braid.runtime.layers.rotary import RotaryEmbedding
+from braid.runtime.mem_cache import pools
+from braid.runtime.mem_cache.pools import MLAKVPool
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+H, R, P, SLOTS, T = 5, 48, 8, 30, 4  # 5 heads cross a head block; R = 48 is not a power of two
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("neox", [False, True], ids=["interleaved", "neox"])
+def test_fused_decode_store_matches_unfused(monkeypatch, dtype, neox):
+    monkeypatch.setattr(pools, "_triton_kernels_run_on", lambda device: True)
+    calls = []
+    real = mla_kernels.mla_decode_prepare
+    monkeypatch.setattr(mla_kernels, "mla_decode_prepare", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    rotary = RotaryEmbedding(P, P, 64, 10000.0, YARN, is_neox_style=neox)
+    rotary.build_cache(DEVICE)
+    norm = RMSNorm(R, 1e-6)
+    norm.weight.data = torch.rand(R, generator=g, device=DEVICE) + 0.5
+    # rows of a projection output: latent and k_pe are strided slices, q_pe a strided view of q
+    proj = torch.randn(T, 3 + R + P, device=DEVICE, generator=g).to(dtype)
+    latent, k_pe = proj[:, 3:3 + R], proj[:, 3 + R:]
+    q = torch.randn(T, H, 6 + P, device=DEVICE, generator=g).to(dtype)
+    q_pe = q[..., 6:]
+    q_latent = torch.randn(H, T, R, device=DEVICE, generator=g).to(dtype)
+    positions = torch.tensor([0, 5, 17, 63], device=DEVICE)
+    loc = torch.tensor([3, 9, 1, 22], device=DEVICE)
+    outs = {}
+    for fused in (True, False):
+        pool = MLAKVPool(SLOTS, dtype, R, P, layer_num=2, device=DEVICE, fused_rotary_store=fused)
+        q_full = pool.store_latent_and_build_query(1, loc, positions, latent.clone(), k_pe.clone(), norm, rotary,
+                                                   q_latent, q_pe.clone())
+        outs[fused] = (q_full, pool.get_key_buffer(1).clone(), pool.get_key_buffer(0).clone())
+    assert calls == [1]
+    (q_f, kv_f, other_f), (q_u, kv_u, other_u) = outs[True], outs[False]
+    assert q_f.shape == (T, H, R + P) and q_f.dtype == dtype
+    assert torch.equal(q_f[..., :R], q_latent.transpose(0, 1))
+    # fp32 math in both, rounded once; bf16 results may differ in the last bit (fused multiply-adds)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
+    torch.testing.assert_close(q_f, q_u, **tol)
+    torch.testing.assert_close(kv_f, kv_u, **tol)
+    untouched = torch.ones(SLOTS + 1, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert not kv_f[untouched.to(DEVICE)].any() and not other_f.any()
+    assert kv_f[loc].abs().sum(-1).min() > 0
+
+
+def test_fp8_cache_takes_the_unfused_path(monkeypatch):
+    monkeypatch.setattr(pools, "_triton_kernels_run_on", lambda device: True)
+    pool = MLAKVPool(SLOTS, torch.bfloat16, R, P, layer_num=1, device=DEVICE, kv_cache_dtype="fp8_e5m2")
+    assert not pool._decode_store_in_one_launch
+    assert MLAKVPool(SLOTS, torch.bfloat16, R, P, layer_num=1, device=DEVICE)._decode_store_in_one_launch
