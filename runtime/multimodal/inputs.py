@@ -95,3 +95,16 @@ def item_aligned_chunk_len(mm: Optional[MultimodalInputs], start: int, length: i
         if item_start < stop < item_end:
             return item_start - start if item_start > start else item_end - start
     return length
+
+
+def inputs_from_wire(media: list) -> MultimodalInputs:
+    """MultimodalInputs from the `messages.MediaItem`s of a GenerateReq."""
+    items = []
+    for m in media:
+        if m.modality not in MODALITIES:
+            raise ValueError(f"unknown media modality {m.modality!r}")
+        pixels = torch.frombuffer(bytearray(m.pixels), dtype=torch.float32).view(m.shape)
+        items.append(MultimodalItem(modality=m.modality, pixel_values=pixels, image_size=tuple(m.image_size),
+                                    anyres=m.anyres, content_hash=m.content_hash, num_tokens=m.num_tokens,
+                                    token_id=m.token_id, offset=m.offset))
+    return MultimodalInputs(items)

@@ -4,7 +4,9 @@ A text prompt marks each item with `<image>` or `<video>` (what the chat templat
 with the model's image/video token id, once per item. Items fill the marks in order: the i-th `<image>` is the
 i-th entry of image_data, the i-th `<video>` the i-th entry of video_data; the counts must match. The modality of
 each item is explicit (which list it came in), never inferred from a count. As in HF's LLaVA-OneVision processor,
-a request's only image is tiled (anyres); with several images each is one base tile.
+a request's only image is tiled (anyres); with several images each is one base tile. An image given as
+{"url": ..., "detail": "low"} (OpenAI's image_url object) is one base tile even alone; "auto" and "high" tile it.
+A video is a list of frames, or {"frames": [...]}.
 """
 
 from __future__ import annotations
@@ -21,11 +23,29 @@ VIDEO_PLACEHOLDER = "<video>"
 _MARKS = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
+def _detail(image: Any) -> str:
+    detail = image.get("detail") or "auto" if isinstance(image, dict) else "auto"
+    if detail not in ("auto", "low", "high"):
+        raise MediaError(f"image detail must be 'auto', 'low' or 'high', got {detail!r}", "image_data")
+    return detail
+
+
 def as_item_list(data: Any) -> list:
     """image_data / video_data as a list of items (one item may be given bare)."""
     if data is None or data == "" or data == []:
         return []
     return list(data) if isinstance(data, (list, tuple)) else [data]
+
+
+def as_video_list(data: Any) -> list:
+    """video_data as a list of videos. A video is a list of frames (or {"frames": [...]}), so a list whose entries
+    are not themselves videos is one video."""
+    if not isinstance(data, (list, tuple)):
+        return as_item_list(data)  # one video given bare (load_video refuses what is not frames)
+    items = as_item_list(data)
+    if items and not any(isinstance(v, (list, tuple)) or (isinstance(v, dict) and "frames" in v) for v in items):
+        return [items]
+    return items
 
 
 class MultimodalPreparer:
@@ -47,9 +67,15 @@ class MultimodalPreparer:
         return cls(LlavaOnevisionProcessor(vision, model_config.path), vision.image_token_id, vision.video_token_id,
                    limits)
 
+    @classmethod
+    def for_server(cls, server_args) -> "MultimodalPreparer":
+        from braid.runtime.loader import load_model_config
+
+        return cls.for_model(load_model_config(server_args), MediaLimits.from_server_args(server_args))
+
     def prepare(self, tokenizer, prompt: Union[str, list[int]], image_data: Any, video_data: Any,
                 add_special_tokens: bool) -> tuple[list[int], MultimodalInputs]:
-        images, videos = as_item_list(image_data), as_item_list(video_data)
+        images, videos = as_item_list(image_data), as_video_list(video_data)
         if len(images) + len(videos) > self.limits.max_items:
             raise MediaError(f"a request may hold at most {self.limits.max_items} images and videos, got "
                              f"{len(images) + len(videos)}", "image_data" if images else "video_data")
@@ -60,7 +86,9 @@ class MultimodalPreparer:
                 raise RequestError(f"the prompt marks {marks.count(kind)} {kind}(s) ({IMAGE_PLACEHOLDER if kind == 'image' else VIDEO_PLACEHOLDER}"
                                    f" in text, or the {kind} token id in input ids) but {param} holds {len(given)}",
                                    param)
-        anyres = len(images) == 1
+        # a request's only image is tiled, unless it asks for detail "low" (OpenAI's one low-resolution tile)
+        details = [_detail(image) for image in images]
+        anyres = len(images) == 1 and details[0] != "low"
         loaded_images = iter([load_image(s, self.limits, "image_data") for s in images])
         loaded_videos = iter([load_video(s, self.limits, "video_data") for s in videos])
         input_ids: list[int] = []

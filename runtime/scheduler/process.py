@@ -128,6 +128,10 @@ class SchedulerLoop:
                       sampling_params=SamplingParams.from_dict(msg.sampling_params),
                       return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
                       top_logprobs_num=msg.top_logprobs_num, stream=msg.stream)
+            if msg.media is not None:
+                from braid.runtime.multimodal.inputs import inputs_from_wire
+
+                req.mm_inputs = inputs_from_wire(msg.media)
             self.scheduler.add_request(req)
         except ValueError as e:
             self.send(M.ReqError(msg.rid, str(e), getattr(e, "param", None) or _grammar_param(e, msg), True))

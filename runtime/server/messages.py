@@ -14,6 +14,20 @@ import msgspec
 # ---- server -> scheduler ----------------------------------------------------------------------
 
 
+class MediaItem(msgspec.Struct):
+    """One image or video of a request (runtime/multimodal/inputs.MultimodalItem): its pixels as raw fp32 bytes."""
+
+    modality: str
+    pixels: bytes  # fp32, C order, `shape`
+    shape: list[int]
+    image_size: list[int]
+    anyres: bool
+    content_hash: str
+    num_tokens: int
+    offset: int
+    token_id: int
+
+
 class GenerateReq(msgspec.Struct, tag=True):
     """A prepared `Req` (runtime/server/prepare.py) on the wire; the scheduler process rebuilds the Req."""
 
@@ -24,13 +38,23 @@ class GenerateReq(msgspec.Struct, tag=True):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    media: Optional[list[MediaItem]] = None
 
 
 def generate_req(req: Any) -> GenerateReq:
     """The wire form of a prepared `Req`."""
     return GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling_params=req.sampling_params.to_dict(),
                        return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                       top_logprobs_num=req.top_logprobs_num, stream=req.stream)
+                       top_logprobs_num=req.top_logprobs_num, stream=req.stream, media=_media_items(req.mm_inputs))
+
+
+def _media_items(mm: Any) -> Optional[list[MediaItem]]:
+    if mm is None:
+        return None
+    return [MediaItem(modality=it.modality, pixels=it.pixel_values.contiguous().numpy().tobytes(),
+                      shape=list(it.pixel_values.shape), image_size=list(it.image_size), anyres=it.anyres,
+                      content_hash=it.content_hash, num_tokens=it.num_tokens, offset=it.offset, token_id=it.token_id)
+            for it in mm.items]
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -47,6 +47,8 @@ def matched_stop(reason: Optional[dict]) -> Any:
 # content part type -> (its payload key, prepare_request's keyword)
 _MEDIA_PARTS = {"image_url": ("image_url", "image_data"), "video_url": ("video_url", "video_data"),
                 "input_audio": ("input_audio", "audio_data")}
+# where an image or video sits in the templated text (runtime/multimodal/prompt.py fills them in order)
+_MEDIA_PLACEHOLDERS = {"image_url": "<image>", "video_url": "<video>"}
 
 
 def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], dict[str, list]]:
@@ -68,7 +70,11 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], dict[str
                     pieces.append(part["text"])
                 elif kind in _MEDIA_PARTS and isinstance(part.get(_MEDIA_PARTS[kind][0]), dict):
                     payload = part[_MEDIA_PARTS[kind][0]]
-                    media.setdefault(_MEDIA_PARTS[kind][1], []).append(payload.get("url", payload))
+                    if kind == "input_audio":
+                        media.setdefault("audio_data", []).append(payload.get("url", payload))
+                    else:  # the whole {"url", "detail"} / {"frames"} object; the template gets its placeholder
+                        media.setdefault(_MEDIA_PARTS[kind][1], []).append(payload)
+                        pieces.append(_MEDIA_PLACEHOLDERS[kind])
                 else:
                     raise bad_request(f"messages[{i}].content: unsupported content part {kind!r}",
                                       param=f"messages.{i}.content")

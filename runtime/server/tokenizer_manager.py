@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import dataclasses
 import functools
 import itertools
 import json
@@ -126,6 +127,11 @@ class TokenizerManager:
         self.served_model = ServedModel.from_model_info(self.server_args.model_path, self.server_args.model_name,
                                                         self.tokenizer, self.context_len, self.vocab_size,
                                                         self.model_info)
+        if self.served_model.is_multimodal:
+            from braid.runtime.multimodal.prompt import MultimodalPreparer
+
+            self.served_model = dataclasses.replace(self.served_model,
+                                                    multimodal=MultimodalPreparer.for_server(self.server_args))
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._watch_process())]
 
     async def _wait_ready(self, timeout_s: float) -> M.Ready:

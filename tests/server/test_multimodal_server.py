@@ -1,0 +1,115 @@
+"""A real server on the tiny LLaVA-OneVision checkpoint: images and video through OpenAI chat content parts and native
+/generate image_data, the same tokens as the in-process Engine, and every bad media input answered with a 400 that
+leaves no KV behind. Also: an image sent to the text-only session server is a 400."""
+
+import base64
+import io
+
+import pytest
+from real_server import start_server
+
+from llava_tiny import make_tiny_llava, test_image
+
+API_KEY = "mm-key"
+GREEDY = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+
+
+def _data_url(img, fmt="PNG") -> str:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+
+@pytest.fixture(scope="module")
+def llava_server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llava_ov")
+    make_tiny_llava(folder)
+    media = tmp_path_factory.mktemp("media")
+    test_image(40, 60, seed=3).save(media / "local.png")
+    srv = start_server(["--model-path", str(folder), "--tokenizer-path", "smollm2", "--max-total-tokens", "4096",
+                        "--api-key", API_KEY, "--log-level", "warning", "--allowed-local-media-path", str(media),
+                        "--max-image-pixels", "40000", "--max-video-frames", "4"], API_KEY, "braid-mm-server-")
+    srv.media = media
+    yield srv
+    srv.stop()
+
+
+def _idle_kv(srv) -> int:
+    return srv.get("/get_server_info").json()["kv_used_tokens"]
+
+
+def test_chat_with_two_images_and_native_generate_agree(llava_server):
+    import openai
+
+    client = openai.OpenAI(base_url=llava_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    urls = [_data_url(test_image(50, 80, seed=1)), _data_url(test_image(70, 40, seed=2), "JPEG")]
+    content = [{"type": "text", "text": "Compare "}, {"type": "image_url", "image_url": {"url": urls[0]}},
+               {"type": "text", "text": " with "},
+               {"type": "image_url", "image_url": {"url": urls[1], "detail": "high"}}]
+    chat = client.chat.completions.create(model="default", messages=[{"role": "user", "content": content}],
+                                          temperature=0, max_tokens=4)
+    text_only = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Compare  with "}],
+                                               temperature=0, max_tokens=4)
+    assert chat.usage.prompt_tokens == text_only.usage.prompt_tokens + 2 * (4 * 4 + 1)  # two base tiles + newlines
+    # the same prompt through /generate: the chat template's text with the placeholders, the same images
+    native = llava_server.post("/generate", json={"text": _chatml("Compare <image> with <image>"), "image_data": urls,
+                                                  "sampling_params": {**GREEDY, "ignore_eos": False}}).json()
+    assert native["meta_info"]["prompt_tokens"] == chat.usage.prompt_tokens
+    assert native["text"] == chat.choices[0].message.content
+
+
+def _chatml(user: str) -> str:
+    """SmolLM2's chat template around one user message."""
+    return f"<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n" \
+           f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_video_frames_and_local_file(llava_server):
+    frames = [_data_url(test_image(30, 30, seed=10 + i)) for i in range(3)]
+    r = llava_server.post("/generate", json={"text": "<video> then <image>", "image_data": frames,
+                                             "modalities": ["video"], "sampling_params": GREEDY})
+    assert r.status_code == 400  # a <image> mark without an image: counts must match
+    r = llava_server.post("/generate", json={"text": "clip: <video>", "image_data": frames, "modalities": ["video"],
+                                             "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["prompt_tokens"] > 3 * 4
+    r = llava_server.post("/generate", json={"text": "file: <image>", "image_data": "local.png",
+                                             "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+
+
+EXPECTED = {"not_an_image": "not a readable image", "too_many_pixels": "at most 40000 pixels",
+            "too_many_frames": "at most 4 frames", "outside_dir": "outside the allowed directory",
+            "remote": "remote media URLs are disabled", "bad_detail": "detail must be", "mark_count": "marks 2 image"}
+
+
+@pytest.mark.parametrize("case", ["not_an_image", "too_many_pixels", "too_many_frames", "outside_dir", "remote",
+                                  "bad_detail", "mark_count"])
+def test_bad_media_is_a_400_and_leaks_nothing(llava_server, case):
+    text_url = "data:image/png;base64," + base64.b64encode(b"this is not an image at all").decode()
+    bodies = {
+        "not_an_image": {"text": "<image>", "image_data": text_url},
+        "too_many_pixels": {"text": "<image>", "image_data": _data_url(test_image(300, 300, seed=0))},
+        "too_many_frames": {"text": "<video>", "modalities": ["video"],
+                            "image_data": [_data_url(test_image(20, 20, seed=i)) for i in range(5)]},
+        "outside_dir": {"text": "<image>", "image_data": "../../etc/passwd"},
+        "remote": {"text": "<image>", "image_data": "http://127.0.0.1:1/x.png"},
+        "bad_detail": None,
+        "mark_count": {"text": "<image> <image>", "image_data": _data_url(test_image(20, 20, seed=0))},
+    }
+    if case == "bad_detail":
+        r = llava_server.post("/v1/chat/completions", json={"model": "default", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": text_url, "detail": "ultra"}}]}]})
+    else:
+        r = llava_server.post("/generate", json={**bodies[case], "sampling_params": GREEDY})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert EXPECTED[case] in message, message
+    assert "Traceback" not in message and "/etc/passwd" not in message
+    assert _idle_kv(llava_server) == 0
+
+
+def test_image_to_a_text_only_model_is_a_400(server):
+    r = server.post("/generate", json={"text": "<image> hi", "image_data": _data_url(test_image(20, 20, seed=0)),
+                                       "sampling_params": GREEDY})
+    assert r.status_code == 400 and "no vision tower" in r.text
