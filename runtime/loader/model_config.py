@@ -221,6 +221,8 @@ def _parse_rope(text: dict, family: str, head_dim: int) -> RopeSpec:
 def _parse_moe(text: dict, need) -> Optional[MoESpec]:
     if text.get("n_routed_experts") is None:
         return None
+    if text.get("scoring_func", "softmax") != "softmax":
+        raise ValueError(f"MoE scoring_func {text['scoring_func']!r} is not supported (braid's router takes a softmax)")
     optional = {k: text[k] for k in ("topk_method", "n_group", "topk_group", "norm_topk_prob",
                                      "routed_scaling_factor", "first_k_dense_replace", "moe_layer_freq")
                 if text.get(k) is not None}

@@ -231,7 +231,7 @@ def test_engine_greedy_with_radix_cache_and_chunked_prefill(tmp_path):
     assert results[1]["meta_info"]["cached_tokens"] >= 32
 
 
-def test_disable_mla_needs_an_mla_model():
+def test_config_refusals_and_expanded_kv_shape():
     import transformers
 
     from braid.runtime.loader.model_config import ModelConfig
@@ -239,6 +239,9 @@ def test_disable_mla_needs_an_mla_model():
     raw = transformers.LlamaConfig(num_hidden_layers=2).to_dict()
     with pytest.raises(ValueError, match="--disable-mla applies to models with multi-head latent attention"):
         ModelConfig.from_hf(raw, ServerArgs(disable_mla=True))
+    sigmoid = {**_config(q_lora=True, moe="greedy", dense_layers=1).to_dict(), "scoring_func": "sigmoid"}
+    with pytest.raises(ValueError, match="scoring_func 'sigmoid' is not supported"):
+        ModelConfig.from_hf(sigmoid)
     mla = ModelConfig.from_hf(_config(q_lora=True, moe="greedy", dense_layers=1).to_dict(), ServerArgs(disable_mla=True))
     # the expanded form caches K and V per head: 4 heads of 16 + 8 and 16 dims instead of one 32 + 8 latent row
     assert (mla.attention_arch, mla.num_key_value_heads, mla.head_dim, mla.v_head_dim) == ("mha", 4, 24, 16)
