@@ -90,9 +90,9 @@ class MLAttention(nn.Module):
             if fb.forward_mode.is_decode():
                 # the pool writes the cache rows [norm(latent) ; rot(k_pe)] and builds [q_latent ; rot(q_pe)] (one
                 # launch on CUDA); attention then reads the keys and values from the pool
-                q_full = fb.token_to_kv_pool.store_latent_and_build_query(
-                    self.attn.layer_id, fb.out_cache_loc, positions, latent, k_pe, self.kv_a_layernorm,
-                    self.rotary_emb, q_latent, q_pe)  # [T, H, R + rope]
+                q_full = _store_latent_and_build_query(
+                    fb.token_to_kv_pool, self.attn.layer_id, fb.out_cache_loc, positions, latent, k_pe,
+                    self.kv_a_layernorm, self.rotary_emb, q_latent, q_pe)  # [T, H, R + rope]
                 return self._absorbed_output(self.attn(q_full.view(T, -1), None, None, fb, save_kv_cache=False))
         latent = self.kv_a_layernorm(latent)  # [T, R]
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, H * rope], [T, rope]
@@ -113,3 +113,9 @@ class MLAttention(nn.Module):
         T, H = out.shape[0], self.num_heads
         out = torch.bmm(out.view(T, H, self.kv_lora_rank).transpose(0, 1), self.w_vc)  # [H, T, v]
         return self.o_proj(out.transpose(0, 1).reshape(T, H * self.v_head_dim))
+
+
+@torch.compiler.disable
+def _store_latent_and_build_query(pool, *args) -> torch.Tensor:
+    # under torch.compile the pool's cache write (and its Triton launch) stays outside the graph, as attention does
+    return pool.store_latent_and_build_query(*args)
