@@ -224,7 +224,7 @@ class OpenAIServing:
                                   f"combined with {constraint_param(req) or 'regex or json_schema'}", param="tool_choice")
             overrides["json_schema"] = json.dumps(plan.call_schema())
         n = requested_n(req)
-        lps = LogprobPlan(output_lp, top_n, req.prompt_logprobs, rank=overrides.get("n", 1) > n)
+        lps = LogprobPlan(output_lp, top_n, req.prompt_logprobs, rank=(req.best_of or n) > n)
         self.tm.check_admission()  # before the chat template's work
         chat_template = getattr(self.tm.tokenizer, "chat_template", None)
         native_tools = template_knows_tools(chat_template)
@@ -368,7 +368,7 @@ class OpenAIServing:
         output_lp, top_n = completion_logprob_options(req)
         overrides = openai_sampling_overrides(req)
         n = requested_n(req)
-        lps = LogprobPlan(output_lp, top_n, req.prompt_logprobs, rank=overrides.get("n", 1) > n, echo=req.echo)
+        lps = LogprobPlan(output_lp, top_n, req.prompt_logprobs, rank=(req.best_of or n) > n, echo=req.echo)
         prompts = await self._completion_prompts(req, lps, overrides)
         handles: list[RequestHandle] = []
         try:

@@ -186,8 +186,9 @@ def openai_sampling_overrides(req: _OpenAIRequest) -> dict:
             raise bad_request("include_stop_str_in_output must be a boolean", param="include_stop_str_in_output")
         d["no_stop_trim"] = include_stop or bool(d.get("no_stop_trim"))
     if req.best_of is not None:
-        n = d.get("n", 1)
-        _check_int(req.best_of, "best_of", n if isinstance(n, int) and not isinstance(n, bool) else 1, 128)
+        _check_int(d.get("n"), "n", 1, 128)
+        n = requested_n(req)
+        _check_int(req.best_of, "best_of", n, 128)
         if req.best_of > n and req.stream:
             raise bad_request("best_of > n cannot be streamed (the best samples are known only at the end)",
                               param="best_of")
@@ -339,10 +340,11 @@ class GenerateRequest:
     rids: Optional[list[str]] = None
     image_data: list[Any] = field(default_factory=list)  # one entry per prompt
     is_video: bool = False  # modalities says image_data holds video frames
+    video_data: list[Any] = field(default_factory=list)  # one entry per prompt: a video (frames) or a list of them
 
 
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-                  "top_logprobs_num", "rid", "image_data", "return_text_in_logprobs", "modalities"}
+                  "top_logprobs_num", "rid", "image_data", "return_text_in_logprobs", "modalities", "video_data"}
 
 
 def _is_id_list(x: Any) -> bool:
@@ -393,13 +395,11 @@ def parse_generate(body: Any) -> GenerateRequest:
         if len(set(rids)) != len(rids):
             raise bad_request("rid values must be distinct", param="rid")
 
-    image_data = body.get("image_data")
-    if image_data is None:
-        images = [None] * len(prompts)
-    elif is_batch and isinstance(image_data, list) and len(image_data) == len(prompts):
-        images = list(image_data)
-    else:
-        images = [image_data] * len(prompts)
+    if "video" in (body.get("modalities") or ()) and body.get("video_data") is not None:
+        raise bad_request("give a video either as video_data or as image_data with modalities ['video'], not both",
+                          param="video_data")
+    images = _per_prompt(body.get("image_data"), is_batch, len(prompts))
+    videos = _per_prompt(body.get("video_data"), is_batch, len(prompts))
     modalities = body.get("modalities")
     if modalities is not None and not (isinstance(modalities, list) and all(m in _MODALITIES for m in modalities)):
         raise bad_request(f"modalities must be a list of {', '.join(_MODALITIES)}", param="modalities")
@@ -411,7 +411,16 @@ def parse_generate(body: Any) -> GenerateRequest:
                            return_logprob=body.get("return_logprob", False),
                            logprob_start_len=body.get("logprob_start_len", -1),
                            top_logprobs_num=body.get("top_logprobs_num", 0), rids=rids, image_data=images,
-                           is_video="video" in (modalities or ()))
+                           is_video="video" in (modalities or ()), video_data=videos)
+
+
+def _per_prompt(data: Any, is_batch: bool, count: int) -> list:
+    """image_data / video_data: one entry per prompt of a batch when it is a list of that length, else shared."""
+    if data is None:
+        return [None] * count
+    if is_batch and isinstance(data, list) and len(data) == count:
+        return list(data)
+    return [data] * count
 
 
 # ---- SSE ----------------------------------------------------------------------------------------
