@@ -32,7 +32,8 @@ def main() -> int:
     startup = time.perf_counter() - started
     pool = runner.token_to_kv_pool
     form = "expanded (--disable-mla)" if server_args.disable_mla else "mla (absorbed, latent cache)"
-    out = {"kind": "setup", "form": form, "attention_arch": runner.model_config.attention_arch, "kv_pool_tokens": runner.max_total_tokens,
+    out = {"kind": "setup", "form": form, "attention_arch": runner.model_config.attention_arch,
+           "kv_cache_dtype": str(pool.cache_dtype).removeprefix("torch."), "kv_pool_tokens": runner.max_total_tokens,
            "kv_bytes_per_token": pool.mem_usage_bytes() // (pool.size + 1), "kv_pool_gib": pool.mem_usage_bytes() / 2**30,
            "startup_s": startup, "device": str(runner.device), "backend": runner.attn_backend_name,
            "cuda_graph": runner.cuda_graph_runner is not None}
@@ -51,7 +52,8 @@ def main() -> int:
                 result, run = latency_test(sb, bs, in_len, out_len, args.seed)
                 runs.append(result)
                 record(args.result_filename, {
-                    "kind": "run", "attention_arch": out["attention_arch"], **result,
+                    "kind": "run", "attention_arch": out["attention_arch"], "kv_cache_dtype": out["kv_cache_dtype"],
+                    **result,
                     "graph_replays": graphs.num_replays if graphs is not None else 0,
                     **({"output_ids": run.output_ids[0]} if bs == 1 else {})})
                 print(f"  bs {bs}: decode {result['median_decode_latency_s'] * 1e3:.2f} ms/step, "
