@@ -155,8 +155,7 @@ def _small_batch_configs():
     if _INTERPRET:
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=1)]
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bn, bk, w, st in ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 512, 4, 3),
-                                  (64, 256, 4, 3), (16, 1024, 8, 3), (32, 128, 4, 5))]
+            for bn, bk, w, st in ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (64, 256, 4, 3))]
 
 
 @triton.autotune(configs=_small_batch_configs(), key=["N", "K", "SILU_MUL", "USE_PDL"])
