@@ -71,17 +71,38 @@ def test_json_pattern_digits_are_ascii(grammars, smollm2_tokenizer):
     assert texts and set("".join(texts)) <= ASCII_DIGITS, texts
 
 
-def test_sampled_digits_are_ascii_at_temperature_1():
-    """64 samples of \\d{3}-\\d{4} at temperature 1.0 on SmolLM2 hold only ASCII digits and the dash (before the
-    rewrite, most replies held Unicode digits such as U+1FBF1)."""
+@pytest.fixture(scope="module")
+def engine():
     from braid.runtime import Engine
 
+    with Engine(model_path="smollm2", log_level="warning", max_total_tokens=4096, max_running_requests=64) as e:
+        yield e
+
+
+def test_sampled_digits_are_ascii_at_temperature_1(engine):
+    """64 samples of \\d{3}-\\d{4} at temperature 1.0 on SmolLM2 hold only ASCII digits and the dash (before the
+    rewrite, most replies held Unicode digits such as U+1FBF1)."""
     n = 64
-    with Engine(model_path="smollm2", log_level="warning", max_total_tokens=4096, max_running_requests=n) as engine:
-        outs = engine.generate(["Make up a phone number: "] * n,
-                               [{"temperature": 1.0, "max_new_tokens": 16, "regex": r"\d{3}-\d{4}", "seed": i}
-                                for i in range(n)])
+    outs = engine.generate(["Make up a phone number: "] * n,
+                           [{"temperature": 1.0, "max_new_tokens": 16, "regex": r"\d{3}-\d{4}", "seed": i}
+                            for i in range(n)])
     texts = [o["text"] for o in outs]
     bad = [t for t in texts if not re.fullmatch(r"[0-9]{3}-[0-9]{4}", t)]
     assert not bad, bad[:5]
     assert len(set(texts)) > 1  # really sampled
+
+
+@pytest.mark.parametrize("dtype", [int, float])
+def test_dtype_numbers_end_without_eos(engine, dtype):
+    """gen(dtype=int/float)'s regex ends by itself: with EOS disabled (a model that never stops) every sample still
+    finishes on the pattern's end (one space or newline, digit runs bounded), far before max_new_tokens."""
+    from braid.sampling import dtype_regex
+
+    n, max_new_tokens = 8, 48
+    outs = engine.generate(["Count the stars in the sky: "] * n,
+                           [{"temperature": 1.0, "max_new_tokens": max_new_tokens, "regex": dtype_regex(dtype),
+                             "ignore_eos": True, "seed": i} for i in range(n)])
+    for out in outs:
+        meta = out["meta_info"]
+        assert meta["finish_reason"]["type"] == "stop" and meta["completion_tokens"] < max_new_tokens, out
+        dtype(out["text"].strip())
