@@ -120,6 +120,9 @@ class ServerArgs:
     max_queued_requests: Optional[int] = _opt(None, "most requests in flight beyond --max-running-requests; new "
                                                     "generation requests past it get 429 with Retry-After (None: no limit)")
     shutdown_timeout_s: float = _opt(10.0, "on SIGTERM, wait this long for in-flight requests")
+    request_timeout_s: Optional[float] = _opt(None, "a generation request still running this many seconds after "
+                                                    "it arrived ends with finish_reason 'abort' and the text "
+                                                    "generated so far (None: no deadline)")
     log_level: str = _opt("info", "logging level")
     log_stats_interval_s: float = _opt(10.0, "while serving, log running/queued requests, tokens/s, KV usage and "
                                              "cache hit rate at most this often (0: never)")
@@ -173,6 +176,8 @@ class ServerArgs:
             raise ValueError("tokenizer_threads must be >= 0")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("max_queued_requests must be >= 0")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError("request_timeout_s must be > 0")
         if self.quantization == "fp8" and self.enable_torch_compile:
             raise ValueError("quantization='fp8' with enable_torch_compile is not supported yet (the fp8 kernels are "
                              "not traced by torch.compile); drop one of them")

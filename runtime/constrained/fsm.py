@@ -97,6 +97,7 @@ def _preview(regex: str, limit: int = 80) -> str:
 
 # The child loads this folder as a stand-alone package: no `braid` import (fast start, no torch). Regexes go
 # to the child as UTF-8 bytes (no pickle of request data); the child answers with an outlines-core Index.
+WORKER_NICENESS = 10
 _WORKER_BOOT = (
     "import sys, types; pkg = types.ModuleType('_grammar_worker'); pkg.__path__ = [sys.argv[1]]; "
     "sys.modules['_grammar_worker'] = pkg; from _grammar_worker.fsm import worker_main; worker_main(int(sys.argv[2]))"
@@ -107,6 +108,7 @@ def worker_main(fd: int) -> None:
     """Child process loop: receive the vocabulary once, then regexes; answer each with its index or an error."""
     conn = Connection(fd)
     _limit_memory(WORKER_MEMORY_LIMIT_BYTES)
+    os.nice(WORKER_NICENESS)  # a compile that runs to its timeout must not take CPU from the scheduler and HTTP loop
     parent_pid = os.getppid()
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     vocabulary = conn.recv()

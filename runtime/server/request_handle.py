@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
 from braid.runtime.core import Req
 from braid.runtime.server import messages as M
@@ -22,13 +22,17 @@ if TYPE_CHECKING:
     from braid.runtime.sampling_params import SamplingParams
 
 
+DEADLINE_GRACE_S = 5.0
+
+
 @dataclass
 class _LocalAbort:
     message: Optional[str] = None
 
 
 class RequestHandle:
-    def __init__(self, req: Req, tokenizer, metrics: ServerMetrics, timeout_s: Optional[float] = None):
+    def __init__(self, req: Req, tokenizer, metrics: ServerMetrics, timeout_s: Optional[float] = None,
+                 request_abort: Optional[Callable[[str], None]] = None):
         self.req = req
         self.rid = req.rid
         self.stream = req.stream
@@ -51,6 +55,7 @@ class RequestHandle:
         self.scheduler_finished = 0  # choices the scheduler reported finished; the rest need an AbortReq on release
         self.timeout_s = timeout_s
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self.request_abort = request_abort  # sends AbortReq(rid) to the scheduler
         self.released = False
         self.abort_message: Optional[str] = None  # replaces the scheduler's message when it reports an abort
 
@@ -81,14 +86,21 @@ class RequestHandle:
                 yield update
 
     async def _next_item(self):
+        """The next scheduler output; past the deadline, asks the scheduler to abort (its last output keeps the
+        text so far) and, if that does not come within DEADLINE_GRACE_S, ends the request here."""
         if self._deadline is None:
             return await self.queue.get()
         try:
             return await asyncio.wait_for(self.queue.get(), max(0.0, self._deadline - time.monotonic()))
         except asyncio.TimeoutError:
+            message = f"the request did not finish within its deadline of {self.timeout_s:g}s (--request-timeout-s)"
+            if self.abort_message is None and self.request_abort is not None:
+                self.abort_message = message
+                self._deadline = time.monotonic() + DEADLINE_GRACE_S
+                self.request_abort(self.rid)
+                return await self._next_item()
             self._deadline = None
-            return _LocalAbort(f"the request did not finish within its deadline of {self.timeout_s:g}s "
-                               "(--request-timeout-s)")
+            return _LocalAbort(message)
 
     def _apply(self, out: M.Output) -> Optional[ChoiceUpdate]:
         if out.finished:

@@ -287,7 +287,8 @@ class TokenizerManager:
         self.check_accepting()
         if req.rid in self.handles:
             raise bad_request(f"a request with rid {req.rid!r} is already running", param="rid")
-        handle = RequestHandle(req, self.tokenizer, self.metrics, self.server_args.request_timeout_s)
+        handle = RequestHandle(req, self.tokenizer, self.metrics, self.server_args.request_timeout_s,
+                               request_abort=self._abort_in_scheduler)
         self.handles[req.rid] = handle
         self._idle.clear()
         try:
@@ -317,6 +318,10 @@ class TokenizerManager:
             await self._send_quietly(M.AbortReq(handle.rid))
         if not self.handles:
             self._idle.set()
+
+    def _abort_in_scheduler(self, rid: str) -> None:
+        if not self.dead:
+            asyncio.get_running_loop().create_task(self._send_quietly(M.AbortReq(rid)))
 
     async def abort(self, rid: str) -> bool:
         handle = self.handles.get(rid)
