@@ -16,8 +16,9 @@ def _opt(default, help: str, choices=None, aliases: tuple = ()):
     return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
-# other projects' spellings of a value -> ours (`--dtype half` is vLLM's and SGLang's float16)
-VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}}
+# other projects' spellings of a value -> ours (`--dtype half` is vLLM's and SGLang's float16; vLLM's
+# `--kv-cache-dtype fp8` is e4m3)
+VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "kv_cache_dtype": {"fp8": "fp8_e4m3"}}
 
 
 @dataclass(frozen=True)

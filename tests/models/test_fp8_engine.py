@@ -210,6 +210,8 @@ def test_refused_flag_combinations(dense_folder):
         ServerArgs(kv_cache_dtype="fp8_e5m2", attention_backend="flashinfer")
     with pytest.raises(ValueError, match="enable_torch_compile"):
         ServerArgs(quantization="fp8", enable_torch_compile=True)
+    assert ServerArgs(kv_cache_dtype="fp8").kv_cache_dtype == "fp8_e4m3"  # vLLM's spelling
+    assert ServerArgs.from_cli_args(_parse(["--kv-cache-dtype", "fp8"])).kv_cache_dtype == "fp8_e4m3"
     with pytest.raises(ValueError, match="invalid choice|quantization"):
         ServerArgs.from_cli_args(_parse(["--quantization", "int4"]))
     fp8_config = json.load(open(os.path.join(dense_folder, "config.json")))
