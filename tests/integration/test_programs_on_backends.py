@@ -135,3 +135,29 @@ def test_run_batch_hits_the_cache(runtime):
     print(f"run_batch: prompt tokens {prompt}, computed {computed} ({ratio:.1%})")
     assert ratio <= 0.25
     assert after["kv_used_tokens"] == 0
+
+
+@braid.function
+def planet_then_pick(s):
+    s += braid.user("Name a planet.")
+    s += braid.assistant(braid.gen("planet", max_tokens=8, temperature=0))
+    s += braid.user("Is it big?")
+    s += braid.assistant(braid.select("big", ["yes", "no"]))
+
+
+@pytest.mark.parametrize("backend_name", ["http", "local"])
+def test_token_usage_and_server_args_match_the_runtime(backend_name, request):
+    """backend.token_usage counts what the runtime counted (gen, select's scoring and prefill calls alike), and
+    get_server_args gives the runtime's own ServerArgs."""
+    backend = _backend(backend_name, request)
+    expected_total = 32768 if backend_name == "http" else 16384
+    assert backend.get_server_args()["max_total_tokens"] == expected_total
+    assert braid.get_server_args(backend)["max_total_tokens"] == expected_total
+    usage = backend.token_usage
+    usage.reset()
+    before = backend.get_server_info()
+    planet_then_pick.run(backend=backend)
+    after = backend.get_server_info()
+    assert usage.prompt_tokens == after["num_prompt_tokens_total"] - before["num_prompt_tokens_total"]
+    assert usage.completion_tokens == after["num_generated_tokens_total"] - before["num_generated_tokens_total"]
+    assert 0 < usage.completion_tokens <= 8
