@@ -46,6 +46,7 @@ class Prompt:
 
     text: the whole rendered prompt (role markers included, one template image token per image).
     images: data URLs in order of appearance.
+    videos: one tuple of frame data URLs per video, in order of appearance (text holds one video token each).
     messages: the closed role blocks, [{"role", "content"}], content a str, or a list of
       {"type": "text"|"image_url", ...} parts when the block holds images (OpenAI format).
     open_role / open_role_text: the role block still open at the end of `text`, and its content so far.
@@ -54,6 +55,7 @@ class Prompt:
 
     text: str
     images: tuple[str, ...] = ()
+    videos: tuple[tuple[str, ...], ...] = ()
     messages: tuple[dict, ...] = ()
     open_role: Optional[str] = None
     open_role_text: str = ""

@@ -96,6 +96,8 @@ class NativeApiBackend(Backend):
             body["top_logprobs_num"] = logprobs.top_logprobs_num
         if prompt.images:
             body["image_data"] = list(prompt.images)
+        if prompt.videos:
+            body["video_data"] = [list(frames) for frames in prompt.videos]
         return body
 
     def generate(self, prompt: Prompt, sampling_params: SamplingParams,

@@ -17,8 +17,8 @@ import os
 from typing import Any, Iterator, Optional, Union
 
 from braid.backends.base import (CAP_CHOICES_METHODS, CAP_FORK, CAP_GEN, CAP_IMAGE, CAP_JSON_SCHEMA, CAP_REGEX,
-                                 CAP_SELECT, CAP_STOP_TOKEN_IDS, CAP_STREAM, Backend, GenOutput, LogprobRequest,
-                                 Prompt)
+                                 CAP_SELECT, CAP_STOP_TOKEN_IDS, CAP_STREAM, CAP_VIDEO, Backend, GenOutput,
+                                 LogprobRequest, Prompt)
 from braid.chat_template import CHATML, ChatTemplate, get_chat_template
 from braid.choices import ChoicesDecision, ChoicesMethod, choices_regex, unconditional_context
 from braid.errors import BackendError, BackendRequestError, ProgramError
@@ -67,6 +67,8 @@ class OpenAI(Backend):
             caps |= {CAP_REGEX, CAP_JSON_SCHEMA}
         if self.is_chat_model:
             caps.add(CAP_IMAGE)
+            if self.base_url is not None:  # an OpenAI-compatible server (braid's /v1) takes video_url {"frames"}
+                caps.add(CAP_VIDEO)
             if self.constrained is not None:
                 caps |= {CAP_SELECT, CAP_JSON_SCHEMA}
         else:

@@ -21,6 +21,7 @@ class ChatTemplate:
     default_system_prompt: Optional[str] = None  # rendered first when a program starts with a non-system role
     stop_str: tuple[str, ...] = ()
     image_token: str = "<image>"
+    video_token: str = "<video>"
     aliases: tuple[str, ...] = field(default=())
 
     def role_prefix(self, role: str) -> str:

@@ -50,6 +50,7 @@ class StreamExecutor:
         # program state: written by the worker, read by others under _cond
         self.text_ = ""
         self.images_: list[str] = []
+        self.videos_: list[tuple[str, ...]] = []
         self.messages_: list[dict] = []
         self.variables: dict[str, Any] = {}
         self.meta_info: dict[str, Any] = {}
@@ -160,6 +161,7 @@ class StreamExecutor:
     def snapshot(self) -> Prompt:
         with self._cond:
             return Prompt(
+                videos=tuple(self.videos_),
                 text=self.text_,
                 images=tuple(self.images_),
                 messages=tuple(self.messages_),
@@ -261,13 +263,22 @@ class StreamExecutor:
             self.text_ += self.template.image_token
             self.images_.append(data_url)
             if self.role is not None:
+    def _add_video(self, frames: tuple[str, ...]) -> None:
+        with self._cond:
+            self.text_ += self.template.video_token
+            self.videos_.append(frames)
+            if self.role is not None:
+                self._role_parts.append(("video", frames))
+
                 self._role_parts.append(("image", data_url))
 
     def _role_content(self) -> Any:
         if all(kind == "text" for kind, _ in self._role_parts):
             return "".join(v for _, v in self._role_parts)
-        return [{"type": "text", "text": v} if kind == "text" else {"type": "image_url", "image_url": {"url": v}}
-                for kind, v in self._role_parts]
+        parts = {"text": lambda v: {"type": "text", "text": v},
+                 "image": lambda v: {"type": "image_url", "image_url": {"url": v}},
+                 "video": lambda v: {"type": "video_url", "video_url": {"frames": list(v)}}}
+        return [parts[kind](v) for kind, v in self._role_parts]
 
     # ---- visit methods: one per node type -------------------------------------------------------
     def visit_text(self, node: ir.Text) -> None:
@@ -322,8 +333,7 @@ class StreamExecutor:
 
     def visit_video(self, node: ir.Video) -> None:
         self.backend.require(CAP_VIDEO, "video()")
-        for frame in node.frame_data_urls:
-            self._add_image(frame)
+        self._add_video(tuple(node.frame_data_urls))
 
     def visit_gen(self, node: ir.Gen) -> None:
         backend = self.backend
@@ -538,6 +548,7 @@ class StreamExecutor:
             self.meta_info = dict(parent.meta_info)
             self.role = parent.role
             self._role_parts = list(parent._role_parts)
+            self.videos_ = list(parent.videos_)
             self._loose_text = parent._loose_text
             self._scopes = dict(parent._scopes)
         self.fork_text_len = len(self.text_)

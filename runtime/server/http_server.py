@@ -99,14 +99,15 @@ async def prepare_generate(tm: TokenizerManager, req: GenerateRequest) -> list[R
     """One prepared request per prompt of a /generate body (all checked before any is submitted)."""
     prompt_param = "text" if isinstance(req.prompts[0], str) else "input_ids"
     media_param = "video_data" if req.is_video else "image_data"
-    param_names = {"prompt": prompt_param, "video_data": "image_data"}
+    param_names = {"prompt": prompt_param, "video_data": "image_data" if req.is_video else "video_data"}
     for prompt in req.prompts:  # all of a batch before any is tokenized
         if isinstance(prompt, str):
             tm.check_prompt_chars(len(prompt), prompt_param)
     return [await tm.prepare(prompt, sp, param_names=param_names, rid=req.rids[i] if req.rids else None,
                              return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
                              top_logprobs_num=req.top_logprobs_num, stream=req.stream,
-                             **{media_param: req.image_data[i]})
+                             **({media_param: req.image_data[i]} if req.is_video else
+                                {"image_data": req.image_data[i], "video_data": req.video_data[i]}))
             for i, (prompt, sp) in enumerate(zip(req.prompts, req.sampling_params))]
 
 

@@ -189,7 +189,9 @@ def test_video_frames_from_animated_gif(backend, tmp_path):
 
     prog.run(backend=backend)
     prompt = backend.calls_of("generate")[0][1]
-    assert len(prompt.images) == 4
+    # one video of 4 frames (one video token in the text), not 4 images
+    assert prompt.images == () and len(prompt.videos) == 1 and len(prompt.videos[0]) == 4
+    assert prompt.text.count("<video>") == 1
 
 
 def test_unsupported_capability_fails_clearly():

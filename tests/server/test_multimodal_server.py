@@ -113,3 +113,34 @@ def test_image_to_a_text_only_model_is_a_400(server):
     r = server.post("/generate", json={"text": "<image> hi", "image_data": _data_url(test_image(20, 20, seed=0)),
                                        "sampling_params": GREEDY})
     assert r.status_code == 400 and "no vision tower" in r.text
+
+
+def _compare_program():
+    import braid
+
+    @braid.function
+    def compare(s, left, right, clip):
+        s += braid.user(braid.image(left) + " and " + braid.image(right) + " then " + braid.video(clip, 3)
+                        + " Which is it?")
+        s += braid.assistant(braid.gen("why", max_tokens=3, temperature=0))
+        s += braid.user("Pick one.")
+        s += braid.assistant(braid.select("answer", choices=["left", "right", "both"]))
+
+    return compare
+
+
+@pytest.mark.parametrize("backend_name", ["runtime_endpoint", "openai"])
+def test_dsl_program_with_two_images_a_video_and_select(llava_server, backend_name):
+    import braid
+
+    if backend_name == "runtime_endpoint":
+        backend = braid.RuntimeEndpoint(llava_server.base_url, api_key=API_KEY)
+    else:
+        backend = braid.OpenAI("default", base_url=llava_server.base_url + "/v1", api_key=API_KEY,
+                               is_chat_model=True, constrained="extra_body")
+    frames = [test_image(30, 40, seed=30 + i) for i in range(4)]
+    state = _compare_program().run(test_image(50, 80, seed=1), test_image(70, 40, seed=2), frames, backend=backend)
+    assert state["answer"] in ("left", "right", "both")
+    meta = state.get_meta_info("why")
+    prompt_tokens = meta.get("prompt_tokens") or meta.get("usage", {}).get("prompt_tokens")
+    assert prompt_tokens > 2 * (4 * 4 + 1) + 3 * 2 * 2 + 1  # two base tiles with newlines, three pooled frames
