@@ -94,10 +94,12 @@ class StreamExecutor:
 
     def _wait_idle(self) -> None:
         """Wait until the worker ran every node; a speculative gen still waiting for the program's next literal
-        is settled first (the waiting thread appends nothing more until this returns)."""
+        (or a chat model's collected assistant block) is settled first: the waiting thread appends nothing more
+        until this returns."""
         with self._cond:
             self._cond.wait_for(lambda: self._pending == 0)
-            if self._waiting_gen is None or self._error is not None or self._ended:
+            unsettled = self._waiting_gen is not None or self._spec_block is not None
+            if not unsettled or self._error is not None or self._ended:
                 return
             self._pending += 1
         self._queue.put(_SETTLE)
@@ -143,10 +145,6 @@ class StreamExecutor:
                 return self.variables[name]
             if self._error is not None:
                 raise self._error
-        if self._spec_block is not None and any(isinstance(i, BlockGen) and i.node.name == name
-                                                for i in self._spec_block):
-            raise ProgramError(f"variable {name!r} is generated speculatively: it is known once its assistant() "
-                               "block ends")
         raise ProgramError(f"variable {name!r} is not set (set: {', '.join(sorted(self.variables)) or 'none'})")
 
     def set_var(self, name: str, value: Any, meta: Any = None) -> None:
@@ -161,9 +159,9 @@ class StreamExecutor:
     def snapshot(self) -> Prompt:
         with self._cond:
             return Prompt(
-                videos=tuple(self.videos_),
                 text=self.text_,
                 images=tuple(self.images_),
+                videos=tuple(self.videos_),
                 messages=tuple(self.messages_),
                 open_role=self.role,
                 open_role_text="".join(v for kind, v in self._role_parts if kind == "text"),
@@ -206,7 +204,7 @@ class StreamExecutor:
             try:
                 if self._error is None:
                     if node is _END or node is _SETTLE:
-                        self._settle_waiting_gen()
+                        self._settle()
                     else:
                         self.visit(node)
             except BaseException as e:  # noqa: BLE001 - stored and re-raised to the program's waiter
@@ -263,14 +261,14 @@ class StreamExecutor:
             self.text_ += self.template.image_token
             self.images_.append(data_url)
             if self.role is not None:
+                self._role_parts.append(("image", data_url))
+
     def _add_video(self, frames: tuple[str, ...]) -> None:
         with self._cond:
             self.text_ += self.template.video_token
             self.videos_.append(frames)
             if self.role is not None:
                 self._role_parts.append(("video", frames))
-
-                self._role_parts.append(("image", data_url))
 
     def _role_content(self) -> Any:
         if all(kind == "text" for kind, _ in self._role_parts):
@@ -432,6 +430,13 @@ class StreamExecutor:
             return
         spec.consume_literal(text)
 
+    def _settle(self) -> None:
+        """Someone waits on the state (or the program ended): decide what speculation still holds back. A chat
+        model's assistant block collected so far is generated now; the block's later items then continue it."""
+        if self._spec_block is not None:
+            self._run_spec_block()
+        self._settle_waiting_gen()
+
     def _settle_waiting_gen(self) -> None:
         """Decide a waiting gen without a following literal: the whole speculation when the model ended it
         within the gen's budget, otherwise the gen's normal call."""
@@ -543,12 +548,12 @@ class StreamExecutor:
         with parent._cond:
             self.text_ = parent.text_
             self.images_ = list(parent.images_)
+            self.videos_ = list(parent.videos_)
             self.messages_ = list(parent.messages_)
             self.variables = dict(parent.variables)
             self.meta_info = dict(parent.meta_info)
             self.role = parent.role
             self._role_parts = list(parent._role_parts)
-            self.videos_ = list(parent.videos_)
             self._loose_text = parent._loose_text
             self._scopes = dict(parent._scopes)
         self.fork_text_len = len(self.text_)

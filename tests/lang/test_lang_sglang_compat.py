@@ -328,3 +328,25 @@ def test_litellm_requests_and_refusals(fake):
 
     with pytest.raises(braid.UnsupportedFeatureError, match="select"):
         choose.run(backend=backend)
+
+
+def test_chat_block_is_generated_when_the_program_reads_it_or_ends_inside_it():
+    @braid.function(num_api_spec_tokens=16)
+    def reads_inside(s):
+        s += braid.user("Q")
+        with s.assistant():
+            s += braid.gen("a", stop="\n") + "\n" + braid.gen("b")
+            s["copy"] = s["a"]
+
+    state = reads_inside.run(backend=_chat_backend("one\ntwo"))
+    assert (state["a"], state["b"], state["copy"]) == ("one", "two", "one")
+    assert state.messages()[-1]["content"] == "one\ntwo"
+
+    @braid.function(num_api_spec_tokens=16)
+    def ends_inside(s):
+        s += braid.user("Q")
+        s += braid.assistant_begin() + braid.gen("a", stop="\n") + "\n" + braid.gen("b")
+
+    state = ends_inside.run(backend=_chat_backend("one\ntwo"))
+    assert (state["a"], state["b"]) == ("one", "two")
+    assert state.text().endswith("one\ntwo")
