@@ -14,6 +14,7 @@ from braid.interpreter import StreamExecutor
 class ProgramState:
     def __init__(self, executor: StreamExecutor):
         self._executor = executor
+        self._copy_group: Optional["ForkGroup"] = None  # set on the state s.copy() returns
 
     # ---- appending ------------------------------------------------------------------------------
     def __iadd__(self, other: Any) -> "ProgramState":
@@ -136,7 +137,22 @@ class ProgramState:
         return ForkGroup([ProgramState(c) for c in children], self)
 
     def copy(self) -> "ProgramState":
-        return ProgramState(self._executor.fork(1, cache_prefix=False)[0])
+        """An independent copy of this state. As in SGLang it also works as `with s.copy() as c: ...`, which
+        joins the copy back at the end of the block (its variables become one-item lists in `s`)."""
+        group = self.fork(1, cache_prefix=False)
+        state = group[0]
+        state._copy_group = group
+        return state
+
+    def __enter__(self) -> "ProgramState":
+        if self._copy_group is None:
+            raise ProgramError("only s.copy() gives a state to use in a with block")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        group = self._copy_group
+        if not group._joined:
+            group.join()
 
     def __repr__(self) -> str:
         return f"ProgramState({self._executor.text_!r})"

@@ -350,3 +350,23 @@ def test_chat_block_is_generated_when_the_program_reads_it_or_ends_inside_it():
     state = ends_inside.run(backend=_chat_backend("one\ntwo"))
     assert (state["a"], state["b"]) == ("one", "two")
     assert state.text().endswith("one\ntwo")
+
+
+def test_copy_as_a_with_block_joins_back(backend):
+    @braid.function
+    def prog(s):
+        s += "Base."
+        with s.copy() as c:
+            c += " aside" + braid.gen("x", max_tokens=6)
+        s += " after"
+
+    state = prog.run(backend=backend)
+    assert state.text() == "Base. after" and isinstance(state["x"], list) and len(state["x"]) == 1
+
+    @braid.function
+    def misuse(s):
+        with s:
+            pass
+
+    with pytest.raises(braid.ProgramError, match="only s.copy"):
+        misuse.run(backend=backend)
