@@ -273,9 +273,10 @@ def _view_as_cache(buffers: list[torch.Tensor], pool: KVPool) -> list[torch.Tens
 class MHAKVPool(KVPool):
     """Separate K and V per layer: [size + 1, head_num, head_dim] and [size + 1, head_num, v_head_dim].
 
-    fused_store: on CUDA with a cache in the model dtype, one Triton launch writes a layer's K and V (else two
-    indexed copies). fused_rotary_store: there, rotate_and_set_kv rotates q and stores the rotated k and v in
-    one launch (else rotary, then set_kv). Both are for A/B timing; the results are the same.
+    fused_store: on CUDA, one Triton launch writes a layer's K and V (quantizing into an fp8 cache; else two
+    indexed copies). fused_rotary_store: there, with a cache in the model dtype, rotate_and_set_kv rotates q and
+    stores the rotated k and v in one launch (else rotary, then set_kv). Both are for A/B timing; the results are
+    the same.
     """
 
     @_outside_inference_mode
@@ -292,10 +293,11 @@ class MHAKVPool(KVPool):
         self.v_head_dim = v_head_dim
         self.fused_store = fused_store
         self.fused_rotary_store = fused_rotary_store
-        # the Triton store kernels copy rows as they are (no cast, no fp8 quantization) and need CUDA
-        kernels_usable = not self.is_fp8 and _triton_kernels_run_on(self.device)
+        # Triton kernels need CUDA; the store kernel quantizes into an fp8 cache like _quantized, the rotary + store
+        # kernel copies rows as they are (an fp8 cache rotates, then stores in that kernel)
+        kernels_usable = _triton_kernels_run_on(self.device)
         self._store_in_one_launch = fused_store and kernels_usable
-        self._rotate_and_store_in_one_launch = fused_rotary_store and kernels_usable
+        self._rotate_and_store_in_one_launch = fused_rotary_store and kernels_usable and not self.is_fp8
         self._k_buffers = [torch.zeros((size + 1, head_num, head_dim), dtype=self.store_dtype, device=self.device)
                            for _ in range(layer_num)]
         self._v_buffers = [torch.zeros((size + 1, head_num, v_head_dim), dtype=self.store_dtype, device=self.device)
@@ -317,7 +319,8 @@ class MHAKVPool(KVPool):
         if self._store_in_one_launch:
             from braid.runtime.layers import kv_store_kernels
 
-            if kv_store_kernels.store_kv(self._k_buffers[layer_id], self._v_buffers[layer_id], loc, k, v):
+            if kv_store_kernels.store_kv(self._k_views[layer_id], self._v_views[layer_id], loc, k, v,
+                                         *self.kv_scales(layer_id)):
                 return
         k = _token_rows(k, "k", tokens, self.head_num, self.head_dim)
         v = _token_rows(v, "v", tokens, self.head_num, self.v_head_dim)
