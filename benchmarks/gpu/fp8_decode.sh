@@ -1,8 +1,9 @@
 # FP8 on the Llama-3-8B-shaped dummy model (issue 19), one device call of at most ~9 minutes (a 530 s budget: each
 # step gets what is left, capped). carry: .whl
 #   bash benchmarks/gpu/fp8_decode.sh
-# 1. the fp8 kernel and engine tests marked gpu (GEMV and small-batch GEMM at 8B shapes, row-/tensor-wise
-#    _scaled_mm, an fp8 Linear in a CUDA graph, tiny-model engine runs with fp8 weights and each KV dtype);
+# 1. the fp8 kernel tests on the GPU (GEMV and small-batch GEMM at 8B shapes, row-/tensor-wise _scaled_mm, an fp8
+#    Linear in a CUDA graph, the fp8 KV store and attention), then the gpu-marked engine tests (tiny model, fp8
+#    weights with each KV dtype, Triton attention, CUDA graphs);
 # 2. bench_one_batch, 128 in / 512 out, batch 1 8 32 64 256: bf16 weights, then --quantization fp8 (quantized at
 #    load, per-channel scales), with batch 1's fraction of its ceiling (bytes read per step at 4.28 TB/s);
 # 3. decode at 8K cached tokens, batch 8 and 64: KV cache bf16 vs fp8_e5m2 vs fp8_e4m3 with fp8 weights (the
@@ -21,11 +22,13 @@ step() { echo; echo "=== $1 (at $(( $(date +%s) - started )) s)"; }
 # the smaller of a step's cap and the budget left (at least 1 s)
 cap() { local left=$(( BUDGET_S - ($(date +%s) - started) )); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
 
-step "gpu tests: fp8 kernels and engine"
+step "gpu tests: fp8 kernels (all of their tests, on the GPU), fp8 KV store and attention, fp8 engine (gpu-marked)"
 # (these also compile the fp8 kernels into Triton's cache, which the later steps reuse)
-timeout "$(cap 120)" python3 -m pytest tests/kernels/test_fp8_kernels.py tests/models/test_fp8_engine.py -q -m gpu \
-  -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/tests.log"
-grep -qE "[0-9]+ passed" "$OUT/tests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/tests.log" \
+timeout "$(cap 80)" python3 -m pytest tests/kernels/test_fp8_kernels.py tests/kernels/test_fp8_kv.py \
+  tests/kernels/test_pool_fused_store.py -q -p no:cacheprovider 2>&1 | tail -12 | tee "$OUT/tests.log"
+timeout "$(cap 60)" python3 -m pytest tests/models/test_fp8_engine.py -q -m gpu -p no:cacheprovider 2>&1 | tail -8 \
+  | tee -a "$OUT/tests.log"
+[ "$(grep -cE "[0-9]+ passed" "$OUT/tests.log")" = 2 ] && ! grep -qE "[0-9]+ (failed|error)" "$OUT/tests.log" \
   && echo "PASS fp8 gpu tests" || echo "FAIL fp8 gpu tests (see above)"
 
 BENCH="python3 -m braid.bench_one_batch --load-format dummy --model-config benchmarks/configs/llama3-8b.json \
