@@ -45,7 +45,7 @@ __all__ = [
     "synthetic_sharegpt_conversations",
 ]
 
-DATASET_NAMES = ("random", "sharegpt", "generated-shared-prefix")
+DATASET_NAMES = ("random", "sharegpt", "generated-shared-prefix", "multimodal")
 SHAREGPT_PROMPT_LOGNORMAL = (4.58, 1.00)  # (mu, sigma) of ln(tokens)
 SHAREGPT_REPLY_LOGNORMAL = (5.50, 0.80)
 SHAREGPT_MIN_LEN = 4
@@ -60,8 +60,10 @@ class DatasetError(ValueError):
 @dataclass(frozen=True)
 class BenchRequest:
     prompt: str
-    prompt_len: int  # tokens, as the server counts them
+    prompt_len: int  # tokens, as the server counts them (text only when the request carries media)
     output_len: int  # max_new_tokens to ask for
+    image_data: Optional[list] = None  # data URLs, one per <image> in prompt
+    video_data: Optional[list] = None  # one video (a list of frame data URLs) per <video> in prompt
 
 
 # ---------------------------------------------------------------------------------------------- text
@@ -317,6 +319,43 @@ def sample_generated_shared_prefix(tokenizer, num_groups: int, prompts_per_group
     return [reqs[i] for i in rng.permutation(len(reqs))]
 
 
+# ---------------------------------------------------------------------------------------------- multimodal
+def random_image_data_url(rng: np.random.Generator, width: int, height: int) -> str:
+    """A JPEG data URL of smooth random colour fields plus noise (every call a different image)."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    coarse = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)
+    img = np.asarray(Image.fromarray(coarse).resize((width, height), resample=Image.Resampling.BILINEAR), np.int16)
+    img = np.clip(img + rng.integers(-12, 12, img.shape), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="JPEG", quality=85)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def sample_multimodal(tokenizer, num_prompts: int, input_len: int, output_len: int, image_width: int,
+                      image_height: int, images_per_prompt: int, video_frames: int, seed: int = 0) -> list[BenchRequest]:
+    """Each prompt: `images_per_prompt` distinct random images (and, with video_frames > 0, one video of that many
+    frames) marked <image>/<video> before `input_len` tokens of text."""
+    _check_positive(num_prompts=num_prompts, input_len=input_len, output_len=output_len, image_width=image_width,
+                    image_height=image_height)
+    if images_per_prompt < 0 or video_frames < 0 or images_per_prompt + video_frames == 0:
+        raise DatasetError("multimodal needs images_per_prompt > 0 or video_frames > 0 (and neither negative)")
+    rng = np.random.default_rng(seed)
+    sampler = TextSampler(tokenizer, rng)
+    reqs = []
+    for _ in range(num_prompts):
+        images = [random_image_data_url(rng, image_width, image_height) for _ in range(images_per_prompt)]
+        video = [random_image_data_url(rng, image_width, image_height) for _ in range(video_frames)]
+        text = sampler.text(input_len)
+        marks = "<image>\n" * len(images) + ("<video>\n" if video else "")
+        reqs.append(BenchRequest(marks + text, sampler.count(text), output_len, image_data=images or None,
+                                 video_data=[video] if video else None))
+    return reqs
+
+
 # ---------------------------------------------------------------------------------------------- CLI
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("dataset")
@@ -334,6 +373,9 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gsp-system-prompt-len", type=int, default=2048)
     g.add_argument("--gsp-question-len", type=int, default=128)
     g.add_argument("--gsp-output-len", type=int, default=256)
+    g.add_argument("--mm-image-size", default="640x480", help="multimodal: WIDTHxHEIGHT of each random image/frame")
+    g.add_argument("--mm-images-per-prompt", type=int, default=1)
+    g.add_argument("--mm-video-frames", type=int, default=0, help="multimodal: frames of one video per prompt (0: none)")
     g.add_argument("--seed", type=int, default=1)
 
 
@@ -350,4 +392,11 @@ def get_dataset(args: argparse.Namespace, tokenizer) -> list[BenchRequest]:
         return sample_generated_shared_prefix(tokenizer, args.gsp_num_groups, args.gsp_prompts_per_group,
                                               args.gsp_system_prompt_len, args.gsp_question_len,
                                               args.gsp_output_len, seed)
+    if name == "multimodal":
+        try:
+            width, height = (int(v) for v in args.mm_image_size.lower().split("x"))
+        except ValueError:
+            raise DatasetError(f"--mm-image-size must be WIDTHxHEIGHT, got {args.mm_image_size!r}") from None
+        return sample_multimodal(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len, width,
+                                 height, args.mm_images_per_prompt, args.mm_video_frames, seed)
     raise DatasetError(f"unknown dataset {name!r}; expected one of {', '.join(DATASET_NAMES)}")

@@ -50,7 +50,13 @@ def build_request_body(args, req: BenchRequest) -> dict:
     if args.backend in NATIVE_BACKENDS:
         body = {"text": req.prompt, "stream": stream,
                 "sampling_params": {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": ignore_eos}}
+        if req.image_data:
+            body["image_data"] = req.image_data
+        if req.video_data:
+            body["video_data"] = req.video_data
     else:
+        if req.image_data or req.video_data:
+            raise ValueError("the multimodal dataset needs a native backend (/generate with image_data/video_data)")
         body = {"model": args.model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
                 "stream": stream, "ignore_eos": ignore_eos}
         if stream:

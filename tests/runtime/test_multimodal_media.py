@@ -76,3 +76,21 @@ def test_too_many_items_in_one_request():
     preparer = MultimodalPreparer(processor=None, image_token_id=1, video_token_id=2, limits=MediaLimits(max_items=2))
     with pytest.raises(MediaError, match="at most 2 images and videos"):
         preparer.prepare(None, "<image><image><image>", [_png()] * 3, None, True)
+
+
+def test_bench_multimodal_dataset_builds_native_bodies(smollm2_tokenizer):
+    from types import SimpleNamespace
+
+    from braid.runtime.bench.datasets import sample_multimodal
+    from braid.runtime.bench.serving_clients import build_request_body
+
+    reqs = sample_multimodal(smollm2_tokenizer, 3, 20, 8, 64, 48, images_per_prompt=2, video_frames=3, seed=1)
+    assert len({r.image_data[0] for r in reqs}) == 3  # distinct images: no accidental cache hits
+    for r in reqs:
+        assert r.prompt.count("<image>") == 2 and r.prompt.count("<video>") == 1
+        assert [load_image(u, MediaLimits()).size for u in r.image_data] == [(64, 48)] * 2
+        assert len(load_video(r.video_data[0], MediaLimits())) == 3
+    args = SimpleNamespace(backend="braid", disable_stream=True, disable_ignore_eos=False, extra_request_body=None,
+                           model="m")
+    body = build_request_body(args, reqs[0])
+    assert body["image_data"] == reqs[0].image_data and body["video_data"] == reqs[0].video_data
