@@ -38,9 +38,14 @@ class SchedulerIO(Protocol):
     def send_outputs(self, outputs: list[ReqOutput]) -> None: ...
 
 
+GRAMMAR_WAIT_POLL_S = 0.002
+
+
 def run_scheduler_loop(scheduler, io: SchedulerIO) -> None:
     while io.receive(scheduler, block=not scheduler.has_work()):
         if scheduler.has_work():
+            if scheduler.only_waits_for_grammars():
+                time.sleep(GRAMMAR_WAIT_POLL_S)  # compiles run in worker processes; spinning would starve the host
             outputs = scheduler.step()
             if outputs:
                 io.send_outputs(outputs)
@@ -97,6 +102,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.intake.grammar_queue or self.resume_queue or self.outputs
                     or self.in_flight is not None)
+
+    def only_waits_for_grammars(self) -> bool:
+        return bool(self.intake.grammar_queue) and not (self.waiting or self.running or self.resume_queue
+                                                        or self.outputs or self.in_flight is not None)
 
     def shutdown(self) -> None:
         self.intake.shutdown()
