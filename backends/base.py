@@ -76,6 +76,7 @@ class LogprobRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: no prompt logprobs
     top_logprobs_num: int = 0
+    return_text: bool = False  # each logprob entry carries its token's text third: [logprob, id, text]
 
 
 class TokenUsage:

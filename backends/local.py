@@ -47,17 +47,35 @@ class LocalEngine(NativeApiBackend):
             kwargs["prompt"] = kwargs.pop("text")
         if "image_data" in kwargs and "image_data" not in params:
             raise UnsupportedFeatureError(self.name, CAP_IMAGE, "image() on the in-process engine")
+        kwargs.pop("return_text_in_logprobs", None)  # added here from the engine's tokenizer (see _token_texts)
         return kwargs
 
+    def _token_texts(self, out: Any, body: dict) -> Any:
+        """With return_text_in_logprobs, each logprob entry gets its token's text third, as the server adds it."""
+        if not body.get("return_text_in_logprobs") or not isinstance(out, dict):
+            return out
+        decode = self.engine.tokenizer.decode
+        meta = out.get("meta_info", {})
+        for key in ("input_token_logprobs", "output_token_logprobs"):
+            if meta.get(key) is not None:
+                meta[key] = [[lp, tid, decode([tid], skip_special_tokens=False)] for lp, tid, *_ in meta[key]]
+        for key in ("input_top_logprobs", "output_top_logprobs"):
+            if meta.get(key) is not None:
+                meta[key] = [None if pos is None else
+                             [[lp, tid, decode([tid], skip_special_tokens=False)] for lp, tid, *_ in pos]
+                             for pos in meta[key]]
+        return out
+
     def _generate(self, body: dict) -> Any:
-        return self.engine.generate(**self._engine_kwargs(body))
+        return self._token_texts(self.engine.generate(**self._engine_kwargs(body)), body)
 
     def _generate_stream(self, body: dict) -> Iterator[dict]:
         out = self.engine.generate(**self._engine_kwargs(body))
         if isinstance(out, dict):  # an engine that ignores stream=True answers once
-            yield out
+            yield self._token_texts(out, body)
             return
-        yield from out
+        for chunk in out:
+            yield self._token_texts(chunk, body)
 
     def get_model_info(self) -> dict:
         engine = self.engine

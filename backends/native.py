@@ -94,6 +94,8 @@ class NativeApiBackend(Backend):
             body["return_logprob"] = True
             body["logprob_start_len"] = logprobs.logprob_start_len
             body["top_logprobs_num"] = logprobs.top_logprobs_num
+            if logprobs.return_text:
+                body["return_text_in_logprobs"] = True
         if prompt.images:
             body["image_data"] = list(prompt.images)
         if prompt.videos:

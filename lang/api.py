@@ -40,6 +40,7 @@ def gen(
     return_logprob: bool = False,
     logprob_start_len: Optional[int] = None,
     top_logprobs_num: Optional[int] = None,
+    return_text_in_logprobs: bool = False,
     dtype: Optional[type] = None,
     regex: Optional[str] = None,
     json_schema: Any = None,
@@ -72,8 +73,10 @@ def gen(
         raise ProgramError(f"gen name must be a string, got {name!r}")
     if top_logprobs_num is not None and (not isinstance(top_logprobs_num, int) or top_logprobs_num < 0):
         raise ProgramError(f"top_logprobs_num must be a non-negative integer, got {top_logprobs_num!r}")
+    if return_text_in_logprobs and not (return_logprob or top_logprobs_num):
+        raise ProgramError("gen: return_text_in_logprobs needs return_logprob=True or top_logprobs_num")
     return ir.Gen(name, sampling, return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                  top_logprobs_num=top_logprobs_num, dtype=dtype)
+                  top_logprobs_num=top_logprobs_num, dtype=dtype, return_text_in_logprobs=return_text_in_logprobs)
 
 
 def gen_int(name: Optional[str] = None, **kwargs: Any) -> ir.Node:

@@ -348,6 +348,7 @@ class StreamExecutor:
             return_logprob=bool(node.return_logprob or node.top_logprobs_num),
             logprob_start_len=-1 if node.logprob_start_len is None else node.logprob_start_len,
             top_logprobs_num=node.top_logprobs_num or 0,
+            return_text=node.return_text_in_logprobs,
         )
         if logprobs.return_logprob:
             backend.require(CAP_LOGPROBS, f"{what} with return_logprob")

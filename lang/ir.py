@@ -42,6 +42,7 @@ class Gen(Node):
     logprob_start_len: Optional[int] = None
     top_logprobs_num: Optional[int] = None
     dtype: Optional[type] = None
+    return_text_in_logprobs: bool = False
 
 
 @dataclass(eq=False)

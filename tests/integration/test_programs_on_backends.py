@@ -161,3 +161,21 @@ def test_token_usage_and_server_args_match_the_runtime(backend_name, request):
     assert usage.prompt_tokens == after["num_prompt_tokens_total"] - before["num_prompt_tokens_total"]
     assert usage.completion_tokens == after["num_generated_tokens_total"] - before["num_generated_tokens_total"]
     assert 0 < usage.completion_tokens <= 8
+
+
+@braid.function
+def with_token_texts(s):
+    s += "The capital of France is"
+    s += braid.gen("a", max_tokens=6, temperature=0, return_logprob=True, top_logprobs_num=2,
+                   return_text_in_logprobs=True)
+
+
+@pytest.mark.parametrize("backend_name", ["http", "local"])
+def test_return_text_in_logprobs(backend_name, request):
+    """SGLang's gen(return_text_in_logprobs=True): every logprob entry is [logprob, token id, token text]."""
+    state = with_token_texts.run(backend=_backend(backend_name, request))
+    meta = state.get_meta_info("a")
+    entries = meta["output_token_logprobs"]
+    assert entries and all(len(e) == 3 and isinstance(e[2], str) for e in entries)
+    assert state["a"] in "".join(e[2] for e in entries)
+    assert all(len(e) == 3 for pos in meta["output_top_logprobs"] for e in pos)

@@ -370,3 +370,16 @@ def test_copy_as_a_with_block_joins_back(backend):
 
     with pytest.raises(braid.ProgramError, match="only s.copy"):
         misuse.run(backend=backend)
+
+
+def test_return_text_in_logprobs_request(fake):
+    endpoint = RuntimeEndpoint(fake.url)
+
+    @braid.function
+    def prog(s):
+        s += "Hi" + braid.gen("a", max_tokens=4, return_logprob=True, return_text_in_logprobs=True)
+
+    prog.run(backend=endpoint)
+    assert fake.bodies("/generate")[-1]["return_text_in_logprobs"] is True
+    with pytest.raises(braid.ProgramError, match="needs return_logprob"):
+        braid.gen("a", return_text_in_logprobs=True)
