@@ -192,6 +192,10 @@ class BraidFunction:
             return CHATML
         return resolve_backend(backend).get_chat_template()
 
+    def cache(self, backend: Any = None) -> Optional[str]:
+        """SGLang's `program.cache(backend)`: cache the program's traced constant prefix on the backend."""
+        return self.cache_constant_prefix(resolve_backend(backend))
+
     def cache_constant_prefix(self, backend: Backend, varying: Optional[set] = None) -> Optional[str]:
         """Trace the program with placeholders for its required arguments and for those named in
         `varying`, and have `backend` cache the constant prefix once; returns it (None if empty)."""

@@ -25,22 +25,28 @@ class ProgramState:
         self._executor.submit(ir.as_node(other))
 
     @contextmanager
-    def _role(self, role: str) -> Iterator["ProgramState"]:
+    def _role_block(self, role: str) -> Iterator["ProgramState"]:
         self._executor.submit(ir.RoleBegin(role))
         try:
             yield self
         finally:
             self._executor.submit(ir.RoleEnd(role))
 
-    def system(self):
-        """`with s.system(): s += ...`"""
-        return self._role("system")
+    def _role(self, role: str, expr: Any = None) -> Any:
+        if expr is None:
+            return self._role_block(role)
+        self._executor.submit(ir.Concat([ir.RoleBegin(role), ir.as_node(expr), ir.RoleEnd(role)]))
+        return None
 
-    def user(self):
-        return self._role("user")
+    def system(self, expr: Any = None):
+        """`with s.system(): s += ...`, or (as in SGLang) `s.system(expr)`, the same as `s += braid.system(expr)`."""
+        return self._role("system", expr)
 
-    def assistant(self):
-        return self._role("assistant")
+    def user(self, expr: Any = None):
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None):
+        return self._role("assistant", expr)
 
     @contextmanager
     def var_scope(self, name: str) -> Iterator["ProgramState"]:

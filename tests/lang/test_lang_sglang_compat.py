@@ -383,3 +383,18 @@ def test_return_text_in_logprobs_request(fake):
     assert fake.bodies("/generate")[-1]["return_text_in_logprobs"] is True
     with pytest.raises(braid.ProgramError, match="needs return_logprob"):
         braid.gen("a", return_text_in_logprobs=True)
+
+
+def test_state_role_methods_take_an_expression_and_programs_cache(backend):
+    @braid.function
+    def prog(s, question):
+        s.system("Be brief. " * 4)
+        s.user(question)
+        s.assistant(braid.gen("a", max_tokens=5))
+
+    state = prog.run(question="Why?", backend=backend)
+    assert [m["role"] for m in state.messages()] == ["system", "user", "assistant"]
+    assert state.messages()[-1]["content"] == state["a"]
+    prefix = prog.cache(backend)
+    assert prefix and prefix.startswith(backend.get_chat_template().role_prefix("system"))
+    assert backend.calls_of("cache_prefix")[-1][1].text == prefix
