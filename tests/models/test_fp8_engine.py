@@ -280,3 +280,27 @@ def test_fp8_linear_edge_rows():
     x = torch.randn(3, 32)
     dense = lin.weight.float() * lin.weight_scale[:, None]
     torch.testing.assert_close(lin(x), x @ dense.t() + lin.bias, rtol=0.1, atol=0.05)
+
+
+def test_fp8_checkpoint_without_scales_names_what_is_missing(dense_folder, tmp_path):
+    tensors = {n: (t.to(FP8) if _is_linear(n) else t) for n, t in _tensors(dense_folder).items()}
+    folder = _save(dense_folder, tmp_path / "no-scales", tensors, {"quant_method": "fp8"})
+    with pytest.raises(ValueError, match="weights missing from the checkpoint: .*weight_scale"):
+        Engine(model_path=folder, log_level="warning", max_total_tokens=1024)
+
+
+def test_fp8_layers_are_built_on_meta_like_the_model(dense_folder):
+    """use_fp8_linears re-creates the linear weights before loading: on meta, so the loader materializes them on the
+    target device (a weight made on the CPU would stay there when the model loads onto a GPU)."""
+    from braid.runtime.layers.linear import Linear
+    from braid.runtime.layers.quantization.fp8 import use_fp8_linears
+    from braid.runtime.loader.hf import hf_config
+    from braid.runtime.loader.model_config import ModelConfig
+    from braid.runtime.models.registry import get_model_class
+
+    config = ModelConfig.from_hf(hf_config(dense_folder), None, dense_folder)
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config)
+    assert use_fp8_linears(model, config, torch.device("cpu"), torch.float32) == 2 * 4
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert all(m.weight.is_meta and m.linear_method.name == "fp8" for m in linears)

@@ -130,6 +130,9 @@ class Fp8LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight
+        stored = [getattr(layer, name, None) for name in ("weight", "weight_scale", "input_scale")]
+        if any(p is not None and p.is_meta for p in stored):
+            return  # a tensor the checkpoint lacks: the loader names it ("weights missing from the checkpoint")
         if weight.dtype != FP8_DTYPE:
             if self.from_checkpoint:
                 raise ValueError(f"an FP8 checkpoint layer ({getattr(layer, 'fp8_name', '?')}) holds a {weight.dtype} "
@@ -141,12 +144,13 @@ class Fp8LinearMethod(LinearMethod):
         if not bool(torch.isfinite(scale).all()) or not bool((scale > 0).all()):
             raise ValueError(f"weight_scale of {getattr(layer, 'fp8_name', 'a layer')} is missing for a shard or not "
                              "positive")
-        if self.static_activations and layer.input_scale.numel() > 1:
+        if self.static_activations:
             input_scale = layer.input_scale
             if not bool(torch.isfinite(input_scale).all()) or not bool((input_scale > 0).all()):
                 raise ValueError(f"input_scale of {getattr(layer, 'fp8_name', 'a layer')} is missing for a shard or "
                                  "not positive")
-            layer.input_scale = nn.Parameter(input_scale.max().reshape(1), requires_grad=False)
+            if input_scale.numel() > 1:
+                layer.input_scale = nn.Parameter(input_scale.max().reshape(1), requires_grad=False)
         layer.fp8_tensorwise = self.static_activations and bool((scale == scale[0]).all())
         if weight.device.type == "cuda":
             out_rows, in_features = layer.weight.shape
@@ -244,7 +248,8 @@ def use_fp8_linears(model: nn.Module, model_config, device: torch.device, dtype:
             continue
         module.linear_method = method
         module.fp8_name = name
-        method.create_weights(module, module.in_features, module.output_sizes)
+        with torch.device("meta"):  # like the rest of the model until its weights load
+            method.create_weights(module, module.in_features, module.output_sizes)
         count += 1
     logger.info("fp8: %d linear layers in e4m3 (%s), embedding and LM head in %s", count,
                 "from the checkpoint" if method.from_checkpoint else "quantized at load, per-channel scales",
