@@ -125,7 +125,7 @@ def attention_sweep(out_path: str) -> None:
         k = torch.randn(tokens + 1, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
         v = torch.randn(tokens + 1, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
         nbytes = 2 * tokens * kv_heads * dim * k.element_size()
-        for splits in (16, 32):
+        for splits in (8, 16):
             scratch = torch.empty(batch, heads, splits, dim + 1, device="cuda", dtype=torch.float32)
             for launch in ATTN_CONFIGS:
                 da._decode_launch_configs = lambda d, dv, device, launch=launch: [launch]
