@@ -128,7 +128,7 @@ def attention_sweep(out_path: str) -> None:
         for splits in (8, 16):
             scratch = torch.empty(batch, heads, splits, dim + 1, device="cuda", dtype=torch.float32)
             for launch in ATTN_CONFIGS:
-                da._decode_launch_configs = lambda d, dv, device, launch=launch: [launch]
+                da._decode_launch_configs = lambda *args, launch=launch, **kwargs: [launch]
                 extend_attention._FITTING_CONFIG.clear()
                 us = _timed(lambda fn: graph_time_us(fn, iters=20), lambda: da.decode_attention_fwd(
                     q, k, v, o, table, req_idx, seq_lens, scratch, splits, dim ** -0.5))
