@@ -99,9 +99,10 @@ def _param_names(req, prompt_param: str) -> dict:
     return names
 
 
-def _rename_constraint(err: APIError, req) -> None:
-    """A regex/json_schema error found after translation (e.g. by the grammar compiler) names what the client sent."""
-    source = constraint_param(req)
+def _rename_constraint(err: APIError, req, source: Optional[str] = None) -> None:
+    """A regex/json_schema error found after translation (e.g. by the grammar compiler) names what the client sent
+    (`source`: that name when it is no constraint parameter, e.g. "tools")."""
+    source = source or constraint_param(req)
     if err.param in ("regex", "json_schema") and source is not None:
         err.param = source
 
@@ -223,6 +224,7 @@ class OpenAIServing:
                 raise bad_request(f"tool_choice {plan.choice!r} constrains the output to a tool call; it cannot be "
                                   f"combined with {constraint_param(req) or 'regex or json_schema'}", param="tool_choice")
             overrides["json_schema"] = json.dumps(plan.call_schema())
+        source = "tools" if plan is not None and plan.constrained else None
         n = requested_n(req)
         lps = LogprobPlan(output_lp, top_n, req.prompt_logprobs, rank=(req.best_of or n) > n)
         self.tm.check_admission()  # before the chat template's work
@@ -233,7 +235,10 @@ class OpenAIServing:
                  if plan is not None and native_tools and plan.choice != "none" else None)
         prompt = await self.tm.apply_chat_template(messages, tools=tools,
                                                    add_generation_prompt=req.add_generation_prompt)
-        prepared = await self.tm.prepare(prompt, overrides, param_names=_param_names(req, "messages"), rid=req.rid,
+        names = _param_names(req, "messages")
+        if source is not None:
+            names.update(regex=source, json_schema=source)
+        prepared = await self.tm.prepare(prompt, overrides, param_names=names, rid=req.rid,
                                          prompt_chars_checked=True, stream=req.stream,
                                          add_special_tokens=bool(req.add_special_tokens),
                                          max_new_tokens_fills_context=True, **lps.prepare_options(), **media)
@@ -242,7 +247,7 @@ class OpenAIServing:
         try:
             rid = f"chatcmpl-{handle.rid}"
             if req.stream:
-                return await self._stream_chat(request, handle, rid, model, req, lps, plan)
+                return await self._stream_chat(request, handle, rid, model, req, lps, plan, source)
             async for _ in handle.updates():
                 pass
             choices = []
@@ -268,7 +273,7 @@ class OpenAIServing:
                 out["prompt_logprobs"] = self._prompt_logprobs(handle.choices[0], req.prompt_logprobs)
             return _json_response(out)
         except APIError as e:
-            _rename_constraint(e, req)
+            _rename_constraint(e, req, source)
             raise
         finally:
             await self.tm.release(handle)
@@ -281,7 +286,7 @@ class OpenAIServing:
         return parse_auto(text, plan)
 
     async def _stream_chat(self, request, handle: RequestHandle, rid: str, model: str, req: ChatCompletionRequest,
-                           lps: LogprobPlan, plan: Optional[ToolPlan]) -> web.StreamResponse:
+                           lps: LogprobPlan, plan: Optional[ToolPlan], source: Optional[str]) -> web.StreamResponse:
         updates = handle.updates()
         first = await anext(updates, None)  # a rejected request is still answered with its status code
         resp = await self._open_stream(request)
@@ -328,7 +333,7 @@ class OpenAIServing:
             async for u in updates:
                 await emit(u)
         except APIError as e:
-            _rename_constraint(e, req)
+            _rename_constraint(e, req, source)
             await resp.write(api_error_event(e))
         else:
             if req.include_usage:

@@ -127,6 +127,34 @@ def test_history_is_rendered_in_braids_format_or_given_to_the_template():
     assert history_for_template(messages, raw, plan_tools(TOOLS, "none", None), False)[0]["role"] == "user"
 
 
+TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
+                  "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% for c in m.tool_calls or [] %}"
+                  "<call {{ c.function.name }} {{ c.function.arguments.city }}>{% endfor %}{% endfor %}"
+                  "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def test_a_template_that_reads_tools_renders_them_and_the_history():
+    import asyncio
+
+    from braid.runtime.config import ServerArgs
+    from braid.runtime.loader.tokenizer import get_tokenizer
+    from braid.runtime.server.tokenizer_manager import TokenizerManager, with_chat_template
+
+    tm = TokenizerManager(ServerArgs())
+    tm.tokenizer = with_chat_template(get_tokenizer(ServerArgs()), TOOLS_TEMPLATE)
+    assert template_knows_tools(tm.tokenizer.chat_template)
+    raw = [ChatMessage(role="user", content="Weather?"),
+           ChatMessage(role="assistant", content=None, tool_calls=[{"id": "c1", "type": "function", "function": {
+               "name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]),
+           ChatMessage(role="tool", content="-3 C", tool_call_id="c1")]
+    messages = history_for_template([{"role": m.role, "content": m.content or ""} for m in raw], raw,
+                                    plan_tools(TOOLS, "auto", None), native_tools=True)
+    text = asyncio.run(tm.apply_chat_template(messages, tools=TOOLS))
+    assert text == ("<tools>get_weather;search;</tools>[user]Weather?[assistant]<call get_weather Oslo>[tool]-3 C"
+                    "[assistant]")
+    assert asyncio.run(tm.apply_chat_template(messages[:1], add_generation_prompt=False)) == "[user]Weather?"
+
+
 # ---- a real server -------------------------------------------------------------------------------------------
 
 
@@ -220,6 +248,8 @@ def test_tools_are_rendered_and_none_leaves_them_out(client):
     ({"tools": [{"type": "function", "function": {"name": "x", "parameters": 3}}]}, "tools.0.function.parameters"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "extra_body": {"guided_regex": "a"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": {
+        "type": "object", "properties": {"a": {"type": "blob"}}}}}], "tool_choice": "required"}, "tools"),
 ])
 def test_bad_tool_requests_are_400s_and_the_server_keeps_serving(client, kw, param):
     with pytest.raises(openai.BadRequestError) as ei:

@@ -186,6 +186,14 @@ def test_prompt_logprobs_on_completions_and_chat(server, client):
     chat_ids = server.post("/tokenize", {"messages": MSGS}).json()["tokens"]
     _check_prompt_logprobs(r.model_dump()["prompt_logprobs"], chat_ids, 1)
     assert bad_request(lambda: complete(client, extra_body={"prompt_logprobs": 21}))["param"] == "prompt_logprobs"
+    # the native route gives the same prompt logprobs under SGLang's names
+    native = server.post("/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+                                       "logprob_start_len": 0}).json()["meta_info"]["input_token_logprobs"]
+    completion = complete(client, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    entries = completion.model_dump()["choices"][0]["prompt_logprobs"]
+    assert [tid for _, tid in native] == ids and native[0][0] is None
+    assert [e[str(tid)]["logprob"] for e, tid in zip(entries[1:], ids[1:])] == pytest.approx(
+        [lp for lp, _ in native[1:]], abs=1e-4)
 
 
 # ---- token-level controls ---------------------------------------------------------------------------------
