@@ -21,7 +21,7 @@ def llava(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llava_ov")
     hf, processor = make_tiny_llava(folder)
     engine = Engine(model_path=str(folder), tokenizer_path="smollm2", log_level="warning", max_total_tokens=8192,
-                    chunked_prefill_size=-1)
+                    chunked_prefill_size=-1, device="cpu")
     yield SimpleNamespace(hf=hf, processor=processor, engine=engine, folder=folder)
     engine.shutdown()
 
@@ -50,14 +50,14 @@ def _video_pixels(llava, frames):
     return torch.stack(tiles)[None]
 
 
-def _compare(llava, ids, logprobs, output_ids, **hf_inputs):
+def _compare(llava, ids, logprobs, output_ids, tol=1e-3, **hf_inputs):
     input_ids = torch.tensor([ids])
     with torch.no_grad():
         logits = llava.hf(input_ids=input_ids, **hf_inputs).logits[0].float()
         ref = llava.hf.generate(input_ids=input_ids, **hf_inputs, max_new_tokens=NEW_TOKENS, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)
     want = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-    assert (logprobs - want).abs().max() <= 1e-3, (logprobs - want).abs().max()
+    assert (logprobs - want).abs().max() <= tol, (logprobs - want).abs().max()
     assert output_ids == ref[0, len(ids):].tolist()
 
 
@@ -152,3 +152,29 @@ def test_anyres_shrink_matches_hf_packing(llava):
     fake._get_unpadded_features = partial(HFProcessor._get_unpadded_features, fake)
     assert processor.image_tokens(height, width, anyres=True) == ours.shape[0] == \
         HFProcessor._get_number_of_features(fake, height, width, TILE, TILE)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_triton_fp32_matches_hf(llava):
+    """The same model on CUDA (Triton attention, CUDA-graph decode, fp32): an anyres image and a video in one prompt,
+    then two images, against HF on the CPU."""
+    gpu = Engine(model_path=str(llava.folder), tokenizer_path="smollm2", log_level="warning", max_total_tokens=8192,
+                 device="cuda", dtype="float32", attention_backend="triton")
+    try:
+        cpu_engine, llava.engine = llava.engine, gpu
+        img, frames = _image(120, 50, seed=4), [_image(56, 56, seed=20 + i) for i in range(3)]
+        ids, logprobs, output_ids = _run(llava, "Photo <image> and clip <video> same place?", images=[img],
+                                         videos=[frames])
+        hf_in = llava.processor([img], return_tensors="pt")
+        _compare(llava, ids, logprobs, output_ids, tol=2e-3, pixel_values=hf_in["pixel_values"],
+                 image_sizes=hf_in["image_sizes"], batch_num_images=hf_in["batch_num_images"],
+                 pixel_values_videos=_video_pixels(llava, frames))
+        imgs = [_image(90, 60, seed=2), _image(60, 60, seed=3)]
+        ids, logprobs, output_ids = _run(llava, "First <image> then <image> which differs?", images=imgs)
+        hf_in = llava.processor([imgs], return_tensors="pt")
+        _compare(llava, ids, logprobs, output_ids, tol=2e-3, pixel_values=hf_in["pixel_values"],
+                 image_sizes=hf_in["image_sizes"], batch_num_images=hf_in["batch_num_images"])
+    finally:
+        llava.engine = cpu_engine
+        gpu.shutdown()
