@@ -66,8 +66,8 @@ class LiteLLM(Backend):
         if beyond:
             raise ProgramError(f"{self!r} cannot pass {', '.join(sorted(beyond))}: LiteLLM's common parameters are "
                                "max_tokens, temperature, top_p, stop, seed, frequency_penalty, presence_penalty")
-        kw: dict[str, Any] = {**self.completion_kwargs, "model": self.model, "messages": chat_messages(prompt, self.model),
-                              "timeout": self.timeout, **openai_sampling_kwargs(sp)}
+        kw: dict[str, Any] = {**self.completion_kwargs, "model": self.model, "timeout": self.timeout,
+                              "messages": chat_messages(prompt, self.model), **openai_sampling_kwargs(sp)}
         if self.api_base is not None:
             kw["api_base"] = self.api_base
         if self.api_key is not None:
