@@ -20,8 +20,8 @@ Two forms, chosen by the backend:
   and then fails with a ProgramError (a chat API cannot continue a partly written assistant message).
 
 Eligible gens: no regex, json_schema, dtype, logprobs, stop_token_ids, no_stop_trim, ignore_eos or min_tokens (a
-cut speculation cannot honour them). Any other gen, select, image, fork or variable scope first settles a
-waiting gen and discards the speculation.
+cut speculation cannot honour them). Any other gen, select, image or variable scope first settles a waiting
+gen and discards the speculation; reading the state (a variable, text(), fork()) settles a waiting gen.
 """
 
 from __future__ import annotations
