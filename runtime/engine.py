@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import itertools
 import logging
+import os
 import queue
 import threading
 import uuid
@@ -154,13 +156,23 @@ class Engine:
         if stream and count != 1:
             raise ValueError("stream=True takes a single prompt")
         model = self.served_model()
-        reqs = []
-        for i in range(count):  # every prompt is checked before any is submitted
-            r = rid if (rid and count == 1) else f"{rid or uuid.uuid4().hex}-{next(self._counter)}"
-            reqs.append(prepare_request(model, prompts[i] if prompts is not None else ids_list[i], sps[i], rid=r,
-                                        return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                        top_logprobs_num=top_logprobs_num, stream=stream, image_data=images[i],
-                                        video_data=videos[i]))
+        rids = [rid if (rid and count == 1) else f"{rid or uuid.uuid4().hex}-{next(self._counter)}"
+                for _ in range(count)]
+
+        def prepare(i: int) -> Req:
+            return prepare_request(model, prompts[i] if prompts is not None else ids_list[i], sps[i], rid=rids[i],
+                                   return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                                   top_logprobs_num=top_logprobs_num, stream=stream, image_data=images[i],
+                                   video_data=videos[i])
+
+        # every prompt is checked before any is submitted; media decoding and resizing (PIL, which releases the
+        # GIL) run on a few threads when a batch carries images or video
+        has_media = any(x is not None for x in images + videos)
+        if has_media and count > 1:
+            with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1, count)) as pool:
+                reqs = list(pool.map(prepare, range(count)))
+        else:
+            reqs = [prepare(i) for i in range(count)]
         pendings = []
         for req in reqs:
             pending = _Pending(req, self.tokenizer)

@@ -13,6 +13,7 @@ features per tile (SigLIP has no CLS token).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -181,8 +182,17 @@ class LlavaOnevisionProcessor:
         return np.asarray(Image.fromarray(rgb).resize((width, height), resample=_BICUBIC))
 
     def _normalize(self, tiles: list[np.ndarray]) -> torch.Tensor:
-        # [N, S, S, 3] uint8 -> [N, 3, S, S] fp32
-        x = torch.from_numpy(np.stack(tiles)).permute(0, 3, 1, 2).to(torch.float64) / 255.0
-        mean = torch.tensor(self.config.mean, dtype=torch.float64).view(1, 3, 1, 1)
-        std = torch.tensor(self.config.std, dtype=torch.float64).view(1, 3, 1, 1)
-        return ((x.float() - mean.float()) / std.float()).contiguous()
+        # [N, S, S, 3] uint8 -> [N, 3, S, S] fp32 through a per-channel table of the 256 values
+        stacked = np.stack(tiles)
+        out = np.empty((stacked.shape[0], 3) + stacked.shape[1:3], dtype=np.float32)
+        for c in range(3):
+            np.take(self._lut[c], stacked[..., c], out=out[:, c])
+        return torch.from_numpy(out)
+
+    @functools.cached_property
+    def _lut(self) -> np.ndarray:
+        # [3, 256]: rescaled in float64 and rounded to fp32, then (x - mean) / std in fp32 (HF's arithmetic)
+        scaled = (np.arange(256, dtype=np.float64) / 255.0).astype(np.float32)
+        mean = np.array(self.config.mean, dtype=np.float32)[:, None]
+        std = np.array(self.config.std, dtype=np.float32)[:, None]
+        return (scaled[None] - mean) / std
