@@ -178,3 +178,36 @@ def test_gpu_triton_fp32_matches_hf(llava):
     finally:
         llava.engine = cpu_engine
         gpu.shutdown()
+
+
+@pytest.mark.parametrize("layout", ["hub", "transformers5"])
+def test_checkpoint_name_layouts_load_alike(llava, tmp_path, layout):
+    """The hub's llava-onevision-*-ov-hf names (vision_tower.vision_model.*, language_model.model.*) and
+    transformers 5's module names (model.language_model.*, model.vision_tower.*) load into the same model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(llava.folder / "model.safetensors"))
+    renames = {"hub": [("vision_tower.", "vision_tower.vision_model.")],
+               "transformers5": [("language_model.model.", "model.language_model."),
+                                 ("language_model.lm_head.", "lm_head."), ("vision_tower.", "model.vision_tower."),
+                                 ("multi_modal_projector.", "model.multi_modal_projector."),
+                                 ("image_newline", "model.image_newline")]}[layout]
+
+    def rename(name):
+        for old, new in renames:
+            if name.startswith(old):
+                return new + name[len(old):]
+        return name
+
+    save_file({rename(k): v for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    for f in ("config.json", "preprocessor_config.json"):
+        shutil.copy(llava.folder / f, tmp_path / f)
+    img = _image(70, 150, seed=1)
+    want = _run(llava, "Look: <image> What is shown?", images=[img])
+    with Engine(model_path=str(tmp_path), tokenizer_path="smollm2", log_level="warning", max_total_tokens=4096,
+                device="cpu") as other:
+        got = other.generate("Look: <image> What is shown?", {"temperature": 0, "max_new_tokens": NEW_TOKENS,
+                                                              "ignore_eos": True}, image_data=[img])
+    assert got["output_ids"] == want[2]
