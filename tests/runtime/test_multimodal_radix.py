@@ -93,3 +93,24 @@ def test_image_straddling_the_chunk_size_matches_unchunked(engine, folder):
     got = torch.tensor([lp for lp, _ in chunked["meta_info"]["input_token_logprobs"][1:]])
     want = torch.tensor([lp for lp, _ in whole["meta_info"]["input_token_logprobs"][1:]])
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_dsl_program_on_the_local_engine(folder):
+    """braid.image() and braid.video() reach the model through LocalEngine: the same tokens as Engine.generate."""
+    import braid
+
+    @braid.function
+    def describe(s, picture, clip):
+        s += "Picture " + braid.image(picture) + " clip " + braid.video(clip, 2) + " answer:"
+        s += braid.gen("out", max_tokens=4, temperature=0)
+
+    picture, clip = test_image(50, 70, seed=40), [test_image(40, 40, seed=41 + i) for i in range(2)]
+    backend = braid.LocalEngine(str(folder), tokenizer_path="smollm2", log_level="warning", max_total_tokens=4096)
+    try:
+        state = describe.run(picture, clip, backend=backend)
+        direct = backend.engine.generate("Picture <image> clip <video> answer:", {"temperature": 0, "max_new_tokens": 4},
+                                         image_data=picture, video_data=[clip])
+    finally:
+        backend.engine.shutdown()
+    assert state["out"] == direct["text"]
+    assert direct["meta_info"]["prompt_tokens"] > 4 * 4 + 2 * 2 * 2
