@@ -307,7 +307,10 @@ class OpenAIServing:
         async def emit(u) -> None:
             if u.index not in started:
                 started.add(u.index)
-                await resp.write(sse_event(chunk(u.index, {"role": "assistant", "content": ""})))
+                first_chunk = chunk(u.index, {"role": "assistant", "content": ""})
+                if req.prompt_logprobs is not None and len(started) == 1:
+                    first_chunk["prompt_logprobs"] = self._prompt_logprobs(u.choice, req.prompt_logprobs)
+                await resp.write(sse_event(first_chunk))
             lp = None
             if lps.output and u.new_token_logprobs:
                 lp = {"content": self._chat_logprobs(u.new_token_logprobs, u.new_top_logprobs, lps.top_n)}

@@ -60,12 +60,12 @@ class _OpenAIRequest(_Base):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and (self.stream_options.include_usage
-                                             or self.stream_options.continuous_usage_stats))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+        """vLLM: usage in every chunk, when include_usage asks for usage at all."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def extras(self) -> dict:
         return dict(self.model_extra or {})

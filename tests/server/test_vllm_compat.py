@@ -285,6 +285,20 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk(client, route):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 5
     plain = list(send(client, max_tokens=3, temperature=0, stream=True, stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+    alone = list(send(client, max_tokens=3, temperature=0, stream=True,
+                      stream_options={"continuous_usage_stats": True}))  # vLLM: only together with include_usage
+    assert alone and all(c.usage is None for c in alone)
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_streamed_prompt_logprobs_come_with_the_first_chunk(client, route):
+    send = chat if route == "chat" else complete
+    chunks = [c.model_dump() for c in send(client, max_tokens=2, temperature=0, stream=True,
+                                           extra_body={"prompt_logprobs": 1})]
+    first = chunks[0] if route == "chat" else chunks[0]["choices"][0]
+    assert first["prompt_logprobs"][0] is None and len(first["prompt_logprobs"]) > 3
+    later = [c for c in chunks[1:] if "prompt_logprobs" in c or any("prompt_logprobs" in ch for ch in c["choices"])]
+    assert later == []
 
 
 # ---- routes ---------------------------------------------------------------------------------------------------
