@@ -78,7 +78,7 @@ class PrefillPlanner:
         while resume_queue and token_budget > 0:
             req = resume_queue[0]
             remaining = len(req.fill_ids) - req.kv_committed_len
-            if kv_budget < min(remaining, token_budget):
+            if kv_budget < item_aligned_chunk_len(req.mm_inputs, req.kv_committed_len, min(remaining, token_budget)):
                 break
             resume_queue.popleft()
             _set_extend_len(req, remaining, token_budget)
