@@ -19,6 +19,7 @@ from braid.runtime.server.protocol import (
     api_error_event,
     LogprobPlan,
     chat_logprob_options,
+    chat_template_options,
     completion_logprob_options,
     constraint_param,
     json_bytes,
@@ -233,8 +234,7 @@ class OpenAIServing:
         messages = history_for_template(messages, req.messages, plan, native_tools)
         tools = ([{"type": "function", "function": f} for f in plan.functions]
                  if plan is not None and native_tools and plan.choice != "none" else None)
-        prompt = await self.tm.apply_chat_template(messages, tools=tools,
-                                                   add_generation_prompt=req.add_generation_prompt)
+        prompt = await self.tm.apply_chat_template(messages, tools=tools, **chat_template_options(req))
         names = _param_names(req, "messages")
         if source is not None:
             names.update(regex=source, json_schema=source)

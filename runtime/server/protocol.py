@@ -80,6 +80,8 @@ class ChatCompletionRequest(_OpenAIRequest):
     tool_choice: Union[str, dict, None] = None
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last (assistant) message, which the reply continues
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # extra variables for the chat template
 
     @field_validator("messages")
     @classmethod
@@ -107,7 +109,7 @@ _NEVER = object()
 NOT_SUPPORTED = {
     "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
     "guided_grammar": _NEVER, "suffix": None, "functions": _NEVER, "function_call": _NEVER, "echo": False,
-    "continue_final_message": False, "chat_template": _NEVER, "chat_template_kwargs": _NEVER, "documents": _NEVER,
+    "chat_template": _NEVER, "documents": _NEVER,
     "mm_processor_kwargs": _NEVER, "truncate_prompt_tokens": None, "priority": 0, "request_id": _NEVER,
     "return_tokens_as_token_ids": False, "logits_processors": _NEVER, "store": False, "metadata": _NEVER,
     "modalities": _NEVER, "audio": _NEVER, "prediction": _NEVER, "reasoning_effort": _NEVER,
@@ -309,6 +311,26 @@ class LogprobPlan:
         return {"return_logprob": self.output or self.prompt is not None or self.rank,
                 "top_logprobs_num": max(self.top_n, self.prompt or 0),
                 "logprob_start_len": 0 if self.prompt is not None or (self.echo and self.output) else -1}
+
+
+_TEMPLATE_ARGUMENTS = {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                       "tokenize", "return_dict", "chat_template", "tokenizer_kwargs"}
+
+
+def chat_template_options(req: ChatCompletionRequest) -> dict:
+    """TokenizerManager.apply_chat_template's keywords for this request."""
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request("continue_final_message needs add_generation_prompt to be false",
+                              param="continue_final_message")
+        if req.messages[-1].role != "assistant":
+            raise bad_request("continue_final_message needs an assistant message last", param="continue_final_message")
+    taken = sorted(set(req.chat_template_kwargs or {}) & _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise bad_request(f"chat_template_kwargs cannot set {taken[0]!r} (it has its own parameter)",
+                          param="chat_template_kwargs")
+    return {"add_generation_prompt": req.add_generation_prompt, "continue_final_message": req.continue_final_message,
+            "template_kwargs": req.chat_template_kwargs}
 
 
 def chat_logprob_options(req: ChatCompletionRequest) -> tuple[bool, int]:

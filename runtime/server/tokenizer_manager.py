@@ -214,14 +214,20 @@ class TokenizerManager:
                               "(--max-prompt-chars)", param=param, code="prompt_too_long")
 
     async def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None,
-                                  add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation; `tools` goes to templates that render tool definitions."""
+                                  add_generation_prompt: bool = True, continue_final_message: bool = False,
+                                  template_kwargs: Optional[dict] = None) -> str:
+        """The prompt text of a conversation; `tools` goes to templates that render tool definitions,
+        `template_kwargs` are further template variables (vLLM's chat_template_kwargs)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; start the server with --chat-template, or use "
                               "/v1/completions", param="messages")
         tool_chars = len(json.dumps(tools)) if tools else 0
         self.check_prompt_chars(sum(len(m.get("content") or "") for m in messages) + tool_chars, "messages")
-        extra = {"tools": tools} if tools else {}
+        extra = dict(template_kwargs or {})
+        if tools:
+            extra["tools"] = tools
+        if continue_final_message:
+            extra["continue_final_message"] = True
         apply = functools.partial(self.tokenizer.apply_chat_template, messages, tokenize=False,
                                   add_generation_prompt=add_generation_prompt, **extra)
         try:

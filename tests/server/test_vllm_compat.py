@@ -301,6 +301,40 @@ def test_streamed_prompt_logprobs_come_with_the_first_chunk(client, route):
     assert later == []
 
 
+def test_continue_final_message_continues_the_assistant_turn(client):
+    from braid.runtime.config import ServerArgs
+    from braid.runtime.loader.tokenizer import get_tokenizer
+
+    messages = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite color is"}]
+    r = chat(client, messages=messages, max_tokens=5, temperature=0,
+             extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = get_tokenizer(ServerArgs()).apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                                           continue_final_message=True)
+    assert text.endswith("My favourite color is")
+    same = complete(client, prompt=text, max_tokens=5, temperature=0, extra_body={"add_special_tokens": False})
+    assert r.choices[0].message.content == same.choices[0].text and r.usage.prompt_tokens == same.usage.prompt_tokens
+    for extra in ({"continue_final_message": True}, {"chat_template_kwargs": {"tools": []}}):
+        assert bad_request(lambda: chat(client, messages=messages, extra_body=extra))["param"] in (
+            "continue_final_message", "chat_template_kwargs")
+    still_serves(client)
+
+
+def test_chat_template_kwargs_reach_the_template():
+    import asyncio
+
+    from braid.runtime.config import ServerArgs
+    from braid.runtime.loader.tokenizer import get_tokenizer
+    from braid.runtime.server.protocol import ChatCompletionRequest, chat_template_options, parse_openai
+    from braid.runtime.server.tokenizer_manager import TokenizerManager, with_chat_template
+
+    tm = TokenizerManager(ServerArgs())
+    tm.tokenizer = with_chat_template(get_tokenizer(ServerArgs()),
+                                      "{% if shout %}LOUD {% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    req = parse_openai(ChatCompletionRequest, {"messages": MSGS, "chat_template_kwargs": {"shout": True}})
+    text = asyncio.run(tm.apply_chat_template([{"role": "user", "content": "hi"}], **chat_template_options(req)))
+    assert text == "LOUD hi"
+
+
 # ---- routes ---------------------------------------------------------------------------------------------------
 
 
