@@ -2,7 +2,9 @@
 
 Sampling fields are never listed here: whatever body key is a SamplingParams field name is handed to
 `prepare_request` (runtime/server/prepare.py), which builds and checks the SamplingParams; only the
-OpenAI names that differ (max_tokens, min_tokens, response_format) are translated.
+OpenAI and vLLM names that differ (max_tokens, min_tokens, response_format, best_of, guided_*,
+include_stop_str_in_output) are translated. A top-level OpenAI parameter that is none of these is a 400
+(`_check_parameter_names`); docs/api.md lists what is accepted and what is refused.
 """
 
 from __future__ import annotations
@@ -169,7 +171,7 @@ def _check_int(value: Any, param: str, lo: int, hi: Optional[int] = None) -> Non
 
 
 def openai_sampling_overrides(req: _OpenAIRequest) -> dict:
-    """Body keys that are SamplingParams fields, plus the OpenAI and vLLM names translated (`constraint_source`
+    """Body keys that are SamplingParams fields, plus the OpenAI and vLLM names translated (`constraint_param`
     says which parameter a regex/json_schema came from)."""
     extras = req.extras()
     d = {k: v for k, v in extras.items() if k in SAMPLING_FIELDS}
