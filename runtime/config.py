@@ -93,8 +93,16 @@ class ServerArgs:
                                                   "(braid raises them so decode temporaries are reused)")
 
     # ---- parallelism ----
-    tp_size: int = _opt(1, "tensor-parallel degree (not built yet: only 1)", aliases=("--tp",))
-    dp_size: int = _opt(1, "data-parallel degree (not built yet: only 1)", aliases=("--dp",))
+    tp_size: int = _opt(1, "tensor-parallel degree: one scheduler process per rank on torch.distributed (NCCL on "
+                           "CUDA, gloo on CPU); heads, MLP and vocab split over the ranks (docs/parallelism.md)",
+                        aliases=("--tp",))
+    dp_size: int = _opt(1, "data-parallel degree: this many independent scheduler groups (each --tp-size ranks) behind "
+                           "the server, requests routed to the group with the fewest in flight", aliases=("--dp",))
+    dist_init_addr: Optional[str] = _opt(None, "host:port of rank 0's torch.distributed rendezvous (default: a free "
+                                               "loopback port; needed with --nnodes > 1; data-parallel group g uses "
+                                               "port + g)", aliases=("--nccl-init-addr",))
+    nnodes: int = _opt(1, "hosts the --tp-size ranks are spread over (each runs tp_size / nnodes of them)")
+    node_rank: int = _opt(0, "this host's index among --nnodes; 0 serves HTTP, the others run their ranks only")
 
     # ---- constrained decoding ----
     constrained_json_whitespace_pattern: Optional[str] = _opt(None, "regex for whitespace allowed in JSON output (default: compact)")
@@ -163,12 +171,27 @@ class ServerArgs:
                              "--disable-window-kv-trimming")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
-        if self.tp_size != 1:
-            raise ValueError(f"tp_size={self.tp_size}: tensor parallelism is not built yet; braid runs one rank "
-                             "(--tp-size 1)")
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ValueError("tp_size and dp_size must be >= 1")
         if self.dp_size != 1:
             raise ValueError(f"dp_size={self.dp_size}: data parallelism is not built yet; braid runs one scheduler "
-                             "(--dp-size 1)")
+                             "group (--dp-size 1)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError("nnodes must be >= 1 and node_rank in [0, nnodes)")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size={self.tp_size} does not split over nnodes={self.nnodes} (each host runs "
+                             "tp_size / nnodes ranks)")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("nnodes > 1 needs --dist-init-addr host:port (rank 0's host, reachable from every node)")
+        if self.nnodes > 1 and self.dp_size > 1:
+            raise ValueError("dp_size > 1 with nnodes > 1 is not supported; run one data-parallel server per host")
+        if self.dist_init_addr is not None and not self.dist_init_addr.rpartition(":")[2].isdigit():
+            raise ValueError(f"dist_init_addr {self.dist_init_addr!r} is not host:port")
+        if self.tp_size > 1 and self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} with tp_size > 1 is not supported yet (the fp8 "
+                             "linear method loads whole weights); drop one of them")
+        if self.tp_size > 1 and self.enable_torch_compile:
+            raise ValueError("enable_torch_compile with tp_size > 1 is not supported yet; drop one of them")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
         if self.max_body_bytes < 1 or self.max_prompt_chars < 1:

@@ -49,6 +49,7 @@ class Engine:
         self._error: Optional[BaseException] = None
         self._counter = itertools.count()
         self._preparer = None  # the MultimodalPreparer of a vision model, built on first use
+        self._ranks = None  # tensor parallelism: the follower rank processes (runtime/distributed/tensor_parallel.py)
         # The scheduler (model load included) is built on the thread that runs it: every torch op then runs on
         # one thread. On CPU this matters: each thread that runs parallel ops gets its own OpenMP team, and
         # with more team threads than cores OpenMP stops spinning between parallel regions, so every small op
@@ -76,7 +77,16 @@ class Engine:
         from braid.runtime.scheduler.scheduler import Scheduler
 
         try:
-            sched = Scheduler(self.server_args)
+            if self.server_args.dp_size > 1:
+                raise ValueError("dp_size > 1 is a server feature (python -m braid.launch_server --dp-size N); the "
+                                 "in-process Engine runs one scheduler group")
+            if self.server_args.tp_size > 1:
+                from braid.runtime.distributed.tensor_parallel import EngineRanks
+
+                self._ranks = EngineRanks(self.server_args)
+                sched = self._ranks.build_scheduler()  # rank 0: records what the other ranks must replay
+            else:
+                sched = Scheduler(self.server_args)
         except BaseException as e:  # noqa: BLE001 - re-raised by __init__
             built.put(("error", e))
             return
@@ -87,12 +97,15 @@ class Engine:
         from braid.runtime.scheduler.scheduler import run_scheduler_loop
 
         try:
-            run_scheduler_loop(sched, self)
+            run_scheduler_loop(sched, self if self._ranks is None else sched.io(self))
         except BaseException as e:  # a bug: fail every waiting caller rather than hang them
             logger.exception("scheduler step failed")
             self._error = e
             for p in list(self._pending.values()):
                 p.events.put(("error", e))
+        finally:
+            if self._ranks is not None:
+                self._ranks.close()
 
     # ---- SchedulerIO (runs on the scheduler thread) ----
     def receive(self, sched, block: bool) -> bool:

@@ -36,34 +36,66 @@ class Linear(nn.Module):
         return self.linear_method.apply(self, x, self.bias, act)
 
 
+def _rank_part(loaded: torch.Tensor, dim: int, full: int, start: int, size: int, what: str) -> torch.Tensor:
+    """This rank's [start, start + size) of `loaded` along dim: sliced here from the whole tensor, or already sliced
+    by the loader (safetensors slices; then its length is `size`)."""
+    length = loaded.shape[dim]
+    if length == full:
+        return loaded.narrow(dim, start, size)
+    if length == size:
+        return loaded
+    raise ValueError(f"{what}: checkpoint dim {dim} is {length}, expected {full} (whole) or {size} (this rank's part)")
+
+
 class ColumnParallelLinear(Linear):
-    """Output dim split over TP ranks. `output_sizes` lists fused sub-matrices (qkv, gate_up) so each is split on its own."""
+    """Output dim split over TP ranks. `output_sizes` lists fused sub-matrices (qkv, gate_up) so each is split on its
+    own, as evenly as it goes; `shard_ranges` gives this rank's (start, size) of each instead (attention: whole KV
+    groups, replicated KV heads)."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, *,
-                 linear_method: Optional[LinearMethod] = None):
+                 shard_ranges: Optional[list[tuple[int, int]]] = None, linear_method: Optional[LinearMethod] = None):
         self.tp_size = ps.tp_size()
-        sizes = [s // self.tp_size for s in output_sizes]
+        self.full_output_sizes = list(output_sizes)
+        if shard_ranges is None:
+            shard_ranges = [ps.split_units(full, f"output part {i} of a {in_features}->{output_sizes} linear")
+                            for i, full in enumerate(output_sizes)]
+        self.shard_starts = [start for start, _ in shard_ranges]
+        sizes = [size for _, size in shard_ranges]
         super().__init__(in_features, sum(sizes), bias, output_sizes=sizes, linear_method=linear_method)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> torch.Tensor:
-        size = self.output_sizes[shard_id]
-        rank = ps.tp_rank()
-        return loaded.narrow(0, rank * size, size)
+        return _rank_part(loaded, 0, self.full_output_sizes[shard_id], self.shard_starts[shard_id],
+                          self.output_sizes[shard_id], type(self).__name__)
+
+    def rank_range(self, attr: str, shard_id: Optional[int], shape: list[int]) -> Optional[tuple[int, int, int]]:
+        """(dim, start, stop) of this rank's part of a checkpoint tensor of `shape`, for the sharded loader."""
+        sid = shard_id or 0
+        if not shape or shape[0] != self.full_output_sizes[sid]:
+            return None
+        return 0, self.shard_starts[sid], self.shard_starts[sid] + self.output_sizes[sid]
 
 
 class RowParallelLinear(Linear):
     """Input dim split over TP ranks; the partial outputs are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
-                 linear_method: Optional[LinearMethod] = None):
+                 shard_range: Optional[tuple[int, int]] = None, linear_method: Optional[LinearMethod] = None):
+        """shard_range: this rank's (start, size) of the input (attention: its heads' columns); default an even split."""
         self.tp_size = ps.tp_size()
-        super().__init__(in_features // self.tp_size, out_features, bias, linear_method=linear_method)
+        self.full_in_features = in_features
+        first, count = shard_range or ps.split_units(in_features, f"input of a {in_features}->{out_features} linear")
+        self.in_start = first
+        super().__init__(count, out_features, bias, linear_method=linear_method)
 
     def load_shard(self, param, loaded: torch.Tensor, shard_id: int = 0) -> torch.Tensor:
         if loaded.dim() == 1:
             return loaded
-        size = self.in_features
-        return loaded.narrow(1, ps.tp_rank() * size, size)
+        return _rank_part(loaded, 1, self.full_in_features, self.in_start, self.in_features, type(self).__name__)
+
+    def rank_range(self, attr: str, shard_id: Optional[int], shape: list[int]) -> Optional[tuple[int, int, int]]:
+        if len(shape) != 2 or shape[1] != self.full_in_features:
+            return None
+        return 1, self.in_start, self.in_start + self.in_features
 
     def forward(self, x: torch.Tensor, act: Optional[nn.Module] = None) -> torch.Tensor:
         # the bias and act come after the all-reduce of the partial sums

@@ -36,8 +36,38 @@ def load_model_config(server_args) -> ModelConfig:
     return ModelConfig.from_hf(raw, server_args, path)
 
 
-def iter_weights(model_config: ModelConfig, server_args):
-    """(name, tensor) pairs of the checkpoint and how many there are, counted from the safetensors headers."""
+def _tensor_parallel_range(model: torch.nn.Module):
+    """(name, shape) -> (dim, start, stop) of this TP rank's part of a checkpoint tensor, asked of the module that
+    will hold it (its `rank_range`); None for tensors every rank keeps whole."""
+
+    def rank_range(name: str, shape: list[int]):
+        target, shard_id = model.fused_name(name)
+        module_path, _, attr = target.rpartition(".")
+        try:
+            module = model.get_submodule(module_path)
+        except AttributeError:
+            return None  # load_weights names the tensor that has no place
+        ask = getattr(module, "rank_range", None)
+        return ask(attr, shard_id, shape) if ask is not None else None
+
+    return rank_range
+
+
+_TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM")
+
+
+def check_tensor_parallel_support(model_config: ModelConfig, tp_size: int) -> None:
+    """Families whose layers are not split over ranks yet (DeepSeek-V2's MLA, LLaVA's vision tower) are refused
+    before anything is loaded."""
+    if tp_size > 1 and model_config.architecture not in _TENSOR_PARALLEL_ARCHITECTURES:
+        raise ValueError(f"tp_size={tp_size}: {model_config.architecture} is not split over tensor-parallel ranks "
+                         f"yet (supported: {', '.join(_TENSOR_PARALLEL_ARCHITECTURES)}); run it with --tp-size 1 "
+                         "(and --dp-size N for more throughput)")
+
+
+def iter_weights(model_config: ModelConfig, server_args, model: Optional[torch.nn.Module] = None):
+    """(name, tensor) pairs of the checkpoint and how many there are, counted from the safetensors headers. Under
+    tensor parallelism (with `model`), each tensor the model splits is read as this rank's slice only."""
     fmt = server_args.load_format
     path = model_config.path
     if fmt == "auto":
@@ -52,6 +82,10 @@ def iter_weights(model_config: ModelConfig, server_args):
         folder = path
     else:
         raise ValueError(f"unknown load_format {fmt}")
+    if model is not None and server_args.tp_size > 1:
+        from braid.runtime.loader.hf import iter_safetensors_rank_slices
+
+        return iter_safetensors_rank_slices(folder, _tensor_parallel_range(model)), safetensors_tensor_count(folder)
     return iter_safetensors(folder), safetensors_tensor_count(folder)
 
 
@@ -98,6 +132,7 @@ def load_model(model_config: ModelConfig, server_args, device: torch.device, dty
     from braid.runtime.models.registry import get_model_class
 
     cls = get_model_class(model_config.architecture)
+    check_tensor_parallel_support(model_config, server_args.tp_size)
     quantization = linear_quantization(model_config, server_args)
     logger.info("loading model %s (%s, dtype %s, device %s)", model_config.path or server_args.model_path,
                 model_config.architecture, str(dtype).removeprefix("torch."), device)
@@ -115,7 +150,7 @@ def load_model(model_config: ModelConfig, server_args, device: torch.device, dty
         materialize_random(model, device, dtype, seed=server_args.random_seed)
         logger.info("weights: random (--load-format dummy) in %.1f s", time.perf_counter() - started)
     else:
-        weights, total = iter_weights(model_config, server_args)
+        weights, total = iter_weights(model_config, server_args, model)
         # a bar only on a terminal: in a log file its carriage-return redraws are noise
         bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False,
                    disable=not (sys.stderr.isatty() and logger.isEnabledFor(logging.INFO)))

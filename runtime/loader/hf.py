@@ -44,3 +44,20 @@ def iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def iter_safetensors_rank_slices(folder: str, rank_range) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like iter_safetensors, but under tensor parallelism: `rank_range(name, shape)` gives (dim, start, stop) of
+    this rank's part of a tensor (None: the whole tensor), and only that part is read from the file."""
+    from safetensors import safe_open
+
+    for file in _safetensors_files(folder):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                found = rank_range(name, list(part.get_shape()))
+                if found is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                dim, start, stop = found
+                yield name, part[(slice(None),) * dim + (slice(start, stop),)]

@@ -8,6 +8,7 @@ import torch
 
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import ForwardBatch, ForwardOutput
+from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.attention.registry import check_backend_device, default_backend, get_backend_class
 from braid.runtime.layers.dtypes import kv_cache_dtype, model_dtype
 from braid.runtime.layers.kernel_switches import apply_kernel_switches
@@ -71,7 +72,7 @@ class ModelRunner:
     def _init_pools(self) -> None:
         mc = self.model_config
         kv_dtype = kv_cache_dtype(self.server_args.kv_cache_dtype, self.dtype)
-        heads_kv = mc.num_key_value_heads
+        heads_kv = ps.split_units(mc.num_key_value_heads, "KV heads")[1]  # this TP rank's (replicated when fewer)
         if mc.attention_arch == "mla":
             per_token = mla_kv_bytes_per_token(mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_layers, kv_dtype)
         else:
@@ -96,7 +97,7 @@ class ModelRunner:
                             "(--max-total-tokens sets it)", _CPU_KV_MEMORY_FRACTION * 100,
                             "unknown" if available is None else f"{available / 2**30:.1f} GiB",
                             _CPU_MIN_KV_TOKENS, _CPU_DEFAULT_KV_TOKENS)
-        self.max_total_tokens = int(total)
+        self.max_total_tokens = ps.min_over_ranks(int(total))  # TP ranks schedule against one budget
         max_reqs = min(self.server_args.max_running_requests + 32, max(self.max_total_tokens // 2, 8))
         self.req_to_token_pool = ReqToTokenPool(max_reqs, self.context_len + 8, self.device)
         if hybrid:
@@ -104,6 +105,7 @@ class ModelRunner:
                 self.window_kv_tokens = window_tokens_for(self.max_total_tokens, max(w for w in layer_windows if w),
                                                           self.context_len, self._extend_tokens_bound(),
                                                           self.server_args.window_kv_ratio)
+            self.window_kv_tokens = ps.min_over_ranks(self.window_kv_tokens)
             k_scales, v_scales = getattr(self.model, "kv_cache_scales", None) or (1.0, 1.0)
             self.token_to_kv_pool = HybridKVPool(
                 self.max_total_tokens, self.window_kv_tokens, self.dtype, heads_kv, mc.head_dim, layer_windows,
@@ -136,7 +138,8 @@ class ModelRunner:
     def _hybrid_sizes(self, budget: float, layer_windows: list, kv_dtype) -> tuple[int, int]:
         mc = self.model_config
         num_window = sum(1 for w in layer_windows if w)
-        per_layer = mha_kv_bytes_per_token(mc.num_key_value_heads, mc.head_dim, 1, kv_dtype, mc.v_head_dim)
+        per_layer = mha_kv_bytes_per_token(ps.split_units(mc.num_key_value_heads, "KV heads")[1], mc.head_dim, 1,
+                                           kv_dtype, mc.v_head_dim)
         full, window = hybrid_tokens_for_budget(int(budget), per_layer * (len(layer_windows) - num_window),
                                                 per_layer * num_window, max(w for w in layer_windows if w),
                                                 self.context_len, self._extend_tokens_bound(),
@@ -163,6 +166,8 @@ class ModelRunner:
             out = ForwardOutput(next_token_ids=logits.argmax(dim=-1))
         else:
             out = ForwardOutput(next_token_ids=self.sampler(apply_penalties(logits, info), info))
+            # TP: every rank holds the same logits; rank 0's draw is the one all ranks commit
+            ps.broadcast_from_first(out.next_token_ids)
             if info.logprob_top_k is not None:
                 out.next_token_logprobs, out.next_top_logprobs, out.next_top_ids = token_logprobs(
                     logits, out.next_token_ids, info.logprob_top_k)

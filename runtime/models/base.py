@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -30,17 +30,20 @@ class CausalLM(nn.Module):
         module_path, _, attr = name.rpartition(".")
         return self.get_submodule(module_path), attr
 
+    def fused_name(self, name: str) -> tuple[str, Optional[int]]:
+        """A checkpoint name -> (the parameter's name here, its shard in a fused projection or None)."""
+        for fused, hf, sid in self.stacked_params:
+            if hf in name:
+                return name.replace(hf, fused), sid
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], device) -> None:
         for name, loaded in weights:
             if any(s in name for s in self.skip_prefixes):
                 continue
             if name == "lm_head.weight" and getattr(self, "tie_word_embeddings", False):
                 continue
-            shard_id = None
-            for fused, hf, sid in self.stacked_params:
-                if hf in name:
-                    name, shard_id = name.replace(hf, fused), sid
-                    break
+            name, shard_id = self.fused_name(name)
             try:
                 module, attr = self._resolve(name)
             except AttributeError:

@@ -23,6 +23,21 @@ QKV_STACKED_PARAMS = [("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qk
 GATE_UP_STACKED_PARAMS = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 
 
+def tensor_parallel_heads(layer_id: int, spec: LayerSpec) -> tuple[int, int, int, int]:
+    """This TP rank's (first query head, query heads, first KV head, KV heads). With at least as many KV heads as
+    ranks, each rank takes whole KV groups (unevenly when they do not divide: SmolLM2's 3 over 2 ranks) with their
+    query heads; with fewer, the query heads split evenly and each rank keeps the one KV head they attend to."""
+    kv_first, kv_count = ps.split_units(spec.num_kv_heads, f"layer {layer_id}'s KV heads")
+    if spec.num_kv_heads >= ps.tp_size():
+        group = spec.num_heads // spec.num_kv_heads
+        return kv_first * group, kv_count * group, kv_first, kv_count
+    if spec.num_heads % ps.tp_size():
+        raise ValueError(f"layer {layer_id}'s {spec.num_heads} attention heads do not split over "
+                         f"tp_size={ps.tp_size()}")
+    per_rank = spec.num_heads // ps.tp_size()
+    return ps.tp_rank() * per_rank, per_rank, kv_first, kv_count
+
+
 class Attention(nn.Module):
     """qkv projection -> rotary -> paged attention -> o projection, for one multi-head (MHA/GQA) layer."""
 
@@ -31,16 +46,18 @@ class Attention(nn.Module):
         super().__init__()
         if spec.attention != "mha":
             raise ValueError(f"layer {layer_id} is {spec.attention!r} attention; this block builds 'mha' layers")
-        tp = ps.tp_size()
-        self.num_heads = spec.num_heads // tp
-        self.num_kv_heads = max(1, spec.num_kv_heads // tp)
+        q_first, self.num_heads, kv_first, self.num_kv_heads = tensor_parallel_heads(layer_id, spec)
         self.q_size = self.num_heads * spec.head_dim
         self.k_size = self.num_kv_heads * spec.head_dim
         self.v_size = self.num_kv_heads * spec.v_head_dim
         self.qkv_proj = ColumnParallelLinear(hidden_size, [spec.num_heads * spec.head_dim,
                                                            spec.num_kv_heads * spec.head_dim,
-                                                           spec.num_kv_heads * spec.v_head_dim], bias=qkv_bias)
-        self.o_proj = RowParallelLinear(spec.num_heads * spec.v_head_dim, hidden_size, bias=out_bias)
+                                                           spec.num_kv_heads * spec.v_head_dim], bias=qkv_bias,
+                                             shard_ranges=[(q_first * spec.head_dim, self.q_size),
+                                                           (kv_first * spec.head_dim, self.k_size),
+                                                           (kv_first * spec.v_head_dim, self.v_size)])
+        self.o_proj = RowParallelLinear(spec.num_heads * spec.v_head_dim, hidden_size, bias=out_bias,
+                                        shard_range=(q_first * spec.v_head_dim, self.num_heads * spec.v_head_dim))
         self.rotary_emb = get_rope(spec.head_dim, rope.rotary_dim, rope.max_position, rope.theta, rope.scaling_dict(),
                                    rope.is_neox_style)
         self.attn = RadixAttention(layer_id, self.num_heads, spec.head_dim, self.num_kv_heads, scaling=spec.scaling,

@@ -31,19 +31,77 @@ logger = logging.getLogger("braid.scheduler")
 _IDLE_POLL_MS = 500  # wake up this often when idle, to notice a dead parent
 
 
-def spawn(server_args, to_scheduler_addr: str, from_scheduler_addr: str) -> subprocess.Popen:
-    """Start the scheduler process; it connects to the two addresses the caller has bound."""
-    config = {
-        "server_args": dataclasses.asdict(server_args),
-        "to_scheduler_addr": to_scheduler_addr,
-        "from_scheduler_addr": from_scheduler_addr,
-        "parent_pid": os.getpid(),
-    }
-    proc = subprocess.Popen([sys.executable, "-m", "braid.runtime.scheduler.process"], stdin=subprocess.PIPE)
+def spawn(server_args, to_scheduler_addr: str, from_scheduler_addr: str):
+    """Start the scheduler process(es); rank 0 connects to the two addresses the caller has bound. Under data
+    parallelism one controller process stands for the groups (runtime/distributed/data_parallel.py); under tensor
+    parallelism the result stands for all of this host's ranks (RankProcesses)."""
+    if server_args.dp_size > 1:
+        config = {"server_args": dataclasses.asdict(server_args), "to_scheduler_addr": to_scheduler_addr,
+                  "from_scheduler_addr": from_scheduler_addr, "parent_pid": os.getpid()}
+        return _start([sys.executable, "-m", "braid.runtime.distributed.data_parallel"], config)
+    from braid.runtime.distributed.tensor_parallel import group_init_addr, local_ranks
+
+    init_addr = group_init_addr(server_args)
+    procs = [spawn_rank(server_args, rank, init_addr, os.getpid(), to_scheduler_addr, from_scheduler_addr)
+             for rank in local_ranks(server_args)]
+    return procs[0] if len(procs) == 1 else RankProcesses(procs)
+
+
+def spawn_rank(server_args, rank: int, init_addr: str, parent_pid: int, to_scheduler_addr: Optional[str] = None,
+               from_scheduler_addr: Optional[str] = None) -> subprocess.Popen:
+    """One TP rank's scheduler process; rank 0 gets the server's sockets, the others follow rank 0."""
+    config = {"server_args": dataclasses.asdict(server_args), "tp_rank": rank, "dist_init_addr": init_addr,
+              "parent_pid": parent_pid}
+    if rank == 0:
+        config.update(to_scheduler_addr=to_scheduler_addr, from_scheduler_addr=from_scheduler_addr)
+    return _start([sys.executable, "-m", "braid.runtime.scheduler.process"], config)
+
+
+def _start(argv: list[str], config: dict) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE)
     assert proc.stdin is not None
     proc.stdin.write(json.dumps(config).encode())
     proc.stdin.close()
     return proc
+
+
+class RankProcesses:
+    """A host's TP rank processes seen as one process: it has exited once any rank has (that rank's code, a
+    failure first), so the server goes to its error state when any rank dies."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs = procs
+
+    @property
+    def pid(self) -> int:
+        return self.procs[0].pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        codes = [p.returncode for p in self.procs if p.returncode is not None]
+        if not codes:
+            return None
+        return next((c for c in codes if c != 0), codes[0])
+
+    def poll(self) -> Optional[int]:
+        for p in self.procs:
+            p.poll()
+        return self.returncode
+
+    def terminate(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        for p in self.procs:
+            p.wait(timeout)
+        return self.returncode
 
 
 def _die_with_parent() -> None:
@@ -120,19 +178,10 @@ class SchedulerLoop:
             self.running = False
 
     def _add(self, msg: M.GenerateReq) -> None:
-        from braid.runtime.core import Req
-        from braid.runtime.sampling_params import SamplingParams
+        from braid.runtime.distributed.tensor_parallel import req_from_message
 
         try:
-            req = Req(rid=msg.rid, input_ids=list(msg.input_ids),
-                      sampling_params=SamplingParams.from_dict(msg.sampling_params),
-                      return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-                      top_logprobs_num=msg.top_logprobs_num, stream=msg.stream)
-            if msg.media is not None:
-                from braid.runtime.multimodal.inputs import inputs_from_wire
-
-                req.mm_inputs = inputs_from_wire(msg.media)
-            self.scheduler.add_request(req)
+            self.scheduler.add_request(req_from_message(msg))
         except ValueError as e:
             self.send(M.ReqError(msg.rid, str(e), getattr(e, "param", None) or _grammar_param(e, msg), True))
         except Exception as e:
@@ -177,12 +226,35 @@ def _model_info(scheduler, server_args) -> dict:
     return info
 
 
+def run_follower(server_args, rank: int, init_addr: str) -> int:
+    """A TP rank other than 0: no sockets; it applies rank 0's broadcast commands and runs the same steps."""
+    from braid.runtime.distributed import tensor_parallel as tp
+
+    try:
+        from braid.runtime.scheduler.scheduler import Scheduler
+
+        tp.init_rank(server_args, rank, init_addr)
+        scheduler = Scheduler(server_args)
+        tp.follow(scheduler)
+        scheduler.shutdown()
+        return 0
+    except Exception:
+        msg = traceback.format_exc()
+        logger.error("rank %d stopped: %s", rank, msg.strip().splitlines()[-1])
+        logger.debug("%s", msg)
+        return 1
+
+
 def run(config: dict) -> int:
     from braid.runtime.config import ServerArgs
 
     server_args = ServerArgs(**config["server_args"])
+    rank = config.get("tp_rank", 0)
+    label = f"scheduler tp{rank}" if server_args.tp_size > 1 else "scheduler"
     logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
-                        format="[scheduler %(asctime)s] %(levelname)s %(message)s")
+                        format=f"[{label} %(asctime)s] %(levelname)s %(message)s")
+    if rank != 0:
+        return run_follower(server_args, rank, config["dist_init_addr"])
     ctx = zmq.Context(1)
     send_sock = ctx.socket(zmq.PUSH)
     send_sock.setsockopt(zmq.LINGER, 2000)
@@ -191,16 +263,20 @@ def run(config: dict) -> int:
     recv_sock.setsockopt(zmq.LINGER, 0)
     recv_sock.connect(config["to_scheduler_addr"])
     try:
-        from braid.runtime.scheduler.scheduler import Scheduler
+        from braid.runtime.distributed import tensor_parallel as tp
+        from braid.runtime.scheduler.scheduler import Scheduler, run_scheduler_loop
 
         t0 = time.time()
+        tp.init_rank(server_args, 0, config.get("dist_init_addr"))
         scheduler = Scheduler(server_args)
+        if server_args.tp_size > 1:
+            scheduler = tp.LeaderScheduler(scheduler)
         logger.info("scheduler started in %.1f s", time.time() - t0)
         loop = SchedulerLoop(scheduler, recv_sock, send_sock, config.get("parent_pid"),
                              server_args.log_stats_interval_s)
         loop.send(M.Ready(int(scheduler.context_len), int(scheduler.vocab_size), server_args.model_path,
                           _model_info(scheduler, server_args)))
-        loop.run()
+        run_scheduler_loop(scheduler, scheduler.io(loop) if server_args.tp_size > 1 else loop)
         return 0
     except Exception:
         msg = traceback.format_exc()

@@ -35,10 +35,15 @@ def test_a_plain_tiny_model_runs():
         assert engine.get_stats()["kv_used_tokens"] == 0
 
 
-@pytest.mark.parametrize("field", ["tp_size", "dp_size"])
-def test_parallelism_other_than_one_is_refused(field):
-    with pytest.raises(ValueError, match="not built yet"):
-        ServerArgs(**{field: 2})
+@pytest.mark.parametrize("fields, message", [
+    (dict(tp_size=0), "must be >= 1"),
+    (dict(tp_size=2, quantization="fp8"), "with tp_size > 1 is not supported yet"),
+    (dict(tp_size=2, nnodes=2), "needs --dist-init-addr"),
+    (dict(tp_size=2, node_rank=1), r"node_rank in \[0, nnodes\)"),
+])
+def test_parallelism_that_cannot_run_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ServerArgs(**fields)
 
 
 def test_a_gpu_only_attention_backend_is_refused_on_cpu():

@@ -69,8 +69,10 @@ def test_scheduler_failure_shows_the_exceptions_last_line_only():
     assert last_line(traceback_text) == "ValueError: architecture Foo is not supported"
 
 
-def test_unbuilt_parallelism_fails_at_start_in_one_line():
-    for flag in ("--tp-size", "--dp-size"):
-        r = launch(flag, "2", timeout=60)
-        assert r.returncode == 2 and "not built yet" in r.stderr and f"{flag[2:4]}_size=2" in r.stderr, r.stderr
+def test_impossible_parallelism_fails_at_start_in_one_line():
+    for flags, message in ((("--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"),
+                            "tp_size=3 does not split over nnodes=2"),
+                           (("--tp-size", "2", "--nnodes", "2"), "nnodes > 1 needs --dist-init-addr")):
+        r = launch(*flags, timeout=60)
+        assert r.returncode == 2 and message in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and "usage:" not in r.stderr and len(r.stderr.splitlines()) == 1

@@ -1,0 +1,297 @@
+"""Tensor parallelism at the scheduler level: rank 0 takes the requests, every rank runs the same schedule.
+
+Rank 0 (the leader) receives requests as usual (ZMQ in the server's scheduler process, the inbox in the Engine).
+Once per loop iteration it broadcasts what changed the scheduler's state since the last one (requests added,
+aborts, cache flushes; which grammars it found compiled; whether to stop) as one msgspec message in a uint8
+tensor on a gloo group. The followers apply the same commands and then run `Scheduler.step()` as rank 0 does, so
+every rank builds the same batches and the model's collectives line up. The sampled ids are rank 0's
+(ModelRunner broadcasts them), so a draw can never differ between ranks; only rank 0 emits outputs.
+
+What could make the schedules diverge is kept out: grammar compiles finish on each rank at their own time, so
+rank 0 decides which compiled grammars a step admits and the followers wait for those; requests carry rank 0's
+creation time (the LPM policy ages requests by it).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import socket
+import subprocess
+from typing import Optional
+
+import msgspec
+import torch
+
+from braid.runtime.distributed import parallel_state as ps
+
+logger = logging.getLogger(__name__)
+
+
+class Command(msgspec.Struct):
+    message: bytes  # messages.encode(GenerateReq | AbortReq | FlushCacheReq)
+    created_time: float = 0.0  # a GenerateReq's Req.created_time on rank 0
+
+
+class GrammarDecision(msgspec.Struct):
+    rid: str
+    index: int
+    ok: bool
+
+
+class LeaderStep(msgspec.Struct):
+    commands: list[Command] = []
+    grammars: list[GrammarDecision] = []
+    stop: bool = False
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(LeaderStep)
+
+
+class GrammarGate:
+    """Makes Scheduler.step()'s grammar poll admit exactly the grammars rank 0 found compiled (on a follower,
+    waiting for them), instead of whatever happens to have finished on this rank."""
+
+    def __init__(self, intake):
+        self.intake = intake
+        self.poll_all = intake.poll_grammars
+        intake.poll_grammars = self.poll
+        self.decided: dict[tuple[str, int], bool] = {}
+
+    def decide(self) -> list[GrammarDecision]:
+        """Rank 0: the grammars compiled by now, with whether they compiled."""
+        out = [GrammarDecision(req.rid, req.index, fut.exception() is None)
+               for req, fut in self.intake.grammar_queue if fut.done()]
+        self.decided = {(d.rid, d.index): d.ok for d in out}
+        return out
+
+    def follow(self, decisions: list[GrammarDecision]) -> None:
+        self.decided = {(d.rid, d.index): d.ok for d in decisions}
+
+    def poll(self):
+        from braid.runtime.core import FinishReason
+
+        decided, self.decided = self.decided, {}
+        queue = self.intake.grammar_queue
+        due = [(req, fut) for req, fut in queue if (req.rid, req.index) in decided]
+        if not due:
+            return [], []
+        concurrent.futures.wait([fut for _, fut in due])
+        self.intake.grammar_queue = due
+        ready, failed = self.poll_all()
+        self.intake.grammar_queue = [(req, fut) for req, fut in queue if (req.rid, req.index) not in decided]
+        for req in [r for r in ready if not decided[(r.rid, r.index)]]:
+            ready.remove(req)  # rank 0's compile failed (a timeout): this rank fails it too
+            failed.append((req, FinishReason("abort", message="grammar error on rank 0")))
+        if any(decided[(r.rid, r.index)] for r, _ in failed):
+            raise RuntimeError("a grammar compiled on rank 0 failed on this rank; the ranks' schedules would diverge")
+        return ready, failed
+
+
+class LeaderScheduler:
+    """Rank 0's Scheduler as its I/O sees it: every state-changing call is recorded for the followers; everything
+    else is the Scheduler's own."""
+
+    def __init__(self, scheduler):
+        self._scheduler = scheduler
+        self._commands: list[Command] = []
+        self._gate = GrammarGate(scheduler.intake)
+
+    def __getattr__(self, name):
+        return getattr(self._scheduler, name)
+
+    def add_request(self, req) -> None:
+        from braid.runtime.server import messages as M
+
+        self._commands.append(Command(M.encode(M.generate_req(req)), req.created_time))
+        self._scheduler.add_request(req)
+
+    def abort_request(self, rid: str) -> None:
+        from braid.runtime.server import messages as M
+
+        self._commands.append(Command(M.encode(M.AbortReq(rid))))
+        self._scheduler.abort_request(rid)
+
+    def flush_cache(self) -> bool:
+        from braid.runtime.server import messages as M
+
+        self._commands.append(Command(M.encode(M.FlushCacheReq(0))))
+        return self._scheduler.flush_cache()
+
+    def io(self, inner) -> "LeaderIO":
+        return LeaderIO(self, inner)
+
+    def broadcast_step(self, stop: bool) -> None:
+        step = LeaderStep(self._commands, self._gate.decide(), stop)
+        self._commands = []
+        empty = not (step.commands or step.grammars or step.stop)
+        ps.broadcast_bytes(b"" if empty else _encoder.encode(step))
+
+
+class LeaderIO:
+    """The scheduler loop's I/O on rank 0: the usual I/O, then one broadcast of what it changed."""
+
+    def __init__(self, leader: LeaderScheduler, inner):
+        self.leader = leader
+        self.inner = inner
+
+    def receive(self, scheduler, block: bool) -> bool:
+        alive = self.inner.receive(self.leader, block)
+        self.leader.broadcast_step(stop=not alive)
+        return alive
+
+    def send_outputs(self, outputs) -> None:
+        self.inner.send_outputs(outputs)
+
+
+def follow(scheduler) -> None:
+    """A follower rank's loop: apply rank 0's commands, run the same step, until rank 0 says stop."""
+    from braid.runtime.server import messages as M
+
+    gate = GrammarGate(scheduler.intake)
+    while True:
+        data = ps.broadcast_bytes(None)
+        step = _decoder.decode(data) if data else LeaderStep()
+        for command in step.commands:
+            msg = M.decode_to_scheduler(command.message)
+            try:
+                if isinstance(msg, M.GenerateReq):
+                    req = req_from_message(msg)
+                    req.created_time = command.created_time
+                    scheduler.add_request(req)
+                elif isinstance(msg, M.AbortReq):
+                    scheduler.abort_request(msg.rid)
+                elif isinstance(msg, M.FlushCacheReq):
+                    scheduler.flush_cache()
+            except ValueError:
+                pass  # rank 0 rejected it too, and told the client
+        gate.follow(step.grammars)
+        if step.stop:
+            return
+        if scheduler.has_work():
+            scheduler.step()  # outputs are rank 0's to send
+
+
+def req_from_message(msg):
+    """The Req a GenerateReq carries (the scheduler process's and the followers' intake)."""
+    from braid.runtime.core import Req
+    from braid.runtime.sampling_params import SamplingParams
+
+    req = Req(rid=msg.rid, input_ids=list(msg.input_ids), sampling_params=SamplingParams.from_dict(msg.sampling_params),
+              return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+              top_logprobs_num=msg.top_logprobs_num, stream=msg.stream)
+    if msg.media is not None:
+        from braid.runtime.multimodal.inputs import inputs_from_wire
+
+        req.mm_inputs = inputs_from_wire(msg.media)
+    return req
+
+
+# ---- process layout ----------------------------------------------------------------------------------------------
+
+def free_loopback_addr() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def group_init_addr(server_args, dp_rank: int = 0) -> str:
+    """The rendezvous of data-parallel group `dp_rank`: --dist-init-addr with its port + dp_rank, else a free
+    loopback port."""
+    if server_args.dist_init_addr is None:
+        return free_loopback_addr()
+    host, _, port = server_args.dist_init_addr.rpartition(":")
+    return f"{host}:{int(port) + dp_rank}"
+
+
+def local_ranks(server_args) -> range:
+    """The TP ranks this host runs: tp_size / nnodes of them, node_rank's block."""
+    per_node = server_args.tp_size // server_args.nnodes
+    return range(server_args.node_rank * per_node, (server_args.node_rank + 1) * per_node)
+
+
+def rank_device(server_args, rank: int) -> torch.device:
+    device = torch.device(server_args.resolved_device)
+    if device.type == "cuda" and server_args.tp_size > 1:
+        return torch.device("cuda", rank % (server_args.tp_size // server_args.nnodes))
+    return device
+
+
+def init_rank(server_args, rank: int, init_addr: str) -> None:
+    """Join the TP world as `rank`; on a CPU host shared by several ranks, give each its share of the cores."""
+    if server_args.tp_size == 1:
+        return
+    device = rank_device(server_args, rank)
+    if device.type == "cpu":
+        per_host = server_args.tp_size // server_args.nnodes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_host))
+    ps.init_tensor_parallel(server_args.tp_size, rank, init_addr, device)
+
+
+def spawn_followers(server_args, init_addr: str, ranks, parent_pid: int) -> list[subprocess.Popen]:
+    """Start follower rank processes (the scheduler process in follower mode: no sockets, typed config on stdin)."""
+    from braid.runtime.scheduler import process
+
+    return [process.spawn_rank(server_args, rank, init_addr, parent_pid) for rank in ranks if rank != 0]
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    for proc in procs:
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class EngineRanks:
+    """The in-process Engine under TP: rank 0 runs on the Engine's scheduler thread, the others as processes."""
+
+    def __init__(self, server_args):
+        self.server_args = server_args
+        self.init_addr = group_init_addr(server_args)
+        self.followers = spawn_followers(server_args, self.init_addr, range(server_args.tp_size), os.getpid())
+        self.leader: Optional[LeaderScheduler] = None
+
+    def build_scheduler(self):
+        from braid.runtime.scheduler.scheduler import Scheduler
+
+        try:
+            init_rank(self.server_args, 0, self.init_addr)
+            self.leader = LeaderScheduler(Scheduler(self.server_args))
+        except BaseException:
+            self.close()
+            raise
+        return self.leader
+
+    def close(self) -> None:
+        for proc in self.followers:
+            if proc.poll() is None and self.leader is None:
+                proc.kill()  # rank 0 never joined: they wait at the rendezvous
+        stop_processes(self.followers)
+        ps.destroy_tensor_parallel()
+
+
+def run_node_ranks(server_args) -> int:
+    """--node-rank > 0: run this host's TP ranks (followers of rank 0 on node 0) until they exit; one rank failing
+    stops the others. SIGTERM/SIGINT stop them too."""
+    import signal
+    import time
+
+    procs = spawn_followers(server_args, group_init_addr(server_args), local_ranks(server_args), os.getpid())
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    logger.info("node %d: ranks %s running, following rank 0 at %s", server_args.node_rank,
+                list(local_ranks(server_args)), server_args.dist_init_addr)
+    while not stopping and all(p.poll() is None for p in procs):
+        time.sleep(0.5)
+    codes = [p.poll() for p in procs]
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    stop_processes(procs)
+    failed = [c for c in codes if c not in (None, 0)]
+    return 1 if failed else 0

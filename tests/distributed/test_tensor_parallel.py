@@ -1,0 +1,132 @@
+"""Tensor parallelism on the CPU with gloo, 2 ranks: greedy tokens at tp 2 equal tp 1 (fp32), in-process and through
+the server; a rank that dies takes the server to an error state instead of a hang."""
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+import torch
+
+from braid.runtime import Engine
+from real_server import start_server
+
+GREEDY = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+SMOLLM2_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 4,"]
+
+
+def _greedy_ids(model_path: str, tp_size: int, prompts, **kw) -> list[list[int]]:
+    kw = {"tokenizer_path": "smollm2", "max_total_tokens": 2048, "log_level": "warning", **kw}
+    with Engine(model_path=model_path, tp_size=tp_size, **kw) as engine:
+        key = "prompt" if isinstance(prompts[0], str) else "input_ids"
+        return [r["output_ids"] for r in engine.generate(**{key: prompts}, sampling_params=GREEDY)]
+
+
+def _save(model, path) -> str:
+    with torch.no_grad():  # larger weights than HF's init: logits far from uniform
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.5 if name.endswith("norm.weight") else 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _prompt_ids(vocab: int, lengths=(5, 37)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def test_tiny_llama_with_one_kv_head_replicated_over_two_ranks_equals_one_rank(tmp_path):
+    import transformers
+
+    # vocab 1001: the last rank's vocab shard is padded; one KV head: both ranks keep it
+    cfg = transformers.LlamaConfig(vocab_size=1001, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = _save(transformers.LlamaForCausalLM(cfg), tmp_path)
+    prompts = _prompt_ids(1001)
+    single = _greedy_ids(path, 1, prompts)
+    assert _greedy_ids(path, 2, prompts) == single
+    assert len(set(single[0])) > 1  # not a degenerate repetition that any model would produce
+
+
+def test_tiny_gemma2_over_two_ranks_equals_one_rank(tmp_path):
+    import transformers
+
+    cfg = transformers.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=256, sliding_window=16, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    torch.manual_seed(0)
+    path = _save(transformers.Gemma2ForCausalLM(cfg), tmp_path)
+    prompts = _prompt_ids(512, (9, 40))  # past the 16-token window
+    assert _greedy_ids(path, 2, prompts) == _greedy_ids(path, 1, prompts)
+
+
+@pytest.fixture(scope="module")
+def smollm2_tp1_ids():
+    return _greedy_ids("smollm2", 1, SMOLLM2_PROMPTS)
+
+
+def test_smollm2_engine_tp2_equals_tp1(smollm2_tp1_ids):
+    assert _greedy_ids("smollm2", 2, SMOLLM2_PROMPTS) == smollm2_tp1_ids
+
+
+def test_unsupported_family_and_uneven_split_are_refused(tmp_path):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                                   num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=64)
+    path = _save(transformers.LlamaForCausalLM(cfg), tmp_path)
+    with pytest.raises(ValueError, match="3 attention heads do not split over tp_size=2"):
+        Engine(model_path=path, tokenizer_path="smollm2", tp_size=2, max_total_tokens=256, log_level="error")
+    with pytest.raises(ValueError, match="not supported yet"):
+        Engine(model_path=path, tp_size=2, quantization="fp8")
+
+
+def _rank_pids(server_pid: int) -> list[int]:
+    children = psutil.Process(server_pid).children()
+    return sorted(c.pid for c in children if "braid.runtime.scheduler.process" in " ".join(c.cmdline()))
+
+
+def test_smollm2_server_tp2_equals_tp1_and_a_dead_rank_fails_fast(smollm2_tp1_ids):
+    srv = start_server(["--model-path", "smollm2", "--tp-size", "2", "--max-total-tokens", "2048", "--api-key", "k",
+                        "--log-stats-interval-s", "0"], "k", "braid-tp2-")
+    try:
+        got = [srv.post("/generate", {"text": p, "sampling_params": GREEDY}).json()["output_ids"]
+               for p in SMOLLM2_PROMPTS]
+        assert got == smollm2_tp1_ids
+        info = srv.get("/get_server_info").json()
+        assert info["tp_size"] == 2 and info["kv_used_tokens"] == 0
+
+        ranks = _rank_pids(srv.proc.pid)
+        assert len(ranks) == 2
+        result = {}
+
+        def long_request():
+            try:
+                r = srv.post("/generate", {"text": "Once upon a time", "sampling_params": {
+                    "temperature": 0, "max_new_tokens": 1500, "ignore_eos": True}}, timeout=60)
+                result["status"] = r.status_code
+            except requests.RequestException as e:  # the server went away before answering: an error too
+                result["status"] = type(e).__name__
+            result["at"] = time.monotonic()
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        time.sleep(1.5)  # the request is decoding
+        killed_at = time.monotonic()
+        os.kill(ranks[-1], signal.SIGKILL)  # a follower rank
+        worker.join(30)
+        assert not worker.is_alive() and result["at"] - killed_at < 10, result
+        assert result["status"] != 200, result
+        try:
+            assert srv.get("/health", timeout=5).status_code == 503
+        except requests.ConnectionError:
+            pass  # already exited
+        assert srv.proc.wait(20) != 0
+    finally:
+        srv.stop()
