@@ -173,9 +173,6 @@ class ServerArgs:
             raise ValueError("max_running_requests must be >= 1")
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError("tp_size and dp_size must be >= 1")
-        if self.dp_size != 1:
-            raise ValueError(f"dp_size={self.dp_size}: data parallelism is not built yet; braid runs one scheduler "
-                             "group (--dp-size 1)")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError("nnodes must be >= 1 and node_rank in [0, nnodes)")
         if self.tp_size % self.nnodes:

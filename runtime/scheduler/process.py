@@ -290,14 +290,19 @@ def run(config: dict) -> int:
         ctx.term()
 
 
-def main() -> None:
+def child_process_config() -> dict:
+    """A server child's start: die with the parent, leave Ctrl-C to the server, read the JSON config on stdin."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: let the server drain first
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     config = json.loads(sys.stdin.read())
     if os.getppid() != config.get("parent_pid", os.getppid()):
         sys.exit(1)  # the parent died before the death signal was armed
-    sys.exit(run(config))
+    return config
+
+
+def main() -> None:
+    sys.exit(run(child_process_config()))
 
 
 if __name__ == "__main__":
