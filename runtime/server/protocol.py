@@ -419,14 +419,14 @@ def parse_generate(body: Any) -> GenerateRequest:
         if len(set(rids)) != len(rids):
             raise bad_request("rid values must be distinct", param="rid")
 
-    if "video" in (body.get("modalities") or ()) and body.get("video_data") is not None:
+    modalities = body.get("modalities")
+    if modalities is not None and not (isinstance(modalities, list) and all(m in _MODALITIES for m in modalities)):
+        raise bad_request(f"modalities must be a list of {', '.join(_MODALITIES)}", param="modalities")
+    if "video" in (modalities or ()) and body.get("video_data") is not None:
         raise bad_request("give a video either as video_data or as image_data with modalities ['video'], not both",
                           param="video_data")
     images = _per_prompt(body.get("image_data"), is_batch, len(prompts))
     videos = _per_prompt(body.get("video_data"), is_batch, len(prompts))
-    modalities = body.get("modalities")
-    if modalities is not None and not (isinstance(modalities, list) and all(m in _MODALITIES for m in modalities)):
-        raise bad_request(f"modalities must be a list of {', '.join(_MODALITIES)}", param="modalities")
 
     for name in ("stream", "return_logprob"):
         if not isinstance(body.get(name, False), bool):
