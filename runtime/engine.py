@@ -80,9 +80,9 @@ class Engine:
             if self.server_args.dp_size > 1:
                 raise ValueError("dp_size > 1 is a server feature (python -m braid.launch_server --dp-size N); the "
                                  "in-process Engine runs one scheduler group")
-            if self.server_args.tp_size > 1:
-                from braid.runtime.distributed.tensor_parallel import EngineRanks
+            from braid.runtime.distributed.tensor_parallel import EngineRanks, uses_distributed
 
+            if uses_distributed(self.server_args):
                 self._ranks = EngineRanks(self.server_args)
                 sched = self._ranks.build_scheduler()  # rank 0: records what the other ranks must replay
             else:

@@ -54,7 +54,7 @@ class Group:
 class DataParallelController:
     def __init__(self, config: dict):
         from braid.runtime.config import ServerArgs
-        from braid.runtime.distributed.tensor_parallel import group_init_addr
+        from braid.runtime.distributed.tensor_parallel import group_init_addr, uses_distributed
         from braid.runtime.scheduler import process
 
         self.server_args = ServerArgs(**config["server_args"])
@@ -77,7 +77,9 @@ class DataParallelController:
             recv = self.ctx.socket(zmq.PULL)
             recv.setsockopt(zmq.LINGER, 0)
             recv.bind(from_addr)
-            group_args = self.server_args.replace(dp_size=1, dist_init_addr=group_init_addr(self.server_args, g))
+            group_args = self.server_args.replace(dp_size=1)
+            if uses_distributed(self.server_args):
+                group_args = group_args.replace(dist_init_addr=group_init_addr(self.server_args, g))
             self.groups.append(Group(g, process.spawn(group_args, to_addr, from_addr), send, recv))
         self.poller = zmq.Poller()
         self.poller.register(self.from_server, zmq.POLLIN)

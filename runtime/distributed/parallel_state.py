@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 _TP_SIZE = 1
 _TP_RANK = 0
+_ACTIVE = False  # a torch.distributed world exists (tp 1 with --dist-init-addr too: the NCCL path on one GPU)
 _DEVICE_GROUP = None  # collectives on the model's tensors (NCCL on CUDA)
 _CPU_GROUP = None  # gloo: control bytes, whatever the device
 _DEVICE: Optional[torch.device] = None
@@ -33,14 +34,13 @@ def tp_rank() -> int:
 
 
 def is_initialized() -> bool:
-    return _TP_SIZE > 1
+    return _ACTIVE
 
 
 def init_tensor_parallel(tp_size: int, rank: int, init_addr: str, device: torch.device) -> None:
-    """Join the tp_size-rank world whose rendezvous (rank 0's TCP store) is `init_addr` (host:port)."""
-    global _TP_SIZE, _TP_RANK, _DEVICE_GROUP, _CPU_GROUP, _DEVICE
-    if tp_size == 1:
-        return
+    """Join the tp_size-rank world whose rendezvous (rank 0's TCP store) is `init_addr` (host:port). A world of one
+    rank runs every collective too (the distributed code path, checked on a single GPU)."""
+    global _TP_SIZE, _TP_RANK, _DEVICE_GROUP, _CPU_GROUP, _DEVICE, _ACTIVE
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -48,26 +48,26 @@ def init_tensor_parallel(tp_size: int, rank: int, init_addr: str, device: torch.
                             timeout=_COLLECTIVE_TIMEOUT)
     _DEVICE_GROUP = dist.group.WORLD
     _CPU_GROUP = dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT) if backend != "gloo" else _DEVICE_GROUP
-    _TP_SIZE, _TP_RANK, _DEVICE = tp_size, rank, device
+    _TP_SIZE, _TP_RANK, _DEVICE, _ACTIVE = tp_size, rank, device, True
 
 
 def destroy_tensor_parallel() -> None:
-    global _TP_SIZE, _TP_RANK, _DEVICE_GROUP, _CPU_GROUP, _DEVICE
+    global _TP_SIZE, _TP_RANK, _DEVICE_GROUP, _CPU_GROUP, _DEVICE, _ACTIVE
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TP_SIZE, _TP_RANK, _DEVICE_GROUP, _CPU_GROUP, _DEVICE = 1, 0, None, None, None
+    _TP_SIZE, _TP_RANK, _DEVICE_GROUP, _CPU_GROUP, _DEVICE, _ACTIVE = 1, 0, None, None, None, False
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over the ranks, in place."""
-    if _TP_SIZE > 1:
+    if _ACTIVE:
         dist.all_reduce(x, group=_DEVICE_GROUP)
     return x
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """x: [..., n] per rank -> [..., tp * n], rank r's part at [r * n, (r + 1) * n)."""
-    if _TP_SIZE == 1:
+    if not _ACTIVE:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
@@ -77,7 +77,7 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's values of x on every rank, in place."""
-    if _TP_SIZE > 1:
+    if _ACTIVE:
         dist.broadcast(x, src=0, group=_DEVICE_GROUP)
     return x
 
@@ -85,7 +85,7 @@ def broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
 def broadcast_bytes(data: Optional[bytes]) -> bytes:
     """Rank 0 passes the bytes, the others None; every rank returns rank 0's bytes (length first, then the payload,
     both on the gloo group)."""
-    if _TP_SIZE == 1:
+    if not _ACTIVE:
         assert data is not None
         return data
     length = torch.tensor([len(data) if _TP_RANK == 0 else 0], dtype=torch.int64)
@@ -114,7 +114,7 @@ def split_units(num_units: int, what: str) -> tuple[int, int]:
 
 def min_over_ranks(value: int) -> int:
     """The smallest of the ranks' values (pool sizes: every rank must schedule against the same KV budget)."""
-    if _TP_SIZE == 1:
+    if not _ACTIVE:
         return value
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CPU_GROUP)

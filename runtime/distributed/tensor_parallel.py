@@ -214,14 +214,20 @@ def local_ranks(server_args) -> range:
 
 def rank_device(server_args, rank: int) -> torch.device:
     device = torch.device(server_args.resolved_device)
-    if device.type == "cuda" and server_args.tp_size > 1:
+    if device.type == "cuda":
         return torch.device("cuda", rank % (server_args.tp_size // server_args.nnodes))
     return device
 
 
+def uses_distributed(server_args) -> bool:
+    """Whether the scheduler runs on torch.distributed: under TP, and at tp 1 when --dist-init-addr is given (a
+    world of one: every collective and the leader's broadcasts run, which is how one GPU checks the NCCL path)."""
+    return server_args.tp_size > 1 or server_args.dist_init_addr is not None
+
+
 def init_rank(server_args, rank: int, init_addr: str) -> None:
     """Join the TP world as `rank`; on a CPU host shared by several ranks, give each its share of the cores."""
-    if server_args.tp_size == 1:
+    if not uses_distributed(server_args):
         return
     device = rank_device(server_args, rank)
     if device.type == "cpu":
@@ -250,6 +256,9 @@ class EngineRanks:
     """The in-process Engine under TP: rank 0 runs on the Engine's scheduler thread, the others as processes."""
 
     def __init__(self, server_args):
+        if server_args.nnodes > 1:
+            raise ValueError("nnodes > 1 is a server feature (python -m braid.launch_server on every host); the "
+                             "in-process Engine runs all its ranks on this host")
         self.server_args = server_args
         self.init_addr = group_init_addr(server_args)
         self.followers = spawn_followers(server_args, self.init_addr, range(server_args.tp_size), os.getpid())

@@ -59,7 +59,7 @@ class VocabEmbedding(nn.Module):
             self.rounded_scale = torch.tensor(self.scale, dtype=self.weight.dtype).item()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if ps.tp_size() == 1:
+        if not ps.is_initialized():
             rows = F.embedding(input_ids, self.weight)
         else:
             local = input_ids - self.shard.start

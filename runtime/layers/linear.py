@@ -99,9 +99,7 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor, act: Optional[nn.Module] = None) -> torch.Tensor:
         # the bias and act come after the all-reduce of the partial sums
-        out = self.linear_method.apply(self, x)
-        if self.tp_size > 1:
-            out = ps.all_reduce(out)
+        out = ps.all_reduce(self.linear_method.apply(self, x))  # a no-op without a distributed world
         if self.bias is not None:
             out = out + self.bias
         return out if act is None else act(out)

@@ -269,14 +269,15 @@ def run(config: dict) -> int:
         t0 = time.time()
         tp.init_rank(server_args, 0, config.get("dist_init_addr"))
         scheduler = Scheduler(server_args)
-        if server_args.tp_size > 1:
+        distributed = tp.uses_distributed(server_args)
+        if distributed:
             scheduler = tp.LeaderScheduler(scheduler)
         logger.info("scheduler started in %.1f s", time.time() - t0)
         loop = SchedulerLoop(scheduler, recv_sock, send_sock, config.get("parent_pid"),
                              server_args.log_stats_interval_s)
         loop.send(M.Ready(int(scheduler.context_len), int(scheduler.vocab_size), server_args.model_path,
                           _model_info(scheduler, server_args)))
-        run_scheduler_loop(scheduler, scheduler.io(loop) if server_args.tp_size > 1 else loop)
+        run_scheduler_loop(scheduler, scheduler.io(loop) if distributed else loop)
         return 0
     except Exception:
         msg = traceback.format_exc()

@@ -130,3 +130,17 @@ def test_smollm2_server_tp2_equals_tp1_and_a_dead_rank_fails_fast(smollm2_tp1_id
         assert srv.proc.wait(20) != 0
     finally:
         srv.stop()
+
+
+def test_one_rank_through_the_distributed_path_equals_the_plain_path(tmp_path):
+    """--dist-init-addr at tp 1: a world of one, every collective and the leader's broadcasts run (on the H200 this
+    is the NCCL path: benchmarks/gpu/tp1_distributed_path.sh)."""
+    import transformers
+
+    from braid.runtime.distributed.tensor_parallel import free_loopback_addr
+
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    path = _save(transformers.LlamaForCausalLM(cfg), tmp_path)
+    prompts = _prompt_ids(300, (6, 20))
+    assert _greedy_ids(path, 1, prompts, dist_init_addr=free_loopback_addr()) == _greedy_ids(path, 1, prompts)
