@@ -70,10 +70,13 @@ def prepare_request(model: ServedModel, prompt: Union[str, list[int]],
     sampling field at fault.
     """
     mm_inputs = None
-    if _check_media(model, image_data, video_data, audio_data):
+    if _check_media(model, image_data, video_data, audio_data) or model.multimodal is not None:
+        # a vision model's prompt goes through its preparer even without media: an <image>/<video> mark
+        # without its item is a 400, not text
         _tokenize(model, prompt, add_special_tokens)  # the prompt's own checks
         input_ids, mm_inputs = model.multimodal.prepare(model.tokenizer, prompt, image_data, video_data,
                                                         add_special_tokens)
+        mm_inputs = mm_inputs if mm_inputs.items else None
     else:
         input_ids = _tokenize(model, prompt, add_special_tokens)
     sp = _sampling_params(model, sampling_params, len(input_ids), max_new_tokens_fills_context)

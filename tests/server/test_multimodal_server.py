@@ -144,3 +144,17 @@ def test_dsl_program_with_two_images_a_video_and_select(llava_server, backend_na
     meta = state.get_meta_info("why")
     prompt_tokens = meta.get("prompt_tokens") or meta.get("usage", {}).get("prompt_tokens")
     assert prompt_tokens > 2 * (4 * 4 + 1) + 3 * 2 * 2 + 1  # two base tiles with newlines, three pooled frames
+
+
+def test_malformed_media_fields_are_400s(llava_server):
+    png = _data_url(test_image(20, 20, seed=0))
+    bodies = [{"text": "<image>", "image_data": -1}, {"text": "<image>", "image_data": {"detail": "low"}},
+              {"text": "<image>", "image_data": [[png]]}, {"text": "<image>", "image_data": {"url": png, "detail": 5}},
+              {"text": "<video>", "video_data": {"frames": 3}}, {"text": "<video>", "video_data": [[1, 2]]},
+              {"text": "<video>", "video_data": "clip.mp4"}, {"text": "<video>", "video_data": []},
+              {"text": "<video>", "video_data": [png], "modalities": ["video"]},
+              {"text": "<image>", "image_data": "data:image/png;base64," + "A" * 100}]
+    for body in bodies:
+        r = llava_server.post("/generate", json={**body, "sampling_params": GREEDY})
+        assert r.status_code == 400, (body, r.text)
+    assert _idle_kv(llava_server) == 0
