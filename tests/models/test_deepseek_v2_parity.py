@@ -247,6 +247,17 @@ def test_config_refusals_and_expanded_kv_shape():
     assert (mla.attention_arch, mla.num_key_value_heads, mla.head_dim, mla.v_head_dim) == ("mha", 4, 24, 16)
 
 
+def test_tensor_parallel_refused(monkeypatch):
+    from braid.runtime.distributed import parallel_state as ps
+    from braid.runtime.loader.model_config import ModelConfig
+    from braid.runtime.models.deepseek_v2 import DeepseekV2ForCausalLM
+
+    monkeypatch.setattr(ps, "_TP_SIZE", 2)
+    config = ModelConfig.from_hf(_config(q_lora=False, moe="greedy", dense_layers=1).to_dict())
+    with pytest.raises(ValueError, match="MLA under tensor parallelism is not built yet"), torch.device("meta"):
+        DeepseekV2ForCausalLM(config)
+
+
 # ---------------------------------------------------------------------------- GPU: DeepSeek-V2-Lite's real shapes
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 V2_LITE_CONFIG = "benchmarks/configs/deepseek-v2-lite.json"
