@@ -12,7 +12,7 @@ A video is a list of frames, or {"frames": [...]}.
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from braid.runtime.core import RequestError
 from braid.runtime.multimodal.inputs import MultimodalInputs, pad_ids

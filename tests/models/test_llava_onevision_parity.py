@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from braid.runtime import Engine
-from llava_tiny import IMAGE_TOKEN, PATCH, PINPOINTS, TILE, VIDEO_TOKEN, make_tiny_llava, test_image as _image
+from llava_tiny import IMAGE_TOKEN, PATCH, TILE, VIDEO_TOKEN, make_tiny_llava, test_image as _image
 
 NEW_TOKENS = 6
 

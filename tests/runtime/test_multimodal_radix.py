@@ -59,6 +59,10 @@ def test_different_images_behind_one_path_share_no_kv(engine, media_dir):
     second = engine.generate(prompt, GREEDY, image_data=str(path))
     text_before = len(engine.tokenizer.encode("Same name, new picture: ", add_special_tokens=False))
     assert second["meta_info"]["cached_tokens"] <= text_before
+    test_image(64, 64, seed=7).save(path)  # the first picture again: its own KV, still cached
+    again = engine.generate(prompt, GREEDY, image_data=str(path))
+    assert again["output_ids"] == first["output_ids"]
+    assert again["meta_info"]["cached_tokens"] >= 0.9 * again["meta_info"]["prompt_tokens"]
     engine.flush_cache()
     fresh = engine.generate(prompt, GREEDY, image_data=replaced)
     assert second["output_ids"] == fresh["output_ids"]
