@@ -13,7 +13,6 @@ from typing import Iterable, Optional
 
 import torch
 
-from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.linear import norm_linear_act
 from braid.runtime.layers.moe import FusedMoE, route_expert_weights
 from braid.runtime.layers.rotary import get_rope
@@ -41,10 +40,6 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
         c = self.model_config
         if c.mla is None:
             raise ValueError("DeepseekV2ForCausalLM needs the MLA fields (kv_lora_rank, qk_rope_head_dim, ...)")
-        if ps.tp_size() > 1:
-            # qkv_proj would split the latent and the shared rope key over ranks; MLA needs them whole on each
-            raise ValueError("DeepseekV2ForCausalLM runs on one rank (--tp-size 1); MLA under tensor parallelism is "
-                             "not built yet")
         if layer_id == 0:
             # one rope table for every layer (163840 positions x 64 dims in fp32 for DeepSeek-V2)
             r = c.rope

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from braid.runtime.layers.linear import ColumnParallelLinear, Linear, RowParallelLinear
+from braid.runtime.distributed import parallel_state as ps
+from braid.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.radix_attention import RadixAttention
 from braid.runtime.layers.rotary import RotaryEmbedding
@@ -32,7 +33,9 @@ class MLAttention(nn.Module):
         super().__init__()
         if spec.attention != "mla":
             raise ValueError(f"layer {layer_id} is {spec.attention!r} attention; this block builds 'mla' layers")
-        self.num_heads = spec.num_heads
+        # TP: the heads split over the ranks (q_b/q_proj, kv_b and o_proj by head); the latent and the rope key are
+        # every head's, so each rank computes and caches them whole
+        head_first, self.num_heads = ps.split_units(spec.num_heads, f"layer {layer_id}'s attention heads")
         self.kv_lora_rank = mla.kv_lora_rank
         self.nope_dim = mla.qk_nope_head_dim
         self.rope_dim = mla.qk_rope_head_dim
@@ -42,17 +45,24 @@ class MLAttention(nn.Module):
         self.q_lora_rank = mla.q_lora_rank
         # the q part of qkv_proj: the q latent (q_lora) or q itself
         self.q_in = mla.q_lora_rank or self.num_heads * qk_dim
+        q_range = (0, mla.q_lora_rank) if mla.q_lora_rank else (head_first * qk_dim, self.q_in)
         # q_proj has no bias in DeepSeek's checkpoints, q_a_proj and kv_a_proj_with_mqa have one with attention_bias
         if bias and not mla.q_lora_rank:
             raise ValueError("attention_bias without q_lora_rank is not supported (q_proj has no bias)")
-        self.qkv_proj = ColumnParallelLinear(hidden_size, [self.q_in, self.kv_lora_rank + self.rope_dim], bias=bias)
+        self.qkv_proj = ColumnParallelLinear(hidden_size, [mla.q_lora_rank or spec.num_heads * qk_dim,
+                                                           self.kv_lora_rank + self.rope_dim], bias=bias,
+                                             shard_ranges=[q_range, (0, self.kv_lora_rank + self.rope_dim)])
         if mla.q_lora_rank:
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, rms_norm_eps)
-            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [self.num_heads * qk_dim])
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [spec.num_heads * qk_dim],
+                                                 shard_ranges=[(head_first * qk_dim, self.num_heads * qk_dim)])
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, rms_norm_eps)
         # [H * (nope + v), R]; absorbed, it becomes w_kc / w_vc in absorb_weights and is dropped
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_head_dim))
-        self.o_proj = RowParallelLinear(self.num_heads * self.v_head_dim, hidden_size, bias=bias)
+        kv_b_head = self.nope_dim + self.v_head_dim
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, [spec.num_heads * kv_b_head],
+                                              shard_ranges=[(head_first * kv_b_head, self.num_heads * kv_b_head)])
+        self.o_proj = RowParallelLinear(spec.num_heads * self.v_head_dim, hidden_size, bias=bias,
+                                        shard_range=(head_first * self.v_head_dim, self.num_heads * self.v_head_dim))
         self.rotary_emb = rotary
         self.w_kc = None  # [H, nope, R]: q_nope -> the latent query
         self.w_vc = None  # [H, R, v]: latent output -> the head's value output

@@ -144,3 +144,21 @@ def test_one_rank_through_the_distributed_path_equals_the_plain_path(tmp_path):
     path = _save(transformers.LlamaForCausalLM(cfg), tmp_path)
     prompts = _prompt_ids(300, (6, 20))
     assert _greedy_ids(path, 1, prompts, dist_init_addr=free_loopback_addr()) == _greedy_ids(path, 1, prompts)
+
+
+@pytest.mark.parametrize("q_lora", [False, True])
+def test_tiny_deepseek_v2_mla_and_moe_over_two_ranks_equal_one_rank(tmp_path, q_lora):
+    """MLA heads split over the ranks (each caches the whole latent), MoE experts split inside (their intermediate
+    dim), the shared experts and the dense MLP as column/row-parallel linears."""
+    import transformers
+
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, kv_lora_rank=32, q_lora_rank=24 if q_lora else None, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=1.5, max_position_embeddings=256, tie_word_embeddings=False,
+        topk_method="greedy")
+    torch.manual_seed(0)
+    path = _save(transformers.DeepseekV2ForCausalLM(cfg), tmp_path)
+    prompts = _prompt_ids(300, (6, 30))
+    assert _greedy_ids(path, 2, prompts) == _greedy_ids(path, 1, prompts)
