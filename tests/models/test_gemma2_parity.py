@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from braid.runtime import Engine
+from byte_tokenizer import byte_tokenizer
 
 WINDOW = 16
 VOCAB = 512
@@ -36,6 +37,7 @@ def _save(path, cfg, seed=0):
         for name, p in model.named_parameters():
             p.normal_(0, 0.5 if name.endswith("norm.weight") else 0.25)
     model.save_pretrained(path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(path)
     model.config._attn_implementation = "eager"
     return model.eval()
 
@@ -58,7 +60,7 @@ def triton_on_cpu(monkeypatch):
 
 def _engine(path, backend, **kw):
     kw = {"max_total_tokens": 2048, "max_running_requests": 8, "log_level": "warning", **kw}
-    return Engine(model_path=path, tokenizer_path="smollm2", attention_backend=backend, **kw)
+    return Engine(model_path=path, attention_backend=backend, **kw)
 
 
 def _prompts(lengths, seed=1):
