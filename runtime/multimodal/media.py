@@ -1,5 +1,6 @@
 """Media loading with limits: images from PIL objects, bytes, base64 data URLs, files under an allowed directory,
-or http(s) when remote media is enabled; videos as lists of frames.
+or http(s) when remote media is enabled; videos as lists of frames or as video files (animated GIF/WebP/PNG with
+PIL, other formats when PyAV is installed).
 
 Every way in is bounded: encoded bytes (`max_bytes`), decoded pixels (`max_pixels`, checked from the header before
 decoding), frames per video, and the download's time. Remote fetches refuse hosts that resolve to loopback,
@@ -68,18 +69,87 @@ def load_image(source: Any, limits: MediaLimits, param: str = "image_data"):
 
 
 def load_video(source: Any, limits: MediaLimits, param: str = "video_data") -> list:
-    """A video as its frames (PIL images): a list of image sources. Video files need a decoder braid does not
-    ship; pass frames."""
-    if isinstance(source, dict) and "frames" in source:
-        source = source["frames"]
-    if not isinstance(source, (list, tuple)):
-        raise MediaError("a video must be given as a list of frames (images); decoding video files is not supported",
-                         param)
-    if not source:
-        raise MediaError("a video needs at least one frame", param)
-    if len(source) > limits.max_frames:
-        raise MediaError(f"a video may have at most {limits.max_frames} frames, got {len(source)}", param)
-    return [load_image(frame, limits, param) for frame in source]
+    """A video as its frames (PIL images), from a list of image sources (or {"frames": [...]}), or from a video
+    file given like an image (data URL, allowed path, URL when enabled, bytes; or {"url": ..., "num_frames": n})
+    and decoded with PIL (animated GIF, WebP, PNG) or, when it is installed, PyAV. `num_frames` evenly spaced
+    frames are kept; without it every frame, which must be at most `max_frames`."""
+    num_frames = None
+    if isinstance(source, dict):
+        if "frames" in source:
+            source = source["frames"]
+        else:
+            num_frames, source = source.get("num_frames"), source.get("url")
+    if isinstance(source, (list, tuple)):
+        if not source:
+            raise MediaError("a video needs at least one frame", param)
+        if len(source) > limits.max_frames:
+            raise MediaError(f"a video may have at most {limits.max_frames} frames, got {len(source)}", param)
+        return [load_image(frame, limits, param) for frame in source]
+    if isinstance(source, str):
+        data = _read_source(source, limits, param)
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+    else:
+        raise MediaError("a video must be a list of frames or a video file (data URL, path, URL or bytes)", param)
+    if len(data) > limits.max_bytes:
+        raise MediaError(f"a video file may be at most {limits.max_bytes} bytes (--max-image-bytes)", param)
+    if num_frames is not None and (not isinstance(num_frames, int) or isinstance(num_frames, bool)
+                                   or not 1 <= num_frames <= limits.max_frames):
+        raise MediaError(f"num_frames must be an integer in [1, {limits.max_frames}]", param)
+    return _decode_video(data, num_frames, limits, param)
+
+
+def _evenly_spaced(total: int, count: int) -> list[int]:
+    if count >= total:
+        return list(range(total))
+    return [round(i * (total - 1) / max(count - 1, 1)) for i in range(count)]
+
+
+def _decode_video(data: bytes, num_frames: Optional[int], limits: MediaLimits, param: str) -> list:
+    from PIL import Image, UnidentifiedImageError
+
+    def pick(total: int) -> list[int]:
+        if num_frames is None and total > limits.max_frames:
+            raise MediaError(f"the video has {total} frames, at most {limits.max_frames} are allowed; pass "
+                             "num_frames to sample fewer", param)
+        return _evenly_spaced(total, num_frames or total)
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        total = getattr(img, "n_frames", 1)
+        if total > 1:
+            _check_pixels(img.size, limits, param)
+            frames = []
+            for index in pick(total):
+                img.seek(index)
+                frames.append(img.convert("RGB"))
+            return frames
+    except MediaError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        pass
+    try:
+        import av
+    except ImportError:
+        raise MediaError("the video is not an animated GIF/WebP/PNG; other video formats need PyAV installed on the "
+                         "server (or send frames)", param) from None
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            frames = []
+            for frame in container.decode(video=0):
+                frames.append(frame)
+                if num_frames is None and len(frames) > limits.max_frames:
+                    pick(len(frames))  # raises: too many frames
+            images = [frames[i].to_image() for i in pick(len(frames))]
+    except MediaError:
+        raise
+    except Exception as e:  # noqa: BLE001 - PyAV raises its own error classes for undecodable input
+        raise MediaError(f"the {param} payload is not a decodable video ({type(e).__name__})", param) from None
+    if not images:
+        raise MediaError("the video has no frames", param)
+    for im in images:
+        _check_pixels(im.size, limits, param)
+    return [im.convert("RGB") for im in images]
 
 
 def decode_image(data: bytes, limits: MediaLimits, param: str):

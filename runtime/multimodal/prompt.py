@@ -6,7 +6,7 @@ i-th entry of image_data, the i-th `<video>` the i-th entry of video_data; the c
 each item is explicit (which list it came in), never inferred from a count. As in HF's LLaVA-OneVision processor,
 a request's only image is tiled (anyres); with several images each is one base tile. An image given as
 {"url": ..., "detail": "low"} (OpenAI's image_url object) is one base tile even alone; "auto" and "high" tile it.
-A video is a list of frames, or {"frames": [...]}.
+A video is a list of frames, {"frames": [...]}, or a video file ({"url": ..., "num_frames": n}, see media.py).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ def as_item_list(data: Any) -> list:
 
 
 def as_video_list(data: Any) -> list:
-    """video_data as a list of videos. A video is a list of frames (or {"frames": [...]}), so a list whose entries
-    are not themselves videos is one video."""
+    """video_data as a list of videos. A video is a list of frames, {"frames": [...]}, {"url": <video file>} or a
+    video file's data URL/path/bytes given bare; a list of strings or bytes is one video's frames."""
     if not isinstance(data, (list, tuple)):
-        return as_item_list(data)  # one video given bare (load_video refuses what is not frames)
+        return as_item_list(data)
     items = as_item_list(data)
-    if items and not any(isinstance(v, (list, tuple)) or (isinstance(v, dict) and "frames" in v) for v in items):
+    if items and not any(isinstance(v, (list, tuple, dict)) for v in items):
         return [items]
     return items
 

@@ -64,12 +64,32 @@ def test_videos_are_lists_of_frames():
     assert len(load_video([frame] * 3, MediaLimits())) == 3
     with pytest.raises(MediaError, match="at most 2 frames"):
         load_video([frame] * 3, MediaLimits(max_frames=2))
-    with pytest.raises(MediaError, match="list of frames"):
-        load_video("clip.mp4", MediaLimits())
+    with pytest.raises(MediaError, match="--allowed-local-media-path"):
+        load_video("clip.mp4", MediaLimits())  # a video file follows the image rules
     # a list of frames is one video; a list of lists is several
     assert as_video_list([frame, frame]) == [[frame, frame]]
     assert as_video_list([[frame], [frame, frame]]) == [[frame], [frame, frame]]
     assert as_video_list({"frames": [frame]}) == [{"frames": [frame]}]
+
+
+def test_animated_video_files_decode_with_sampling():
+    from PIL import Image
+
+    frames = [Image.new("RGB", (20, 16), (i * 25, 0, 0)) for i in range(10)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=40)
+    url = "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert len(load_video(url, MediaLimits())) == 10
+    sampled = load_video({"url": url, "num_frames": 4}, MediaLimits())
+    reds = [f.getpixel((0, 0))[0] for f in sampled]
+    assert len(sampled) == 4 and reds == sorted(reds) and reds[0] < 10 and reds[-1] > 200  # first to last, in order
+    with pytest.raises(MediaError, match="pass num_frames"):
+        load_video(url, MediaLimits(max_frames=5))
+    with pytest.raises(MediaError, match="num_frames must be"):
+        load_video({"url": url, "num_frames": 0}, MediaLimits())
+    still = "data:image/png;base64," + base64.b64encode(_png()).decode()
+    with pytest.raises(MediaError, match="need PyAV"):
+        load_video(still, MediaLimits())
 
 
 def test_too_many_items_in_one_request():

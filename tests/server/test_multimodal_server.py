@@ -64,6 +64,21 @@ def _chatml(user: str) -> str:
            f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_chat_video_url_of_an_animated_file(llava_server):
+    frames = [test_image(30, 30, seed=50 + i) for i in range(6)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=40)
+    url = "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url, "num_frames": 3}},
+                                             {"type": "text", "text": "What happens?"}]}]
+    with_video = llava_server.post("/v1/chat/completions", json={"model": "default", "messages": messages,
+                                                                 "max_tokens": 2})
+    without = llava_server.post("/v1/chat/completions", json={"model": "default", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "What happens?"}]})
+    assert with_video.status_code == 200, with_video.text
+    assert with_video.json()["usage"]["prompt_tokens"] == without.json()["usage"]["prompt_tokens"] + 3 * 2 * 2 + 1
+
+
 def test_video_frames_and_local_file(llava_server):
     frames = [_data_url(test_image(30, 30, seed=10 + i)) for i in range(3)]
     r = llava_server.post("/generate", json={"text": "<video> then <image>", "image_data": frames,
