@@ -8,8 +8,8 @@ every rank builds the same batches and the model's collectives line up. The samp
 (ModelRunner broadcasts them), so a draw can never differ between ranks; only rank 0 emits outputs.
 
 What could make the schedules diverge is kept out: grammar compiles finish on each rank at their own time, so
-rank 0 decides which compiled grammars a step admits and the followers wait for those; requests carry rank 0's
-creation time (the LPM policy ages requests by it).
+rank 0 decides which compiled grammars a step admits and the followers wait for those; admission reads rank 0's
+clock and requests carry rank 0's creation time (the LPM policy ages waiting requests by them).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import subprocess
+import time
 from typing import Optional
 
 import msgspec
@@ -44,6 +45,18 @@ class LeaderStep(msgspec.Struct):
     commands: list[Command] = []
     grammars: list[GrammarDecision] = []
     stop: bool = False
+    clock: float = 0.0  # rank 0's time.time(): the step's admission clock on every rank
+
+
+class StepClock:
+    """PrefillPlanner's clock under TP: the time rank 0 broadcast with the step, the same on every rank."""
+
+    def __init__(self, planner):
+        self.now = time.time()
+        planner.clock = self
+
+    def __call__(self) -> float:
+        return self.now
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -98,6 +111,7 @@ class LeaderScheduler:
         self._scheduler = scheduler
         self._commands: list[Command] = []
         self._gate = GrammarGate(scheduler.intake)
+        self._clock = StepClock(scheduler.prefill)
 
     def __getattr__(self, name):
         return getattr(self._scheduler, name)
@@ -124,10 +138,10 @@ class LeaderScheduler:
         return LeaderIO(self, inner)
 
     def broadcast_step(self, stop: bool) -> None:
-        step = LeaderStep(self._commands, self._gate.decide(), stop)
+        self._clock.now = time.time()
+        step = LeaderStep(self._commands, self._gate.decide(), stop, self._clock.now)
         self._commands = []
-        empty = not (step.commands or step.grammars or step.stop)
-        ps.broadcast_bytes(b"" if empty else _encoder.encode(step))
+        ps.broadcast_bytes(_encoder.encode(step))
 
 
 class LeaderIO:
@@ -151,9 +165,10 @@ def follow(scheduler) -> None:
     from braid.runtime.server import messages as M
 
     gate = GrammarGate(scheduler.intake)
+    clock = StepClock(scheduler.prefill)
     while True:
-        data = ps.broadcast_bytes(None)
-        step = _decoder.decode(data) if data else LeaderStep()
+        step = _decoder.decode(ps.broadcast_bytes(None))
+        clock.now = step.clock
         for command in step.commands:
             msg = M.decode_to_scheduler(command.message)
             try:

@@ -63,6 +63,7 @@ class PrefillPlanner:
         self.tree_cache = tree_cache
         self.req_to_token_pool = req_to_token_pool
         self.device = device
+        self.clock = time.time  # under TP every rank reads rank 0's clock here (distributed/tensor_parallel.py)
         chunk = server_args.chunked_prefill_size
         self.token_budget = min(server_args.max_prefill_tokens, (1 << 30) if chunk == -1 else chunk)
 
@@ -125,7 +126,7 @@ class PrefillPlanner:
             for req in waiting:
                 if req.req_pool_idx is None:
                     match_prefix(req, self.tree_cache)
-            overdue = time.time() - LPM_MAX_WAIT_S
+            overdue = self.clock() - LPM_MAX_WAIT_S
             # stable: ties keep arrival order
             return sorted(waiting, key=lambda r: (r.created_time > overdue, -len(r.prefix_indices))), True
         return waiting, False

@@ -66,13 +66,32 @@ def test_tiny_gemma2_over_two_ranks_equals_one_rank(tmp_path):
     assert _greedy_ids(path, 2, prompts) == _greedy_ids(path, 1, prompts)
 
 
+PHONE = r"\(\d{3}\) \d{3}-\d{4}"
+
+
+def _smollm2_outputs(tp_size: int) -> dict:
+    """Greedy prompts, a regex-constrained request (the grammar gate), seeded n=2 sampling (rank 0's draws)."""
+    with Engine(model_path="smollm2", tp_size=tp_size, max_total_tokens=2048, log_level="warning") as engine:
+        out = {"greedy": [r["output_ids"] for r in engine.generate(SMOLLM2_PROMPTS, GREEDY)]}
+        out["regex"] = engine.generate("Call me at ", {"temperature": 0, "max_new_tokens": 20, "regex": PHONE})["text"]
+        out["sampled"] = [r["output_ids"] for r in engine.generate(
+            "Once upon a time", {"temperature": 1.0, "max_new_tokens": 8, "n": 2, "seed": 5, "ignore_eos": True})]
+        out["kv_used"] = engine.get_stats()["kv_used_tokens"]
+    return out
+
+
 @pytest.fixture(scope="module")
-def smollm2_tp1_ids():
-    return _greedy_ids("smollm2", 1, SMOLLM2_PROMPTS)
+def smollm2_tp1():
+    return _smollm2_outputs(1)
 
 
-def test_smollm2_engine_tp2_equals_tp1(smollm2_tp1_ids):
-    assert _greedy_ids("smollm2", 2, SMOLLM2_PROMPTS) == smollm2_tp1_ids
+def test_smollm2_engine_tp2_equals_tp1(smollm2_tp1):
+    import re
+
+    tp2 = _smollm2_outputs(2)
+    assert tp2 == smollm2_tp1
+    assert re.fullmatch(PHONE, tp2["regex"]) and tp2["kv_used"] == 0
+    assert tp2["sampled"][0] != tp2["sampled"][1]  # two seeds, two samples
 
 
 def test_unsupported_family_and_uneven_split_are_refused(tmp_path):
@@ -92,13 +111,13 @@ def _rank_pids(server_pid: int) -> list[int]:
     return sorted(c.pid for c in children if "braid.runtime.scheduler.process" in " ".join(c.cmdline()))
 
 
-def test_smollm2_server_tp2_equals_tp1_and_a_dead_rank_fails_fast(smollm2_tp1_ids):
+def test_smollm2_server_tp2_equals_tp1_and_a_dead_rank_fails_fast(smollm2_tp1):
     srv = start_server(["--model-path", "smollm2", "--tp-size", "2", "--max-total-tokens", "2048", "--api-key", "k",
                         "--log-stats-interval-s", "0"], "k", "braid-tp2-")
     try:
         got = [srv.post("/generate", {"text": p, "sampling_params": GREEDY}).json()["output_ids"]
                for p in SMOLLM2_PROMPTS]
-        assert got == smollm2_tp1_ids
+        assert got == smollm2_tp1["greedy"]
         info = srv.get("/get_server_info").json()
         assert info["tp_size"] == 2 and info["kv_used_tokens"] == 0
 
