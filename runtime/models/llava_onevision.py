@@ -139,9 +139,11 @@ class LlavaOnevisionForConditionalGeneration(LlamaForCausalLM):
         best_h, best_w = select_best_resolution(height, width, self.pinpoints)
         rows_t, cols_t = best_h // self.tile, best_w // self.tile
         if feats.shape[0] != 1 + rows_t * cols_t:
-            raise ValueError(f"image of {height}x{width} has {feats.shape[0] - 1} grid tiles, expected {rows_t * cols_t}")
-        grid = feats[1:].view(rows_t, cols_t, g, g, hidden).permute(4, 0, 2, 1, 3).reshape(hidden, rows_t * g,
-                                                                                            cols_t * g)
+            raise ValueError(f"image of {height}x{width} has {feats.shape[0] - 1} grid tiles, expected "
+                             f"{rows_t * cols_t}")
+        # [rows_t, cols_t, G, G, H] -> [H, rows_t * G, cols_t * G]: the grid's features as one feature map
+        grid = feats[1:].view(rows_t, cols_t, g, g, hidden).permute(4, 0, 2, 1, 3)
+        grid = grid.reshape(hidden, rows_t * g, cols_t * g)
         top, bottom, left, right = unpadded_grid(height, width, rows_t * g, cols_t * g)
         grid = grid[:, top:bottom, left:right]
         rows, cols, shrink = anyres_feature_shape(height, width, rows_t * g, cols_t * g, self.max_tiles, g)

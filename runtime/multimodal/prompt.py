@@ -81,11 +81,11 @@ class MultimodalPreparer:
                              f"{len(images) + len(videos)}", "image_data" if images else "video_data")
         segments = self._segments(tokenizer, prompt, add_special_tokens)
         marks = [s for s in segments if isinstance(s, str)]
-        for kind, given, param in (("image", images, "image_data"), ("video", videos, "video_data")):
+        for kind, mark, given, param in (("image", IMAGE_PLACEHOLDER, images, "image_data"),
+                                         ("video", VIDEO_PLACEHOLDER, videos, "video_data")):
             if marks.count(kind) != len(given):
-                raise RequestError(f"the prompt marks {marks.count(kind)} {kind}(s) ({IMAGE_PLACEHOLDER if kind == 'image' else VIDEO_PLACEHOLDER}"
-                                   f" in text, or the {kind} token id in input ids) but {param} holds {len(given)}",
-                                   param)
+                raise RequestError(f"the prompt marks {marks.count(kind)} {kind}(s) ({mark} in text, or the {kind} "
+                                   f"token id in input ids) but {param} holds {len(given)}", param)
         # a request's only image is tiled, unless it asks for detail "low" (OpenAI's one low-resolution tile)
         details = [_detail(image) for image in images]
         anyres = len(images) == 1 and details[0] != "low"
