@@ -54,12 +54,11 @@ def _tensor_parallel_range(model: torch.nn.Module):
 
 
 _TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM",
-                                  "DeepseekV2ForCausalLM")
+                                  "DeepseekV2ForCausalLM", "LlavaOnevisionForConditionalGeneration")
 
 
 def check_tensor_parallel_support(model_config: ModelConfig, tp_size: int) -> None:
-    """Families whose layers are not split over ranks yet (LLaVA's vision tower) are refused
-    before anything is loaded."""
+    """Families whose layers are not split over ranks yet are refused before anything is loaded."""
     if tp_size > 1 and model_config.architecture not in _TENSOR_PARALLEL_ARCHITECTURES:
         raise ValueError(f"tp_size={tp_size}: {model_config.architecture} is not split over tensor-parallel ranks "
                          f"yet (supported: {', '.join(_TENSOR_PARALLEL_ARCHITECTURES)}); run it with --tp-size 1 "

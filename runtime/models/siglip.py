@@ -39,20 +39,23 @@ class SiglipVisionEmbeddings(nn.Module):
 
 
 class SiglipAttention(nn.Module):
+    """Under tensor parallelism each rank holds num_heads / tp heads (q, k and v column-split, out row-split)."""
+
     def __init__(self, vision: VisionConfig):
         super().__init__()
         d = vision.hidden_size
-        self.num_heads = vision.num_attention_heads
-        self.head_dim = d // self.num_heads
+        self.head_dim = d // vision.num_attention_heads
         self.qkv_proj = ColumnParallelLinear(d, [d, d, d], bias=True)
+        self.num_heads = self.qkv_proj.output_sizes[0] // self.head_dim  # this rank's heads
         self.out_proj = RowParallelLinear(d, d, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [N, L, D]
+        # x: [N, L, D] -> q, k, v: [N, L, heads, Dh]
         n, length, d = x.shape
-        q, k, v = self.qkv_proj(x.reshape(n * length, d)).view(n, length, 3, self.num_heads, self.head_dim).unbind(2)
+        qkv = self.qkv_proj(x.reshape(n * length, d))
+        q, k, v = qkv.view(n, length, 3, self.num_heads, self.head_dim).unbind(2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.out_proj(out.transpose(1, 2).reshape(n * length, d)).view(n, length, d)
+        return self.out_proj(out.transpose(1, 2).reshape(n * length, self.num_heads * self.head_dim)).view(n, length, d)
 
 
 class SiglipMLP(nn.Module):
