@@ -247,7 +247,9 @@ def init_rank(server_args, rank: int, init_addr: str) -> None:
     device = rank_device(server_args, rank)
     if device.type == "cpu":
         per_host = server_args.tp_size // server_args.nnodes
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_host))
+        # never more threads than the process was given (OMP_NUM_THREADS): spinning OpenMP teams of two ranks on
+        # the same cores wait on each other at every collective
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // per_host)))
     ps.init_tensor_parallel(server_args.tp_size, rank, init_addr, device)
 
 

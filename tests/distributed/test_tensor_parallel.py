@@ -181,3 +181,31 @@ def test_tiny_deepseek_v2_mla_and_moe_over_two_ranks_equal_one_rank(tmp_path, q_
     path = _save(transformers.DeepseekV2ForCausalLM(cfg), tmp_path)
     prompts = _prompt_ids(300, (6, 30))
     assert _greedy_ids(path, 2, prompts) == _greedy_ids(path, 1, prompts)
+
+
+def test_two_nodes_on_one_host_serve_what_one_rank_does(smollm2_tp1):
+    """--nnodes 2: node 0 serves HTTP with rank 0, node 1 (--node-rank 1) runs rank 1 and exits 0 when node 0 stops."""
+    import subprocess
+    import sys
+
+    from real_server import free_port
+
+    common = ["--model-path", "smollm2", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr",
+              f"127.0.0.1:{free_port()}", "--max-total-tokens", "2048", "--log-level", "warning"]
+    # one thread, like the test servers: both "nodes" share this host's 2 cores
+    node1 = subprocess.Popen([sys.executable, "-m", "braid.runtime.launch", *common, "--node-rank", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        srv = start_server([*common, "--api-key", "k"], "k", "braid-node0-")
+        try:
+            got = srv.post("/generate", {"text": SMOLLM2_PROMPTS[0], "sampling_params": GREEDY}).json()["output_ids"]
+            assert got == smollm2_tp1["greedy"][0]
+            assert len(_rank_pids(srv.proc.pid)) == 1  # node 0 runs one of the two ranks
+        finally:
+            srv.stop()
+        assert node1.wait(30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
