@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 class Command(msgspec.Struct):
     message: bytes  # messages.encode(GenerateReq | AbortReq | FlushCacheReq)
     created_time: float = 0.0  # a GenerateReq's Req.created_time on rank 0
+    accepted: bool = True  # whether rank 0's add_request took it (a follower must agree)
 
 
 class GrammarDecision(msgspec.Struct):
@@ -119,8 +120,13 @@ class LeaderScheduler:
     def add_request(self, req) -> None:
         from braid.runtime.server import messages as M
 
-        self._commands.append(Command(M.encode(M.generate_req(req)), req.created_time))
-        self._scheduler.add_request(req)
+        command = Command(M.encode(M.generate_req(req)), req.created_time)
+        self._commands.append(command)
+        try:
+            self._scheduler.add_request(req)
+        except Exception:
+            command.accepted = False
+            raise
 
     def abort_request(self, rid: str) -> None:
         from braid.runtime.server import messages as M
@@ -171,22 +177,35 @@ def follow(scheduler) -> None:
         clock.now = step.clock
         for command in step.commands:
             msg = M.decode_to_scheduler(command.message)
-            try:
-                if isinstance(msg, M.GenerateReq):
-                    req = req_from_message(msg)
-                    req.created_time = command.created_time
-                    scheduler.add_request(req)
-                elif isinstance(msg, M.AbortReq):
-                    scheduler.abort_request(msg.rid)
-                elif isinstance(msg, M.FlushCacheReq):
-                    scheduler.flush_cache()
-            except ValueError:
-                pass  # rank 0 rejected it too, and told the client
+            if isinstance(msg, M.GenerateReq):
+                add_like_rank_0(scheduler, msg, command)
+            elif isinstance(msg, M.AbortReq):
+                scheduler.abort_request(msg.rid)
+            elif isinstance(msg, M.FlushCacheReq):
+                scheduler.flush_cache()
         gate.follow(step.grammars)
         if step.stop:
             return
         if scheduler.has_work():
             scheduler.step()  # outputs are rank 0's to send
+
+
+def add_like_rank_0(scheduler, msg, command: Command) -> None:
+    """Add a request rank 0 received; its outcome (taken or refused: rank 0 told the client) must be rank 0's.
+    Refusals that depend on this rank's timing (a full grammar queue) are the only way the outcomes can differ."""
+    req = req_from_message(msg)
+    req.created_time = command.created_time
+    try:
+        scheduler.add_request(req)
+        accepted, reason = True, ""
+    except ValueError as e:
+        accepted, reason = False, str(e)
+    if accepted == command.accepted:
+        return
+    if not accepted:
+        raise RuntimeError(f"request {msg.rid} was taken on rank 0 but refused on this rank ({reason}); the ranks' "
+                           "schedules would diverge")
+    scheduler.abort_request(msg.rid)  # refused on rank 0: never scheduled here either
 
 
 def req_from_message(msg):

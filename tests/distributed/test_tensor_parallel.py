@@ -72,6 +72,8 @@ PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 def _smollm2_outputs(tp_size: int) -> dict:
     """Greedy prompts, a regex-constrained request (the grammar gate), seeded n=2 sampling (rank 0's draws)."""
     with Engine(model_path="smollm2", tp_size=tp_size, max_total_tokens=2048, log_level="warning") as engine:
+        with pytest.raises(ValueError, match="regex"):  # refused in the scheduler: on every rank, before any step
+            engine.generate("Hi", {"max_new_tokens": 4, "regex": "(unclosed"})
         out = {"greedy": [r["output_ids"] for r in engine.generate(SMOLLM2_PROMPTS, GREEDY)]}
         out["regex"] = engine.generate("Call me at ", {"temperature": 0, "max_new_tokens": 20, "regex": PHONE})["text"]
         out["sampled"] = [r["output_ids"] for r in engine.generate(
