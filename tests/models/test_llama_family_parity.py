@@ -9,6 +9,8 @@ VARIANTS = {
     "llama3_rope_scaling": dict(model_type="llama", cls="LlamaForCausalLM", extra=dict(
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64}, rope_theta=500000.0)),
+    "qwen2_yarn_rope_scaling": dict(model_type="qwen2", cls="Qwen2ForCausalLM", extra=dict(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})),
     "qwen2_qkv_bias": dict(model_type="qwen2", cls="Qwen2ForCausalLM", extra=dict()),
     "mistral_sliding_window": dict(model_type="mistral", cls="MistralForCausalLM", extra=dict(sliding_window=16)),
     "smollm_tied": dict(model_type="llama", cls="LlamaForCausalLM", extra=dict(tie_word_embeddings=True)),

@@ -22,12 +22,6 @@ def test_a_quantized_checkpoint_is_refused():
         _engine(quantization_config={"quant_method": "awq"})
 
 
-def test_an_unbuilt_rope_scaling_is_refused():
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}
-    with pytest.raises(ValueError, match="rope scaling 'yarn' is not built yet"):
-        _engine(rope_scaling=yarn)
-
-
 def test_a_plain_tiny_model_runs():
     with _engine() as engine:
         out = engine.generate("hello", {"max_new_tokens": 3, "temperature": 0})
