@@ -1,6 +1,9 @@
-"""--dp-size 2: two independent scheduler groups behind one server, requests routed to the least busy one."""
+"""--dp-size 2: two independent scheduler groups behind one server, requests routed to the least busy one; a group
+that dies takes the server down (non-zero exit)."""
 
 from concurrent.futures import ThreadPoolExecutor
+
+import psutil
 
 from braid.runtime.distributed.data_parallel import merge_stats
 from real_server import start_server
@@ -34,6 +37,14 @@ def test_two_groups_serve_64_concurrent_requests_each_answered_once():
         assert sum(g["num_requests_total"] for g in groups) == info["num_requests_total"] == 64
         assert info["kv_used_tokens"] == 0 and all(g["kv_used_tokens"] == 0 for g in groups)
         assert srv.post("/flush_cache").status_code == 200
+
+        # a group that dies takes the server to its error state
+        controller = next(c for c in psutil.Process(srv.proc.pid).children()
+                          if "braid.runtime.distributed.data_parallel" in " ".join(c.cmdline()))
+        groups = [c for c in controller.children() if "braid.runtime.scheduler.process" in " ".join(c.cmdline())]
+        assert len(groups) == 2
+        groups[1].kill()
+        assert srv.proc.wait(20) != 0
     finally:
         srv.stop()
 
