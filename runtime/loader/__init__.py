@@ -40,7 +40,16 @@ def _tensor_parallel_range(model: torch.nn.Module):
     """(name, shape) -> (dim, start, stop) of this TP rank's part of a checkpoint tensor, asked of the module that
     will hold it (its `rank_range`); None for tensors every rank keeps whole."""
 
+    from braid.runtime.layers.moe.layer import EXPERT_WEIGHT_NAME
+
     def rank_range(name: str, shape: list[int]):
+        expert = EXPERT_WEIGHT_NAME.match(name)
+        if expert is not None:  # a FusedMoE's per-expert matrix: the rank's slice of its intermediate dim
+            try:
+                ask = getattr(model.get_submodule(expert["layer"]), "expert_rank_range", None)
+            except AttributeError:
+                return None
+            return ask(expert["proj"], shape) if ask is not None else None
         target, shard_id = model.fused_name(name)
         module_path, _, attr = target.rpartition(".")
         try:

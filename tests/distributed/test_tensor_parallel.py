@@ -211,3 +211,36 @@ def test_two_nodes_on_one_host_serve_what_one_rank_does(smollm2_tp1):
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+def test_the_sharded_loader_reads_only_the_ranks_slices(tmp_path, monkeypatch):
+    """Rank 1 of 2 reads half of each split tensor from the safetensors file (experts included), whole tensors for
+    what every rank keeps."""
+    import transformers
+
+    from braid.runtime.config import ServerArgs
+    from braid.runtime.distributed import parallel_state as ps
+    from braid.runtime.loader import iter_weights, load_model_config
+    from braid.runtime.models.registry import get_model_class
+
+    cfg = transformers.DeepseekV2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        max_position_embeddings=256, tie_word_embeddings=False, topk_method="greedy")
+    path = _save(transformers.DeepseekV2ForCausalLM(cfg), tmp_path)
+    monkeypatch.setattr(ps, "_TP_SIZE", 2)
+    monkeypatch.setattr(ps, "_TP_RANK", 1)
+    args = ServerArgs(model_path=path, tp_size=2)
+    model_config = load_model_config(args)
+    with torch.device("meta"):
+        model = get_model_class(model_config.architecture)(model_config)
+    weights, _ = iter_weights(model_config, args, model)
+    shapes = {name: tuple(t.shape) for name, t in weights}
+    layer = "model.layers.1."
+    assert shapes[layer + "mlp.experts.3.gate_proj.weight"] == (16, 64)  # intermediate 32 over 2 ranks
+    assert shapes[layer + "mlp.experts.3.down_proj.weight"] == (64, 16)
+    assert shapes[layer + "self_attn.q_b_proj.weight"] == (2 * 24, 24)  # 2 of 4 heads
+    assert shapes[layer + "self_attn.kv_a_proj_with_mqa.weight"] == (32 + 8, 64)  # the latent: whole
+    assert shapes[layer + "self_attn.o_proj.weight"] == (64, 2 * 16)
+    assert shapes["model.embed_tokens.weight"] == (150, 64) and shapes[layer + "mlp.gate.weight"] == (4, 64)

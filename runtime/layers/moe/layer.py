@@ -89,20 +89,32 @@ class FusedMoE(nn.Module):
             if param.is_meta:
                 setattr(self, attr, nn.Parameter(torch.empty(param.shape, device=device, dtype=loaded.dtype),
                                                  requires_grad=False))
+        # the whole matrix (narrowed here), or this rank's slice already (the sharded loader reads only that)
         if proj == "down_proj":
             expected, target = (self.hidden_size, inter * self.tp_size), self.w2_weight.data[expert]
             part = loaded.narrow(1, rank * inter, inter) if loaded.shape == expected else None
+            if loaded.shape == target.shape:
+                part = loaded
         elif proj in ("gate_proj", "up_proj"):
             expected = (inter * self.tp_size, self.hidden_size)
             offset = 0 if proj == "gate_proj" else inter
             target = self.w13_weight.data[expert].narrow(0, offset, inter)
             part = loaded.narrow(0, rank * inter, inter) if loaded.shape == expected else None
+            if loaded.shape == target.shape:
+                part = loaded
         else:
             raise ValueError(f"unknown expert projection {proj!r}")
         if part is None:
             raise ValueError(f"expert {expert} {proj}: checkpoint shape {tuple(loaded.shape)}, expected {expected}")
         target.copy_(part)
         self._loaded_slices.add((expert, proj))
+
+    def expert_rank_range(self, proj: str, shape: list[int]) -> Optional[tuple[int, int, int]]:
+        """(dim, start, stop) of this rank's slice of a checkpoint expert matrix, for the sharded loader."""
+        inter, dim = self.intermediate_per_rank, 1 if proj == "down_proj" else 0
+        if len(shape) != 2 or shape[dim] != inter * self.tp_size:
+            return None
+        return dim, self.tp_rank * inter, (self.tp_rank + 1) * inter
 
     def prepack_weights(self) -> None:
         """After loading: every expert's three matrices must have come (a dummy load fills none through here)."""
