@@ -2,6 +2,8 @@
 embedding's masked path, the LM head's all-gather, the sampled-id broadcast, the leader's gloo broadcasts) decodes
 exactly what the plain path does, eagerly and with CUDA graphs. Skipped without CUDA."""
 
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ from braid.runtime.distributed.tensor_parallel import free_loopback_addr
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 GREEDY = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+# the GPU machine has no SmolLM2 package: its tokenizer travels as .gpu/tok (benchmarks/gpu/setup.sh)
+TOKENIZER = ".gpu/tok" if os.path.isdir(".gpu/tok") else "smollm2"
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +40,7 @@ def test_nccl_world_of_one_decodes_what_the_plain_path_does(tiny_llama, disable_
     prompts = [torch.randint(0, 1001, (n,), generator=gen).tolist() for n in (5, 33, 17)]
     outputs = []
     for extra in ({}, {"dist_init_addr": free_loopback_addr()}):
-        with Engine(model_path=tiny_llama, tokenizer_path="smollm2", dtype="float32", max_total_tokens=4096,
+        with Engine(model_path=tiny_llama, tokenizer_path=TOKENIZER, dtype="float32", max_total_tokens=4096,
                     disable_cuda_graph=disable_cuda_graph, log_level="warning", **extra) as engine:
             outputs.append([r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=GREEDY)])
     assert outputs[1] == outputs[0]
