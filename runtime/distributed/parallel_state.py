@@ -49,6 +49,8 @@ def init_tensor_parallel(tp_size: int, rank: int, init_addr: str, device: torch.
     _DEVICE_GROUP = dist.group.WORLD
     _CPU_GROUP = dist.new_group(backend="gloo", timeout=_COLLECTIVE_TIMEOUT) if backend != "gloo" else _DEVICE_GROUP
     _TP_SIZE, _TP_RANK, _DEVICE, _ACTIVE = tp_size, rank, device, True
+    # NCCL builds its communicator at the first collective: do it now, not inside a CUDA graph capture
+    dist.all_reduce(torch.zeros(1, device=device), group=_DEVICE_GROUP)
 
 
 def destroy_tensor_parallel() -> None:
