@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from .fsm import GrammarError
+from .schema_keywords import PLACEHOLDER_PREFIX, checked_schema
 
 # outlines-core emits unbounded digit runs for integers, fractions and exponents; a sampled model at temperature 1
 # can then spin on digits until max_tokens and leave truncated JSON. Bound each run (int64 has 19 digits).
@@ -32,13 +33,18 @@ def json_schema_to_regex(schema, whitespace_pattern: str | None = None) -> str:
     parsed = json.loads(text)
     if parsed.get("type") == "object" and set(parsed) <= _ANNOTATION_KEYS:
         return GENERIC_OBJECT_REGEX
+    if PLACEHOLDER_PREFIX in text:
+        raise GrammarError(f"the JSON schema may not contain the text {PLACEHOLDER_PREFIX!r} (braid uses it internally)")
+    rewritten, numeric_regexes = checked_schema(parsed)
     try:
-        regex = build_regex_from_schema(text, "" if whitespace_pattern is None else whitespace_pattern)
+        regex = build_regex_from_schema(json.dumps(rewritten), "" if whitespace_pattern is None else whitespace_pattern)
     except (ValueError, TypeError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise GrammarError(f"unsupported JSON schema: {message}") from None
     for unbounded, bounded in _UNBOUNDED_DIGIT_RUNS:
         regex = regex.replace(unbounded, bounded)
+    for placeholder, numeric in numeric_regexes.items():
+        regex = regex.replace(f'"{placeholder}"', f"({numeric})")
     return regex
 
 
