@@ -17,6 +17,7 @@ from braid.runtime.mem_cache.kv_sizing import hybrid_tokens_for_budget, max_toke
 from braid.runtime.mem_cache.pools import ReqToTokenPool
 from braid.runtime.mem_cache.radix_cache import RadixCache
 from braid.runtime.mem_cache.window_pool import HybridKVPool, window_layer_split
+from byte_tokenizer import byte_tokenizer
 
 W = 4  # the pool's window in the accounting tests
 
@@ -240,6 +241,7 @@ def mixed_window_model(tmp_path_factory):
             if p.dim() > 1:
                 p.normal_(0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(path)
     return str(path)
 
 
@@ -264,6 +266,7 @@ def gemma2_model(tmp_path_factory):
         for name, p in model.named_parameters():
             p.normal_(0, 0.5 if name.endswith("norm.weight") else 0.25)
     model.save_pretrained(path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(path)
     return str(path)
 
 
@@ -279,7 +282,7 @@ def _run(model: str, trim: bool, **flags):
     from braid.runtime import Engine
 
     prompts = _prompts()
-    with Engine(model_path=model, tokenizer_path="smollm2", log_level="warning", max_total_tokens=4096,
+    with Engine(model_path=model, log_level="warning", max_total_tokens=4096,
                 disable_window_kv_trimming=not trim, **flags) as engine:
         first = engine.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True)
         stats = engine.get_stats()
@@ -320,7 +323,7 @@ def test_a_200_token_request_keeps_at_most_w_window_slots_after_decoding(mixed_w
     from braid.runtime import Engine
 
     prompt = _prompts()[0]
-    with Engine(model_path=mixed_window_model, tokenizer_path="smollm2", log_level="warning", max_total_tokens=4096,
+    with Engine(model_path=mixed_window_model, log_level="warning", max_total_tokens=4096,
                 disable_radix_cache=not radix, chunked_prefill_size=64) as engine:
         engine.generate(input_ids=prompt, sampling_params=GREEDY)
         stats = engine.get_stats()
