@@ -59,8 +59,8 @@ def magnitude_range_regex(low: int, high: int) -> str | None:
             parts.append(_same_length_range(str(start), str(end)))
     if full_lengths:
         first, last = full_lengths[0] - 1, full_lengths[-1] - 1
-        repeat = f"{{{first}}}" if first == last else f"{{{first},{last}}}"
-        parts.insert(1 if parts and len(str(low)) < full_lengths[0] else 0, f"[1-9][0-9]{repeat}")
+        digits = _any_digits(first) if first == last else f"[0-9]{{{first},{last}}}"
+        parts.insert(1 if parts and len(str(low)) < full_lengths[0] else 0, f"[1-9]{digits}")
     return "|".join(parts)
 
 
