@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
+import warnings
 
 from .fsm import GrammarError
 from .numeric_range import integer_range_regex, number_range_regex
+
+with warnings.catch_warnings():  # the parser behind `re` measures and inspects `pattern`s
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import sre_constants
+    import sre_parse
 
 ANNOTATION_KEYWORDS = frozenset({"title", "description", "$schema", "$id", "$comment", "default", "examples",
                                  "deprecated", "readOnly", "writeOnly", "discriminator"})
@@ -218,18 +225,26 @@ class _Checker:
             _refuse(path, "minLength", f"{low} exceeds maxLength {high}")
         if "pattern" in keywords and not isinstance(keywords["pattern"], str):
             _refuse(path, "pattern", "must be a string")
-        shaped = [key for key in ("pattern", "format") if key in keywords]
-        lengths = [key for key in ("minLength", "maxLength") if key in keywords]
-        if len(shaped) > 1 or (shaped and lengths):
-            _refuse(path, shaped[0], f"cannot be combined with {(shaped[1:] + lengths)}; fold the length into the "
-                                     "pattern (e.g. [a-z]{1,8})")
+        if "pattern" in keywords and "format" in keywords:
+            _refuse(path, "pattern", "cannot be combined with 'format'; keep one")
         if "format" in keywords:
             if keywords["format"] not in FORMAT_PATTERNS:
                 _refuse(path, "format", f"{keywords['format']!r} is not generated; supported: {sorted(FORMAT_PATTERNS)}")
-            return {"type": "string", "pattern": FORMAT_PATTERNS[keywords["format"]]}
-        if "pattern" in keywords:
-            _check_pattern_stays_inside_a_json_string(keywords["pattern"], path)
-        return {"type": "string", **keywords}
+            pattern, keyword = FORMAT_PATTERNS[keywords["format"]], "format"
+        elif "pattern" in keywords:
+            pattern, keyword = keywords["pattern"], "pattern"
+            _check_pattern_stays_inside_a_json_string(pattern, path)
+        else:
+            return {"type": "string", **keywords}
+        if low is not None or high is not None:
+            # outlines-core drops a pattern next to a length; accept the length only when every match satisfies it
+            # (one regex character is one string character: the pattern emits no escapes).
+            shortest, longest = _pattern_length_range(pattern)
+            if shortest < (low or 0) or (high is not None and longest > high):
+                _refuse(path, keyword, f"matches of {pattern!r} have {shortest} to {longest} characters, outside "
+                                       f"minLength/maxLength ({low}, {high}); fold the length into the pattern "
+                                       "(e.g. [a-z]{1,8})")
+        return {"type": "string", "pattern": pattern}
 
     def typed_integer(self, keywords: dict, path: str) -> dict:
         step = keywords.get("multipleOf")
@@ -390,10 +405,6 @@ def _count(keywords: dict, key: str, path: str) -> int | None:
 def _check_pattern_stays_inside_a_json_string(pattern: str, path: str) -> None:
     """outlines-core puts the pattern between the quotes unchanged: refuse one that can emit '"', '\\' or a control
     character, which would end or break the JSON string (the decoded value would differ from what was matched)."""
-    import re
-    import sre_constants
-    import sre_parse
-
     try:
         parsed = sre_parse.parse(pattern)
     except re.error:
@@ -430,3 +441,12 @@ def _check_pattern_stays_inside_a_json_string(pattern: str, path: str) -> None:
     if not visit(parsed):
         _refuse(path, "pattern", f"{pattern!r} can produce '\"', a backslash or a control character, which would "
                                  "break the JSON string; use explicit classes such as [a-zA-Z0-9 ]")
+
+
+def _pattern_length_range(pattern: str) -> tuple[int, float]:
+    """(fewest, most) characters a full match of the pattern has; most is inf when unbounded or unknown."""
+    try:
+        low, high = sre_parse.parse(pattern).getwidth()
+    except re.error:
+        return 0, math.inf
+    return low, math.inf if high >= sre_constants.MAXREPEAT else high

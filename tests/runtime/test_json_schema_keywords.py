@@ -137,7 +137,10 @@ ENFORCED_SCHEMAS = {
     "strings": {"type": "object", "properties": {
         "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}, "name": {"type": "string", "minLength": 2,
                                                                               "maxLength": 5},
-        "day": {"type": "string", "format": "date"}}, "required": ["code", "name", "day"]},
+        "day": {"type": "string", "format": "date"},
+        "url": {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},  # pydantic's AnyUrl
+        "short": {"type": "string", "pattern": "[a-z]{2,4}", "minLength": 2, "maxLength": 4}},
+                "required": ["code", "name", "day", "url", "short"]},
     "formats": {"type": "object", "properties": {
         name: {"type": "string", "format": name} for name in ("date", "time", "date-time", "uuid", "ipv4", "email",
                                                               "uri")}, "required": ["date", "date-time", "email"]},
@@ -270,7 +273,8 @@ REFUSED = [
     ({"type": "array", "contains": {"type": "integer"}}, "contains"),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 3}, "prefixItems"),
     ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "pattern"),
-    ({"type": "string", "format": "date", "minLength": 3}, "format"),
+    ({"type": "string", "format": "date", "maxLength": 8}, "format"),
+    ({"type": "string", "format": "date", "pattern": "[0-9]+"}, "pattern"),
     ({"type": "string", "format": "hostname"}, "format"),
     ({"type": "string", "pattern": "a.*"}, "pattern"),
     ({"type": "string", "pattern": "[^,]+"}, "pattern"),
