@@ -10,6 +10,7 @@ range regex (numeric_range.py) after outlines-core built the rest.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 import warnings
@@ -199,13 +200,13 @@ class _Checker:
         first_types, second_types = _type_set(first), _type_set(second)
         if first_types is not None and second_types is not None and not first_types & second_types:
             return True
-        if "const" in first and "const" in second:
-            return first["const"] != second["const"]
+        if _single_values(first) and _single_values(second):
+            return _single_values(first) != _single_values(second)
         common = set(first.get("required", [])) & set(second.get("required", []))
         for name in common:
-            a = self.resolve(first.get("properties", {}).get(name))
-            b = self.resolve(second.get("properties", {}).get(name))
-            if isinstance(a, dict) and isinstance(b, dict) and "const" in a and "const" in b and a["const"] != b["const"]:
+            a = _single_values(self.resolve(first.get("properties", {}).get(name)))
+            b = _single_values(self.resolve(second.get("properties", {}).get(name)))
+            if a and b and a != b:
                 return True
         return False
 
@@ -383,6 +384,17 @@ def _has_type(value, type_name: str) -> bool:
     if type_name == "integer" and isinstance(value, float):
         return value.is_integer()
     return isinstance(value, _PYTHON_TYPES[type_name])
+
+
+def _single_values(node) -> list | None:
+    """[value] (as JSON text) when the schema admits exactly one value ("const", or a one-item "enum")."""
+    if not isinstance(node, dict):
+        return None
+    if "const" in node:
+        return [json.dumps(node["const"], sort_keys=True)]
+    if isinstance(node.get("enum"), list) and len(node["enum"]) == 1:
+        return [json.dumps(node["enum"][0], sort_keys=True)]
+    return None
 
 
 def _type_set(node: dict) -> set[str] | None:

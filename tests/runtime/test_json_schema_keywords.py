@@ -161,10 +161,15 @@ ENFORCED_SCHEMAS = {
                                    "u": {"anyOf": [{"$ref": "#/$defs/Small"}, {"type": "string", "maxLength": 2}]},
                                    "o": {"oneOf": [{"type": "integer", "minimum": 100, "maximum": 200},
                                                    {"type": "boolean"}]},
+                                   "d": {"oneOf": [{"type": "object", "properties": {"k": {"enum": ["a"]}},
+                                                    "required": ["k"]},
+                                                   {"type": "object", "properties": {"k": {"const": "b"},
+                                                                                     "x": {"type": "null"}},
+                                                    "required": ["k", "x"]}]},
                                    "w": {"allOf": [{"type": "integer", "minimum": 7, "maximum": 8}]},
                                    "e": {"type": "integer", "enum": [1, 5, 7]},
                                    "k": {"type": "string", "const": "fixed"}},
-                    "required": ["s", "u", "o", "w", "e", "k"]},
+                    "required": ["s", "u", "o", "d", "w", "e", "k"]},
 }
 
 
@@ -283,6 +288,9 @@ REFUSED = [
     ({"anyOf": [{"type": "integer"}, {"type": "null"}], "type": "string"}, "anyOf"),
     ({"$defs": {"A": {"type": "integer"}}, "$ref": "#/$defs/A", "maximum": 3}, "$ref"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+    ({"oneOf": [{"type": "object", "properties": {"k": {"enum": ["a"]}}, "required": ["k"]},
+                {"type": "object", "properties": {"k": {"const": "a"}, "x": {"type": "null"}}, "required": ["k"]}]},
+     "oneOf"),
     ({"type": "string", "nullable": True}, "nullable"),
     ({"type": "string", "enum": ["a", 3]}, "enum"),
     ({"type": "integer", "minimumValue": 3}, "minimumValue"),
