@@ -103,6 +103,8 @@ class ServerArgs:
                                                "port + g)", aliases=("--nccl-init-addr",))
     nnodes: int = _opt(1, "hosts the --tp-size ranks are spread over (each runs tp_size / nnodes of them)")
     node_rank: int = _opt(0, "this host's index among --nnodes; 0 serves HTTP, the others run their ranks only")
+    base_gpu_id: int = _opt(0, "the first GPU this server's ranks use (rank r of a host: base + r); data-parallel "
+                               "group g starts at base + g * tp_size")
 
     # ---- constrained decoding ----
     constrained_json_whitespace_pattern: Optional[str] = _opt(None, "regex for whitespace allowed in JSON output (default: compact)")
@@ -175,6 +177,8 @@ class ServerArgs:
             raise ValueError("tp_size and dp_size must be >= 1")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError("nnodes must be >= 1 and node_rank in [0, nnodes)")
+        if self.base_gpu_id < 0:
+            raise ValueError("base_gpu_id must be >= 0")
         if self.tp_size % self.nnodes:
             raise ValueError(f"tp_size={self.tp_size} does not split over nnodes={self.nnodes} (each host runs "
                              "tp_size / nnodes ranks)")

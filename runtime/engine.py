@@ -80,12 +80,13 @@ class Engine:
             if self.server_args.dp_size > 1:
                 raise ValueError("dp_size > 1 is a server feature (python -m braid.launch_server --dp-size N); the "
                                  "in-process Engine runs one scheduler group")
-            from braid.runtime.distributed.tensor_parallel import EngineRanks, uses_distributed
+            from braid.runtime.distributed.tensor_parallel import EngineRanks, init_rank, uses_distributed
 
             if uses_distributed(self.server_args):
                 self._ranks = EngineRanks(self.server_args)
                 sched = self._ranks.build_scheduler()  # rank 0: records what the other ranks must replay
             else:
+                init_rank(self.server_args, 0, None)  # on CUDA: --base-gpu-id's GPU for this thread
                 sched = Scheduler(self.server_args)
         except BaseException as e:  # noqa: BLE001 - re-raised by __init__
             built.put(("error", e))

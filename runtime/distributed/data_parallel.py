@@ -77,7 +77,9 @@ class DataParallelController:
             recv = self.ctx.socket(zmq.PULL)
             recv.setsockopt(zmq.LINGER, 0)
             recv.bind(from_addr)
-            group_args = self.server_args.replace(dp_size=1)
+            # each group on its own GPUs: base_gpu_id + g * tp_size onwards
+            group_args = self.server_args.replace(dp_size=1, base_gpu_id=self.server_args.base_gpu_id
+                                                  + g * self.server_args.tp_size)
             if uses_distributed(self.server_args):
                 group_args = group_args.replace(dist_init_addr=group_init_addr(self.server_args, g))
             self.groups.append(Group(g, process.spawn(group_args, to_addr, from_addr), send, recv))

@@ -249,7 +249,7 @@ def local_ranks(server_args) -> range:
 def rank_device(server_args, rank: int) -> torch.device:
     device = torch.device(server_args.resolved_device)
     if device.type == "cuda":
-        return torch.device("cuda", rank % (server_args.tp_size // server_args.nnodes))
+        return torch.device("cuda", server_args.base_gpu_id + rank % (server_args.tp_size // server_args.nnodes))
     return device
 
 
@@ -259,11 +259,14 @@ def uses_distributed(server_args) -> bool:
     return server_args.tp_size > 1 or server_args.dist_init_addr is not None
 
 
-def init_rank(server_args, rank: int, init_addr: str) -> None:
-    """Join the TP world as `rank`; on a CPU host shared by several ranks, give each its share of the cores."""
+def init_rank(server_args, rank: int, init_addr: Optional[str]) -> None:
+    """Join the TP world as `rank` (on CUDA: on its GPU, also without TP); on a CPU host shared by several ranks,
+    give each its share of the cores."""
+    device = rank_device(server_args, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not uses_distributed(server_args):
         return
-    device = rank_device(server_args, rank)
     if device.type == "cpu":
         per_host = server_args.tp_size // server_args.nnodes
         # never more threads than the process was given (OMP_NUM_THREADS): spinning OpenMP teams of two ranks on
