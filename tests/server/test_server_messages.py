@@ -65,6 +65,9 @@ class StandInScheduler:
     def has_work(self):
         return bool(self.reqs)
 
+    def only_waits_for_grammars(self):
+        return False
+
     def flush_cache(self):
         return not self.reqs
 
