@@ -7,6 +7,7 @@ no system role (Gemma-2's template refuses it). The model is a random tiny Gemma
 save_pretrained, its vocabulary the tokenizer's size, <end_of_turn> among its EOS ids as in Gemma-2-it.
 """
 
+import copy
 import openai
 import pytest
 import torch
@@ -33,7 +34,7 @@ def gemma_folder(tmp_path_factory):
     from braid.runtime.loader.tokenizer import load_tokenizer
 
     folder = tmp_path_factory.mktemp("gemma2_chat")
-    tok = load_tokenizer("smollm2")
+    tok = copy.deepcopy(load_tokenizer("smollm2"))  # the cached one is shared with every Engine in this process
     tok.add_special_tokens({"bos_token": "<bos>", "eos_token": "<eos>",
                             "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
     tok.chat_template = GEMMA_TURNS_TEMPLATE
