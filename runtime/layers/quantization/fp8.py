@@ -14,11 +14,10 @@ per shard by writing each shard's scale on its rows: exact, no requantization. A
 `input_scale`s (one per shard) become one: their maximum (the shards read the same input).
 
 Multiplication (`apply`), y = act(x @ W^T + b) in x's dtype:
-- CUDA, 1..16 rows (decode), no bias: fp8_kernels.small_batch_gemm streams the fp8 weight once through fp16
-  tensor-core dots and multiplies by the row scales, SiLU-and-mul fused for a [gate; up] weight, launched with
-  PDL; x is not rounded to fp8. (gemv.py's GEMV also takes e4m3 weights, but its fp32 upcasts held it to 2.0-2.8
-  TB/s on the H200, against 3.9-4.4 for bf16; benchmarks/gpu/fp8_decode.py compares the two.) Follows
-  --disable-decode-gemv (then _scaled_mm below).
+- CUDA, one row of x (batch-1 decode), no bias: braid's Triton GEMV (gemv.py) streams the fp8 weight and
+  multiplies by the row scales, SiLU-and-mul fused for a [gate; up] weight, launched with PDL; x stays bf16.
+- CUDA, 2..16 rows (small decode batches), no bias: fp8_kernels.small_batch_gemm, the same weight-only stream with
+  tensor-core dots, SiLU-and-mul fused. Both follow --disable-decode-gemv (then _scaled_mm below).
 - CUDA otherwise: x quantized per token (or by the static scale) in one Triton launch, then torch._scaled_mm
   with row-wise scales (sm90 supports them with a bf16 output; so fp8 on CUDA needs --dtype bfloat16), or
   tensor-wise when the activation scale is static and every row of W has the same scale.
@@ -171,9 +170,13 @@ class Fp8LinearMethod(LinearMethod):
             y = x.new_zeros((0, weight.shape[0]))
         elif x.is_cuda:
             if bias is None and gemv.enabled() and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_ROWS:
-                if x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1:
-                    fused = isinstance(act, SiluAndMul)
+                fused = isinstance(act, SiluAndMul)
+                y = None
+                if gemv.fp8_supports(x, weight, scale):
+                    y = gemv.gemv(x, weight, silu_mul=fused, weight_scale=scale)
+                elif x.shape[0] > 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1:
                     y = small_batch_gemm(x, weight, scale, silu_mul=fused)
+                if y is not None:
                     return y if fused or act is None else act(y)
             x_q, x_scale = quantize_rows(x, layer.input_scale)
             y = scaled_mm(x_q, x_scale, weight, scale, x.dtype, bias, tensorwise=layer.fp8_tensorwise)

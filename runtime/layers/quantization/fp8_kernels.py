@@ -10,10 +10,10 @@ checkpoint's static `input_scale`).
   output for these), or tensor-wise when both sides have one scale (a static-activation checkpoint with
   per-tensor weights). torch._scaled_mm wants a row-major A, a column-major B (the [N, K] weight transposed, no
   copy), K and N multiples of 16 and fp32 scales.
-- `small_batch_gemm`: 1..16 rows of x against an e4m3 weight with row scales, weight-only (x is not rounded to
-  fp8): one Triton launch that streams W once (fp16 tensor-core dots of a 16-row x tile with W tiles, the first
-  fetched before the PDL wait), SiLU-and-mul fusable like the GEMV. At these sizes a decode step is a stream over
-  the weights; torch._scaled_mm was measured no faster than bf16 there (DESIGN.md) and needs x quantized first.
+- `small_batch_gemm`: 2..16 rows of x against an e4m3 weight with row scales, weight-only (x stays bf16): one
+  Triton launch that streams W once (tensor-core dots of a 16-row x tile with W tiles upcast to bf16), SiLU-and-mul
+  fusable like the GEMV. At these sizes a decode step is a stream over the weights, as at batch 1; torch._scaled_mm
+  was measured no faster than bf16 there (DESIGN.md) and needs x quantized first.
 - `check_fp8_device`: fp8 needs compute capability 8.9+ on CUDA; on CPU the casts must exist.
 """
 
@@ -162,11 +162,11 @@ def _small_batch_configs():
 @triton.jit
 def _small_batch_gemm_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K, x_row_stride, w_row_stride,
                              SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                             CLAMP_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # program: rows [pid * BLOCK_N, +BLOCK_N) of W (and, with SILU_MUL, the up rows N further) for all M rows of x
     pid = tl.program_id(0)
     let_next_kernel_launch(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -175,32 +175,19 @@ def _small_batch_gemm_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K, x_row_st
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * x_row_stride + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * w_row_stride + offs_k[:, None]  # [BLOCK_K, BLOCK_N] = W^T tile
     up_offset = N.to(tl.int64) * w_row_stride
-    # the first weight tiles stream before the wait for x: no kernel of the step writes W (PDL, see pdl.py)
-    k_mask = offs_k < K
-    w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0, eviction_policy="evict_first")
-    u = w
-    if SILU_MUL:
-        u = tl.load(w_ptrs + up_offset, mask=k_mask[:, None] & n_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-    wait_for_previous_kernel(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if CLAMP_X:  # bf16 x dotted in fp16
-            x = tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0)
-        x = x.to(DOT_DTYPE)
+        k_mask = k0 + offs_k < K
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(DOT_DTYPE)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
         acc = tl.dot(x, w.to(DOT_DTYPE), acc)
         if SILU_MUL:
+            u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
             acc_up = tl.dot(x, u.to(DOT_DTYPE), acc_up)
-        # the next tiles (past the end on the last step: fully masked, nothing read)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        k_mask = k0 + BLOCK_K + offs_k < K
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0, eviction_policy="evict_first")
-        if SILU_MUL:
-            u = tl.load(w_ptrs + up_offset, mask=k_mask[:, None] & n_mask[None, :], other=0.0,
-                        eviction_policy="evict_first")
     y = acc * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
     if SILU_MUL:  # rounded to the output dtype where the unfused path rounds, like the GEMV
         up = acc_up * tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
@@ -229,11 +216,7 @@ def small_batch_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _small_batch_gemm_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
         x, weight, weight_scale, y, m, n, k, x.stride(0), weight.stride(0), SILU_MUL=bool(silu_mul),
-        # fp16 dots on the GPU: e4m3 -> fp16 is one conversion per two values, e4m3 -> bf16 several, and the
-        # conversions bound this kernel (an fp32 upcast held the first version, a GEMV, to 2.0-2.8 TB/s on the
-        # H200). e4m3 fits fp16 exactly; bf16 x does too between fp16's smallest normal (6e-5, below which fp16
-        # keeps fewer bits) and its max (clamped). The interpreter's dots are wrong on 16-bit operands: fp32 there.
-        DOT_DTYPE=tl.float32 if _INTERPRET else tl.float16,
-        CLAMP_X=not _INTERPRET and x.dtype == torch.bfloat16, BLOCK_M=SMALL_BATCH_MAX_ROWS,
-        **pdl.launch_options(x.device))
+        # the interpreter's dots are wrong on bf16 operands: fp32 there (the products are exact in both)
+        DOT_DTYPE=tl.float32 if _INTERPRET else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16),
+        BLOCK_M=SMALL_BATCH_MAX_ROWS, **pdl.launch_options(x.device))
     return y
