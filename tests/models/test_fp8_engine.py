@@ -13,6 +13,7 @@ import torch
 
 from braid.runtime import Engine
 from braid.runtime.config import ServerArgs
+from byte_tokenizer import byte_tokenizer
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -36,23 +37,8 @@ def dense_folder(tmp_path_factory):
             if p.dim() > 1:
                 p.normal_(0, 0.05)
     model.save_pretrained(path, safe_serialization=True)
-    _byte_tokenizer().save_pretrained(path)
+    byte_tokenizer().save_pretrained(path)
     return str(path)
-
-
-def _byte_tokenizer():
-    """A byte-level tokenizer without merges (ids 0..255 and an eos), so the folder needs nothing from elsewhere
-    (the GPU machine has no SmolLM2); ids past it decode to nothing."""
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    vocab["<eos>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
 
 
 def _tensors(folder: str) -> dict:
