@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional, Sequence
 
@@ -32,11 +33,32 @@ def parse_args(argv: Optional[Sequence[str]] = None, prog: str = "braid.launch_s
         parser.exit(2, f"{parser.prog}: error: {e}\n")
 
 
+# import name -> distribution of the `runtime` extra (pyproject.toml) that serving imports
+RUNTIME_PACKAGES = {"torch": "torch", "transformers": "transformers", "safetensors": "safetensors", "gguf": "gguf",
+                    "outlines_core": "outlines-core", "zmq": "pyzmq", "msgspec": "msgspec",
+                    "prometheus_client": "prometheus-client"}
+
+
+def missing_runtime_packages() -> list[str]:
+    missing = []
+    for module, distribution in RUNTIME_PACKAGES.items():
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(distribution)
+    return missing
+
+
 def main(argv: Optional[Sequence[str]] = None, prog: str = "braid.launch_server") -> int:
+    server_args = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    missing = missing_runtime_packages()
+    if missing:
+        print(f"braid: serving needs the runtime extra, and {', '.join(missing)} "
+              f"{'is' if len(missing) == 1 else 'are'} not installed: pip install 'braid[runtime]'", file=sys.stderr)
+        return 2
     from braid.runtime.server.http_server import StartRefused, launch_server
     from braid.runtime.server.tokenizer_manager import SchedulerStartError
 
-    server_args = parse_args(sys.argv[1:] if argv is None else argv, prog)
     try:
         return launch_server(server_args)
     except (StartRefused, SchedulerStartError) as e:

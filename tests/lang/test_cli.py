@@ -86,3 +86,14 @@ def test_braid_serve_help_shows_the_positional_model_and_aliases():
     assert out.returncode == 0 and out.stdout.startswith("usage: braid serve")
     for flag in ("MODEL", "--model", "--tp", "--dp", "--disable-regex-jump-forward", "--chat-template"):
         assert flag in out.stdout
+
+
+def test_serve_without_the_runtime_extra_names_what_is_missing():
+    """torch and transformers made unimportable (as in an install without braid[runtime]): one line naming them and
+    the install command, exit 2, no traceback."""
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['transformers'] = None; "
+            "from braid.cli import main; sys.exit(main(['serve', '--max-total-tokens', '64']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "torch, transformers are not installed: pip install 'braid[runtime]'" in proc.stderr
+    assert "Traceback" not in proc.stderr
