@@ -46,8 +46,9 @@ class ServerArgs:
                                           "model folder)")
     served_model_name: Optional[str] = _opt(None, "model name reported by the API (default: the model folder's or "
                                                   "file's name)")
-    chat_template: Optional[str] = _opt(None, "Jinja chat template (a file path or the template text) used by the chat "
-                                              "routes instead of the tokenizer's")
+    chat_template: Optional[str] = _opt(None, "chat template used by the chat routes instead of the tokenizer's: a "
+                                              "name (chatml, qwen, llama-3-instruct, gemma-it), a Jinja file, or "
+                                              "the template text")
     random_seed: int = _opt(0, "seed for dummy weights and unseeded sampling")
 
     # ---- memory and scheduling ----

@@ -68,7 +68,7 @@ def test_chat_template_from_a_file_or_inline(tmp_path):
     path = tmp_path / "template.jinja"
     path.write_text(inline)
     assert load_chat_template(str(path)) == load_chat_template(inline) == inline
-    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+    with pytest.raises(ValueError, match="neither a known name .* a file, nor a Jinja template"):
         load_chat_template("/no/such/template.jinja")
 
     class Tokenizer:
@@ -97,3 +97,26 @@ def test_serve_without_the_runtime_extra_names_what_is_missing():
     assert proc.returncode == 2, proc.stderr
     assert "torch, transformers are not installed: pip install 'braid[runtime]'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_named_chat_templates_render_their_formats():
+    from braid.runtime.loader.tokenizer import load_tokenizer
+    from braid.runtime.server.tokenizer_manager import with_chat_template
+
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"}]
+    expected = {
+        "chatml": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye"
+                  "<|im_end|>\n<|im_start|>assistant\n",
+        "llama-3-instruct": "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant"
+                            "<|end_header_id|>\n\nHello<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nBye"
+                            "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n",
+        "gemma-it": "<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello<end_of_turn>\n"
+                    "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n",
+    }
+    base = load_tokenizer("smollm2")
+    for name, text in expected.items():
+        tok = with_chat_template(base, name)
+        rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert rendered.endswith(text), (name, rendered)
+    assert base.chat_template is not None and "im_start" in base.chat_template  # the cached tokenizer is untouched
