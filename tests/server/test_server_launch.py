@@ -58,7 +58,7 @@ def test_trust_remote_code_says_it_has_no_effect():
 
 def test_unreadable_chat_template_is_refused_at_start():
     r = launch("--port", str(free_port()), "--chat-template", "/no/such/template.jinja", timeout=60)
-    assert_one_line_refusal(r, "--chat-template", "neither a file nor a Jinja template")
+    assert_one_line_refusal(r, "--chat-template", "neither a known name (chatml, gemma-it, llama-3-instruct, qwen), a file, nor a Jinja template")
 
 
 def test_scheduler_failure_shows_the_exceptions_last_line_only():
