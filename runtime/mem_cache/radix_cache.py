@@ -297,10 +297,11 @@ class RadixCache(PrefixCache):
         if self.window_pool is not None and prefix_len > own_lo:
             self._merge_duplicate_window(node, prefix_len, length, own, own_lo, own_window_from)
             self.window_pool.free(own[own_lo:prefix_len], window_released=True)
-        elif prefix_len:
-            # Positions the request already shared with the tree hold equal slots; the others are duplicates.
-            head, tree_head = own[:prefix_len], slots[:prefix_len]
-            self.token_to_kv_pool.free(head[head != tree_head])
+        elif prefix_len > own_lo:
+            # own[:own_lo] are the tree's slots (the request's locked prefix); own[own_lo:prefix_len] duplicate
+            # tokens another request inserted meanwhile. Slicing, not comparing slots, keeps this free of a sync
+            # with the device (a boolean mask waits for the step in flight).
+            self.token_to_kv_pool.free(own[own_lo:prefix_len])
         return slots, node
 
     def _merge_duplicate_window(self, node: TreeNode, prefix_len: int, length: int, own: torch.Tensor,
