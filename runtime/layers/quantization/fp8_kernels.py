@@ -19,7 +19,9 @@ checkpoint's static `input_scale`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import logging
 import os
 from typing import Optional
 
@@ -30,8 +32,11 @@ import triton.language as tl
 from braid.runtime.layers import pdl
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["FP8_DTYPE", "FP8_MAX", "SMALL_BATCH_MAX_ROWS", "check_fp8_device", "quantize_weight_per_channel",
-           "quantize_rows", "quantize_rows_triton", "quantize_rows_reference", "scaled_mm", "small_batch_gemm"]
+           "quantize_rows", "quantize_rows_triton", "quantize_rows_reference", "scaled_mm", "small_batch_gemm",
+           "FP8_GEMV_VARIANTS", "Fp8GemvConfig", "fp8_gemv_candidates", "fp8_gemv"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -219,4 +224,355 @@ def small_batch_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         # the interpreter's dots are wrong on bf16 operands: fp32 there (the products are exact in both)
         DOT_DTYPE=tl.float32 if _INTERPRET else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16),
         BLOCK_M=SMALL_BATCH_MAX_ROWS, **pdl.launch_options(x.device))
+    return y
+
+
+# ---- batch-1 GEMV on e4m3 weights: y[1, N] = act(x[1, K] @ (W * scale[:, None])^T)
+#
+# At batch 1 a step streams the weights once, so the GEMV must keep up with HBM: on an H200 ~16 weight bytes per
+# clock per SM, i.e. 16 e4m3 values. gemv.py's kernel upcast every value to fp32 (e4m3 -> f16x2 -> two f32, one
+# FFMA each: ~2.6 instructions per value, and a [BLOCK_N, BLOCK_K] fp32 accumulator of up to 198 registers) and
+# streamed 2.0-2.8 TB/s. The variants here, autotuned together per shape (fp8_gemv):
+#   "f16"    e4m3 pairs -> f16x2 (one cvt per two values on sm_90), products and sums of GROUP products in packed
+#            fp16, each group sum added to an fp32 accumulator [BLOCK_N, BLOCK_K / GROUP]; ~1.6 instructions per
+#            value, ~60 registers. x is scaled per BLOCK_K chunk (by X_LIMIT / max|x|) so that no fp16 product or
+#            group sum can overflow (|e4m3| <= 448: 448 * X_LIMIT * GROUP < 65504), and unscaled in fp32.
+#   "f16bit" the same with e4m3 -> fp16 by bit moves (no conversion unit: byte permute, and, shift, or), which
+#            yields value * 2**-8, folded into x's chunk scale.
+#   "tc"     tensor cores: x rounded to e4m3 per BLOCK_K chunk (its own scale) in the kernel, fp8 x fp8 wgmma of a
+#            [BLOCK_N >= 64, BLOCK_K] weight tile against x broadcast to [BLOCK_K, 16], fp32 accumulators; the
+#            weight goes global -> shared -> tensor core with no per-value instruction. BLOCK_N = 64 leaves too few
+#            programs for N = 4096, so K is split over SPLIT_K programs whose partial sums meet in an fp32
+#            workspace (atomic adds; the last program of a row tile, told by a counter, applies scales and
+#            activation, writes y and zeroes the workspace and counter for the next call).
+# Error against the fp32 matmul of the dequantized weight with the unrounded x (tests/kernels/test_fp8_gemv*.py):
+# "f16"/"f16bit" round each product and each partial group sum to fp16 (2**-11 relative), so
+# |y - ref| <= (GROUP + 2) * 2**-11 * sum_k |w_k x_k| (+ the output's own rounding); "tc" rounds x to e4m3
+# (2**-4 relative): |y - ref| <= 2**-4 * sum_k |w_k x_k| (+ the same). All keep PDL (the first weight chunk streams
+# before the wait for x) and fuse SiLU-and-mul for a [gate; up] weight.
+
+FP8_GEMV_VARIANTS = ("f16", "f16bit", "tc")
+_E4M3_TO_F16_BITS_SCALE = 256.0  # "f16bit": the fp16 made of an e4m3's bits is its value / 256
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _e4m3_bits_to_f16(w, ASM: tl.constexpr):
+    """w: uint8 e4m3 bits -> fp16 = value / 256 (sign to bit 15, exponent and mantissa one bit under fp16's; e4m3
+    subnormals land on fp16 subnormals). ASM: four bytes per inline PTX block (2 byte permutes, then and / shift /
+    or per f16x2); the interpreter runs the same bit moves as Triton integer ops."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 lo, hi, t;
+            prmt.b32 lo, $2, 0, 0x1404;
+            prmt.b32 hi, $2, 0, 0x3424;
+            and.b32 t, lo, 0x7F007F00;
+            shr.b32 t, t, 1;
+            and.b32 lo, lo, 0x80008000;
+            or.b32 $0, lo, t;
+            and.b32 t, hi, 0x7F007F00;
+            shr.b32 t, t, 1;
+            and.b32 hi, hi, 0x80008000;
+            or.b32 $1, hi, t;
+            }""",
+            constraints="=r,=r,r", args=[w], dtype=tl.float16, is_pure=True, pack=4)
+    b = w.to(tl.uint16)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _f16_group_sums(w, xs, BIT_DEQUANT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """w: [BLOCK_N, BLOCK_K] e4m3; xs: [BLOCK_K] fp16 -> [BLOCK_N, BLOCK_K // GROUP] fp16 sums of GROUP products."""
+    if BIT_DEQUANT:
+        wf = _e4m3_bits_to_f16(w.to(tl.uint8, bitcast=True), ASM)
+    else:
+        wf = w.to(tl.float16)
+    products = wf * xs[None, :]
+    return tl.reduce(tl.reshape(products, [BLOCK_N, BLOCK_K // GROUP, GROUP]), 2, _add)
+
+
+@triton.jit
+def _f16_chunk(w, u, x, acc, acc_up, SILU_MUL: tl.constexpr, BIT_DEQUANT: tl.constexpr, ASM: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """One BLOCK_K chunk: x [BLOCK_K] fp32 scaled into fp16 so that |x| <= 145 / GROUP (448 * 145 < 65504: no
+    product or group sum overflows), products summed by groups in fp16, added into acc [BLOCK_N, BLOCK_K // GROUP]
+    fp32 unscaled."""
+    x_scale = (145.0 / GROUP) / tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30)
+    unscale = 1.0 / x_scale
+    if BIT_DEQUANT:
+        x_scale = x_scale * 256.0
+    xs = (x * x_scale).to(tl.float16)
+    acc += _f16_group_sums(w, xs, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP).to(tl.float32) * unscale
+    if SILU_MUL:
+        acc_up += _f16_group_sums(u, xs, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP).to(tl.float32) * unscale
+    return acc, acc_up
+
+
+@triton.jit
+def _scaled_activation_store(y, y_up, w_scale_ptr, y_ptr, rows, row_mask, N, SILU_MUL: tl.constexpr):
+    """y, y_up: [BLOCK_N] fp32 row sums of the unscaled weight -> times the row scales, SiLU-and-mul (gate and up
+    rounded to the output dtype where the unfused path rounds them), stored."""
+    y = y * tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)
+    if SILU_MUL:
+        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        up = (y_up * tl.load(w_scale_ptr + N + rows, mask=row_mask, other=0.0)).to(y_ptr.dtype.element_ty)
+        y = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _fp8_gemv_f16_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
+                         EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, BIT_DEQUANT: tl.constexpr, ASM: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    # program: rows [pid * BLOCK_N, +BLOCK_N) (and the up rows N further with SILU_MUL), all of K
+    pid = tl.program_id(0)
+    let_next_kernel_launch(USE_PDL)
+    cols = tl.arange(0, BLOCK_K)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride
+    up_offset = N.to(tl.int64) * w_row_stride
+    # the first weight chunk: no kernel of the step writes W, so it streams before the wait for x
+    w_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (cols < K)[None, :]
+    w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    u = w
+    if SILU_MUL:
+        u = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    wait_for_previous_kernel(USE_PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    acc, acc_up = _f16_chunk(w, u, x, acc, acc_up, SILU_MUL, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + cols
+        w_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (kk < K)[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        if SILU_MUL:
+            u = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        acc, acc_up = _f16_chunk(w, u, x, acc, acc_up, SILU_MUL, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP)
+    _scaled_activation_store(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), w_scale_ptr, y_ptr, rows, row_mask, N,
+                             SILU_MUL)
+
+
+@triton.jit
+def _e4m3_x_tile(x_ptr, kk, k_mask, BLOCK_K: tl.constexpr):
+    """x[kk] (masked to 0) rounded to e4m3 with the chunk's own scale (max |x| at 448) -> (the chunk broadcast to
+    a [BLOCK_K, 16] tensor-core operand, its scale)."""
+    x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0
+    xq = (x / scale).to(tl.float8e4nv)
+    return tl.broadcast_to(xq[:, None], (BLOCK_K, 16)), scale
+
+
+@triton.jit
+def _take_and_zero(ptrs, mask):
+    """fp32 values at ptrs, read and zeroed in one atomic exchange each (as int32 bits: the interpreter has no fp32
+    exchange)."""
+    bits = tl.atomic_xchg(ptrs.to(tl.pointer_type(tl.int32)), tl.zeros(ptrs.shape, tl.int32), mask=mask)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_gemv_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr, N, K, w_row_stride,
+                        SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SPLIT_K: tl.constexpr):
+    # program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) (and the up rows N further) over the pid_k-th of
+    # SPLIT_K ranges of K (whole BLOCK_K chunks); partial_ptr: [N (2N with SILU_MUL)] fp32 and count_ptr:
+    # [cdiv(N, BLOCK_N)] int32, zero between calls (the last program of a row tile leaves them so)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    let_next_kernel_launch(USE_PDL)
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    cols = tl.arange(0, BLOCK_K)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + (k_start + cols)[None, :]
+    up_offset = N.to(tl.int64) * w_row_stride
+    # the first weight tile streams before the wait for x (PDL; no kernel of the step writes W)
+    kk = k_start + cols
+    k_mask = kk < k_end
+    w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+    u = w
+    if SILU_MUL:
+        u = tl.load(w_ptrs + up_offset, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    wait_for_previous_kernel(USE_PDL)
+    xb, x_scale = _e4m3_x_tile(x_ptr, kk, k_mask, BLOCK_K)
+    acc = tl.dot(w, xb, out_dtype=tl.float32) * x_scale  # [BLOCK_N, 16], every column the same
+    acc_up = acc
+    if SILU_MUL:
+        acc_up = tl.dot(u, xb, out_dtype=tl.float32) * x_scale
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        w_ptrs += BLOCK_K
+        kk = k0 + cols
+        k_mask = kk < k_end
+        xb, x_scale = _e4m3_x_tile(x_ptr, kk, k_mask, BLOCK_K)
+        w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        acc += tl.dot(w, xb, out_dtype=tl.float32) * x_scale
+        if SILU_MUL:
+            u = tl.load(w_ptrs + up_offset, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc_up += tl.dot(u, xb, out_dtype=tl.float32) * x_scale
+    y = tl.max(acc, axis=1)
+    y_up = tl.max(acc_up, axis=1)
+    if SPLIT_K == 1:
+        _scaled_activation_store(y, y_up, w_scale_ptr, y_ptr, rows, row_mask, N, SILU_MUL)
+    else:
+        tl.atomic_add(partial_ptr + rows, y, mask=row_mask, sem="relaxed")
+        if SILU_MUL:
+            tl.atomic_add(partial_ptr + N + rows, y_up, mask=row_mask, sem="relaxed")
+        # every thread's adds are issued before one thread's release of the counter (as CUTLASS's semaphores do)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:  # the last of the row tile: read and zero the sums, zero the counter
+            y = _take_and_zero(partial_ptr + rows, row_mask)
+            if SILU_MUL:
+                y_up = _take_and_zero(partial_ptr + N + rows, row_mask)
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+            _scaled_activation_store(y, y_up, w_scale_ptr, y_ptr, rows, row_mask, N, SILU_MUL)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8GemvConfig:
+    """One launch of fp8_gemv: the variant (FP8_GEMV_VARIANTS) and its tile. group: products summed in fp16 per
+    fp32 add ("f16", "f16bit"); split_k: programs per row tile along K ("tc"; 0: enough for two per SM)."""
+    variant: str
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+    group: int = 16
+    split_k: int = 1
+
+    def __post_init__(self):
+        if self.variant not in FP8_GEMV_VARIANTS:
+            raise ValueError(f"fp8 GEMV variant {self.variant!r}: one of {FP8_GEMV_VARIANTS}")
+        if self.variant == "tc" and (self.block_n < 64 or self.block_k < 32):
+            # smaller tiles leave the fp8 wgmma for fp16 mma.sync with per-value conversions (da030b3's slow path)
+            raise ValueError(f"tc needs block_n >= 64 and block_k >= 32, got {self.block_n}, {self.block_k}")
+        if self.variant != "tc" and (self.group < 1 or self.block_k % self.group):
+            raise ValueError(f"group {self.group} must divide block_k {self.block_k}")
+
+
+def fp8_gemv_candidates() -> list[Fp8GemvConfig]:
+    """What fp8_gemv times per shape on first use (CUDA): the first is its choice when it cannot time (under CUDA
+    graph capture). The interpreter gets one small tile per variant."""
+    if _INTERPRET:
+        return [Fp8GemvConfig("f16", 4, 32, 1, 1, group=8), Fp8GemvConfig("f16bit", 4, 32, 1, 1, group=8),
+                Fp8GemvConfig("tc", 64, 32, 4, 1, split_k=0)]
+    # tiles of 8-16 KB per load and about 60 registers (f16), fp8 wgmma tiles of 16-32 KB per stage (tc);
+    # benchmarks/gpu/fp8_gemv_variants.py sweeps wider and prints the measured winners per Llama-3-8B shape
+    return [Fp8GemvConfig("f16", 4, 2048, 4, 3, group=16), Fp8GemvConfig("f16", 8, 1024, 4, 3, group=16),
+            Fp8GemvConfig("f16", 4, 1024, 4, 4, group=8), Fp8GemvConfig("f16bit", 4, 2048, 4, 3, group=16),
+            Fp8GemvConfig("f16bit", 8, 1024, 4, 3, group=16), Fp8GemvConfig("tc", 64, 256, 4, 4, split_k=0),
+            Fp8GemvConfig("tc", 64, 512, 4, 3, split_k=0), Fp8GemvConfig("tc", 128, 256, 4, 3, split_k=0)]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _split_k(config: Fp8GemvConfig, n: int, k: int, device: torch.device) -> int:
+    """config.split_k, or for 0 the power of two that gives every SM two programs (at most one chunk each)."""
+    if config.split_k:
+        return config.split_k
+    programs = 2 * (_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+                    if device.type == "cuda" else 4)
+    split = 1
+    while split * triton.cdiv(n, config.block_n) < programs and split * 2 <= triton.cdiv(k, config.block_k):
+        split *= 2
+    return split
+
+
+_tc_workspaces: dict = {}  # (device, rows, tiles) -> (fp32 [rows], int32 [tiles]); zero between calls, kept forever
+
+
+def _tc_workspace(device: torch.device, rows: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # kept: a CUDA graph that captured a launch holds its pointers
+    key = (str(device), rows, tiles)
+    if key not in _tc_workspaces:
+        _tc_workspaces[key] = (torch.zeros(rows, dtype=torch.float32, device=device),
+                               torch.zeros(tiles, dtype=torch.int32, device=device))
+    return _tc_workspaces[key]
+
+
+def _launch_fp8_gemv(config: Fp8GemvConfig, x, weight, weight_scale, y, n, k, silu_mul) -> None:
+    launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(x.device))
+    if config.variant == "tc":
+        split = _split_k(config, n, k, x.device)
+        tiles = triton.cdiv(n, config.block_n)
+        partial, count = _tc_workspace(x.device, weight.shape[0], tiles) if split > 1 else (weight_scale, weight_scale)
+        _fp8_gemv_tc_kernel[(tiles, split)](x, weight, weight_scale, y, partial, count, n, k, weight.stride(0),
+                                            SILU_MUL=silu_mul, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                            SPLIT_K=split, **launch)
+    else:
+        _fp8_gemv_f16_kernel[(triton.cdiv(n, config.block_n),)](
+            x, weight, weight_scale, y, n, k, weight.stride(0), SILU_MUL=silu_mul, EVEN_K=k % config.block_k == 0,
+            BIT_DEQUANT=config.variant == "f16bit", ASM=not _INTERPRET, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, GROUP=config.group, **launch)
+
+
+_tuned: dict = {}  # (device, n, k, silu_mul, x dtype, PDL) -> the fastest Fp8GemvConfig
+
+
+def _tune(key, candidates, run) -> Fp8GemvConfig:
+    """The fastest candidate by triton.testing.do_bench (one launch each, L2 flushed between), remembered per key;
+    candidates that fail to compile or launch (too much shared memory) are skipped."""
+    from triton.testing import do_bench
+
+    timings = {}
+    for config in candidates:
+        try:
+            run(config)
+            timings[config] = do_bench(lambda: run(config), warmup=5, rep=20)
+        except Exception as e:  # noqa: BLE001 - a config the device cannot run is not a candidate
+            logger.debug("fp8 GEMV config %s failed: %r", config, e)
+    if not timings:
+        raise RuntimeError(f"no fp8 GEMV config runs for {key}")
+    best = min(timings, key=timings.get)
+    logger.info("fp8 GEMV %s: %s (%.1f us)", key, best, timings[best] * 1e3)
+    _tuned[key] = best
+    return best
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, silu_mul: bool = False,
+             config: Optional[Fp8GemvConfig] = None) -> torch.Tensor:
+    """x: [1, K] bf16/fp16; weight: e4m3 [N, K] (or [2N, K] = [gate; up] with silu_mul), unit stride along K;
+    weight_scale: fp32 [rows] -> y [1, N] = act(x @ (weight * weight_scale[:, None])^T) in x's dtype.
+
+    config: one variant and tile (benchmarks); by default the fastest of fp8_gemv_candidates() for this shape,
+    timed on its first call (the CUDA-graph runner's warm-up passes make it before capture). CUDA, or CPU tensors
+    under TRITON_INTERPRET=1 (there the first candidate, or config)."""
+    rows, k = weight.shape
+    if not (x.dim() == 2 and x.shape == (1, k) and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+            and weight.dtype == FP8_DTYPE and weight.stride(1) == 1 and weight_scale.dtype == torch.float32
+            and weight_scale.is_contiguous() and weight_scale.numel() == rows and not (silu_mul and rows % 2)
+            and x.device == weight.device == weight_scale.device):
+        raise ValueError(f"fp8_gemv needs x [1, K] bf16/fp16, an e4m3 weight [N, K] ([2N, K] with silu_mul) and an "
+                         f"fp32 scale per row; got {tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}, "
+                         f"{tuple(weight_scale.shape)} {weight_scale.dtype}")
+    n = rows // 2 if silu_mul else rows
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    silu_mul = bool(silu_mul)
+    if config is None:
+        key = (str(x.device), n, k, silu_mul, x.dtype, pdl.enabled(x.device))
+        config = _tuned.get(key)
+        if config is None:
+            candidates = fp8_gemv_candidates()
+            if _INTERPRET or x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+                config = candidates[0]
+            else:
+                config = _tune(key, candidates, lambda c: _launch_fp8_gemv(c, x, weight, weight_scale, y, n, k,
+                                                                           silu_mul))
+    _launch_fp8_gemv(config, x, weight, weight_scale, y, n, k, silu_mul)
     return y

@@ -1,0 +1,165 @@
+"""The batch-1 fp8 GEMV variants (fp8_kernels.fp8_gemv: "f16", "f16bit", "tc") against the fp32 matmul of the
+dequantized weight with the unrounded x, within each variant's stated bound:
+
+    |y - ref| <= C * sum_k |w_k * x_k| + the output's rounding,
+    C = (GROUP + 2) * 2**-11 for "f16"/"f16bit" (fp16 products and group sums), 2**-4 for "tc" (x rounded to e4m3).
+
+Small Llama-shaped cases (row counts and K not multiples of the tiles, SiLU-and-mul fused) run under
+TRITON_INTERPRET=1 on CPU tensors (tests/kernels/conftest.py); the `gpu` cases take the Llama-3-8B shapes with each
+runtime candidate config, the inline-PTX bit dequantization and CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from braid.runtime.layers.quantization.fp8_kernels import (FP8_GEMV_VARIANTS, Fp8GemvConfig, fp8_gemv,
+                                                           fp8_gemv_candidates, quantize_weight_per_channel)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+HAS_FP8_GPU = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
+# the interpreter rounds fp32 -> bf16 toward zero (up to one bf16 step) and fp32 -> e4m3 up to one e4m3 step off
+OUT_ROUNDING = 2 ** -8 if HAS_CUDA else 2 ** -7
+TC_X_ROUNDING = 2 ** -4 if HAS_CUDA else 2 ** -3
+LLAMA3_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def error_coefficient(config: Fp8GemvConfig) -> float:
+    return TC_X_ROUNDING if config.variant == "tc" else (config.group + 2) * 2 ** -11
+
+
+def interpreter_config(variant: str, **changes) -> Fp8GemvConfig:
+    config = next(c for c in fp8_gemv_candidates() if c.variant == variant)
+    return Fp8GemvConfig(**{**config.__dict__, **changes})
+
+
+def make_case(rows, k, seed, x_scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, k, generator=gen) * x_scale).to(torch.bfloat16)
+    w_q, w_scale = quantize_weight_per_channel(torch.randn(rows, k, generator=gen) * k ** -0.5)
+    return x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE)
+
+
+def check(y, x, w_q, w_scale, silu_mul, coefficient):
+    """y against the float64 product of the dequantized weight and x, within coefficient * sum|w x| per row (and
+    propagated through silu(gate) * up with |silu'| <= 1.1)."""
+    w = w_q.double() * w_scale.double()[:, None]
+    ref = (x.double() @ w.t())[0]
+    bound = coefficient * (x.double().abs() @ w.abs().t())[0] + OUT_ROUNDING * ref.abs() + 1e-30
+    got = y.double()[0]
+    assert torch.isfinite(got).all()
+    if silu_mul:
+        gate, up = ref.chunk(2)
+        gate_err, up_err = bound.chunk(2)
+        ref = F.silu(gate) * up
+        bound = 1.1 * gate_err * (up.abs() + up_err) + (F.silu(gate).abs() + 1.1 * gate_err) * up_err
+        bound += OUT_ROUNDING * ref.abs() + 1e-30
+    assert got.shape == ref.shape
+    excess = (got - ref).abs() / bound
+    assert excess.max() <= 1.0, (excess.max().item(), (got - ref).abs().max().item())
+    return (got - ref).abs().max().item()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's small tiles; the GPU runs the gpu cases below")
+@pytest.mark.parametrize("variant", FP8_GEMV_VARIANTS)
+@pytest.mark.parametrize("rows,k,silu_mul", [(96, 128, False), (70, 200, False), (2 * 40, 160, True)])
+def test_fp8_gemv_variant_within_bound(variant, rows, k, silu_mul):
+    # rows: qkv-like (96), not a multiple of the tc tile (70), gate_up halves of 40; K = 200 is no multiple of 32
+    x, w_q, w_scale = make_case(rows, k, seed=rows + k)
+    config = interpreter_config(variant)
+    y = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=config)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, rows // 2 if silu_mul else rows)
+    check(y, x, w_q, w_scale, silu_mul, error_coefficient(config))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's small tiles")
+@pytest.mark.parametrize("variant", ["f16", "f16bit"])
+def test_fp8_gemv_f16_scales_x_per_chunk(variant):
+    """x far outside fp16's range in one chunk (products would overflow fp16 unscaled) and tiny in another:
+    each chunk gets its own scale, so both stay within the bound."""
+    x, w_q, w_scale = make_case(24, 96, seed=3)
+    x[0, :32] *= 3e4
+    x[0, 64:] *= 1e-6
+    check(fp8_gemv(x, w_q, w_scale, config=interpreter_config(variant)), x, w_q, w_scale, False,
+          error_coefficient(interpreter_config(variant)))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the interpreter's small tiles")
+def test_fp8_gemv_tc_split_k_leaves_its_workspace_clean():
+    """Split over K, the last program of each row tile sums the partials and zeroes them: a second call (another
+    x) gives its own answer, not one on top of the first's sums; an empty split (more splits than chunks) adds 0."""
+    x, w_q, w_scale = make_case(70, 96, seed=5)
+    x2 = x.flip(-1).contiguous()
+    for split in (2, 4):
+        config = interpreter_config("tc", split_k=split)
+        check(fp8_gemv(x, w_q, w_scale, config=config), x, w_q, w_scale, False, TC_X_ROUNDING)
+        check(fp8_gemv(x2, w_q, w_scale, config=config), x2, w_q, w_scale, False, TC_X_ROUNDING)
+
+
+def test_fp8_gemv_refuses_bad_inputs():
+    x, w_q, w_scale = make_case(16, 64, seed=1)
+    with pytest.raises(ValueError, match="fp8_gemv needs"):
+        fp8_gemv(x.expand(2, 64), w_q, w_scale)
+    with pytest.raises(ValueError, match="fp8_gemv needs"):
+        fp8_gemv(x, w_q, w_scale[:8])
+    with pytest.raises(ValueError, match="fp8_gemv needs"):
+        fp8_gemv(x, w_q[:15], w_scale[:15], silu_mul=True)
+    with pytest.raises(ValueError, match="variant"):
+        Fp8GemvConfig("fp64", 4, 64)
+    with pytest.raises(ValueError, match="tc needs"):
+        Fp8GemvConfig("tc", 16, 64)
+    with pytest.raises(ValueError, match="group"):
+        Fp8GemvConfig("f16", 4, 64, group=24)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="needs a CUDA GPU of sm90 (fp8 wgmma, e4m3x2 -> f16x2)")
+@pytest.mark.parametrize("name", list(LLAMA3_8B_SHAPES))
+def test_gpu_fp8_gemv_candidates_llama3_8b_shapes(name):
+    rows, k = LLAMA3_8B_SHAPES[name]
+    silu_mul = name == "gate_up"
+    x, w_q, w_scale = make_case(rows, k, seed=7)
+    for config in fp8_gemv_candidates():
+        check(fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=config), x, w_q, w_scale, silu_mul,
+              error_coefficient(config))
+    # the autotuned default is one of them
+    check(fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul), x, w_q, w_scale, silu_mul, TC_X_ROUNDING)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="needs a CUDA GPU of sm90")
+def test_gpu_fp8_gemv_dequantizes_every_e4m3_value():
+    """Each of the 254 non-NaN e4m3 bit patterns alone in its row, x all ones: y is that value within fp16 products
+    and the bf16 output (2**-7), where a wrong bit move (inline PTX of f16bit, the cvt of f16) is off by at least an
+    e4m3 step (2**-3) or a power of two."""
+    codes = torch.arange(256, dtype=torch.int32, device="cuda")
+    codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # 0x7F / 0xFF are NaN in e4m3fn
+    rows, k = codes.numel(), 256
+    w_q = torch.zeros(rows, k, dtype=torch.uint8, device="cuda")
+    w_q[torch.arange(rows, device="cuda"), torch.arange(rows, device="cuda")] = codes
+    w_q = w_q.view(torch.float8_e4m3fn)
+    x = torch.ones(1, k, dtype=torch.bfloat16, device="cuda")
+    expected = codes.view(torch.float8_e4m3fn).float()
+    for variant in ("f16", "f16bit"):
+        y = fp8_gemv(x, w_q, torch.ones(rows, device="cuda"), config=Fp8GemvConfig(variant, 4, 256, group=16))
+        torch.testing.assert_close(y.float()[0], expected, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FP8_GPU, reason="needs a CUDA GPU of sm90")
+@pytest.mark.parametrize("variant", FP8_GEMV_VARIANTS)
+def test_gpu_fp8_gemv_in_a_cuda_graph(variant):
+    """Replays with x changed in place give the eager answers (the tc split-K workspace is left clean each time)."""
+    x, w_q, w_scale = make_case(4096, 4096, seed=9)
+    config = next(c for c in fp8_gemv_candidates() if c.variant == variant)
+    fp8_gemv(x, w_q, w_scale, config=config)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fp8_gemv(x, w_q, w_scale, config=config)
+    for seed in (1, 2, 3):
+        x.copy_(torch.randn(1, 4096, generator=torch.Generator().manual_seed(seed)).to(x))
+        graph.replay()
+        torch.testing.assert_close(y, fp8_gemv(x, w_q, w_scale, config=config), rtol=0, atol=0)
