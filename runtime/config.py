@@ -17,8 +17,9 @@ def _opt(default, help: str, choices=None, aliases: tuple = ()):
 
 
 # other projects' spellings of a value -> ours (`--dtype half` is vLLM's and SGLang's float16; vLLM's
-# `--kv-cache-dtype fp8` is e4m3)
-VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "kv_cache_dtype": {"fp8": "fp8_e4m3"}}
+# `--kv-cache-dtype fp8` is e4m3; SGLang's `--attention-backend torch_native` is our torch)
+VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "kv_cache_dtype": {"fp8": "fp8_e4m3"},
+                 "attention_backend": {"torch_native": "torch"}}
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,8 @@ class ServerArgs:
                                       "also positional: braid serve MODEL", aliases=("--model",))
     tokenizer_path: Optional[str] = _opt(None, "tokenizer folder/file; defaults to the model's")
     load_format: str = _opt("auto", "weight format", ["auto", "safetensors", "gguf", "dummy"])
-    model_config: Optional[str] = _opt(None, "config.json (path or inline JSON) for --load-format dummy; overrides the model's config")
+    model_config: Optional[str] = _opt(None, "config.json (path or inline JSON) for --load-format dummy; overrides "
+                                             "the model's config", aliases=("--json-model-override-args",))
     dtype: str = _opt("auto", "weights and activations dtype (auto: bf16 on GPU, fp32 on CPU; half = float16, "
                               "float = float32)",
                       ["auto", "float32", "bfloat16", "float16"])
@@ -40,7 +42,7 @@ class ServerArgs:
                                              "checkpoint is quantized at load; an FP8 checkpoint is read as it is "
                                              "without this flag too); embedding and LM head stay in --dtype",
                                        ["fp8"])
-    device: str = _opt("auto", "cpu, cuda or auto")
+    device: str = _opt("auto", "cpu, cuda or auto", ["auto", "cpu", "cuda"])
     context_length: Optional[int] = _opt(None, "override the model's context length")
     trust_remote_code: bool = _opt(False, "accepted for compatibility; has no effect (braid never runs code from a "
                                           "model folder)")
@@ -58,7 +60,10 @@ class ServerArgs:
     max_running_requests: int = _opt(256, "max requests decoding at once")
     max_prefill_tokens: int = _opt(16384, "max new tokens in one extend batch")
     chunked_prefill_size: int = _opt(4096, "split prompts longer than this over several extend steps (-1: off)")
-    schedule_policy: str = _opt("lpm", "waiting-queue order", ["lpm", "fcfs"])
+    schedule_policy: str = _opt("lpm", "waiting-queue order: lpm (longest cached prefix first), dfs-weight "
+                                       "(requests sharing a cached prefix together, largest group first), "
+                                       "fcfs (arrival), random (shuffled, seeded by --random-seed)",
+                                ["lpm", "dfs-weight", "fcfs", "random"])
     schedule_conservativeness: float = _opt(1.0, "how much decode headroom to reserve when admitting")
     disable_radix_cache: bool = _opt(False, "use the chunk cache (no prefix sharing across requests)")
     disable_window_kv_trimming: bool = _opt(False, "models mixing sliding-window and global layers (Gemma-2): keep "
@@ -80,7 +85,7 @@ class ServerArgs:
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
     cuda_graph_max_bs: int = _opt(160, "largest decode batch captured in a CUDA graph")
     enable_torch_compile: bool = _opt(False, "torch.compile the model's non-attention parts")
-    torch_compile_max_bs: int = _opt(32, "largest batch compiled")
+    torch_compile_max_bs: int = _opt(32, "largest batch compiled", aliases=("--max-torch-compile-bs",))
     disable_pdl: bool = _opt(False, "launch the decode path's Triton kernels without programmatic dependent launch "
                                     "(Hopper and later; ignored elsewhere)")
     disable_decode_gemv: bool = _opt(False, "batch-1 bf16/fp16 matmuls on CUDA through cuBLAS instead of braid's Triton GEMV")
@@ -96,9 +101,10 @@ class ServerArgs:
     # ---- parallelism ----
     tp_size: int = _opt(1, "tensor-parallel degree: one scheduler process per rank on torch.distributed (NCCL on "
                            "CUDA, gloo on CPU); heads, MLP and vocab split over the ranks (docs/parallelism.md)",
-                        aliases=("--tp",))
+                        aliases=("--tp", "--tensor-parallel-size"))
     dp_size: int = _opt(1, "data-parallel degree: this many independent scheduler groups (each --tp-size ranks) behind "
-                           "the server, requests routed to the group with the fewest in flight", aliases=("--dp",))
+                           "the server, requests routed to the group with the fewest in flight",
+                        aliases=("--dp", "--data-parallel-size"))
     dist_init_addr: Optional[str] = _opt(None, "host:port of rank 0's torch.distributed rendezvous (default: a free "
                                                "loopback port; needed with --nnodes > 1; data-parallel group g uses "
                                                "port + g)", aliases=("--nccl-init-addr",))
@@ -135,7 +141,7 @@ class ServerArgs:
     request_timeout_s: Optional[float] = _opt(None, "a generation request still running this many seconds after "
                                                     "it arrived ends with finish_reason 'abort' and the text "
                                                     "generated so far (None: no deadline)")
-    log_level: str = _opt("info", "logging level")
+    log_level: str = _opt("info", "logging level of every process (debug, info, warning, error, critical)")
     log_stats_interval_s: float = _opt(10.0, "while serving, log running/queued requests, tokens/s, KV usage and "
                                              "cache hit rate at most this often (0: never)")
     log_requests: bool = _opt(False, "log every request")
@@ -194,6 +200,8 @@ class ServerArgs:
                              "linear method loads whole weights); drop one of them")
         if self.tp_size > 1 and self.enable_torch_compile:
             raise ValueError("enable_torch_compile with tp_size > 1 is not supported yet; drop one of them")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ValueError(f"log_level {self.log_level!r} is not one of debug, info, warning, error, critical")
         if self.stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
         if self.max_body_bytes < 1 or self.max_prompt_chars < 1:

@@ -5,7 +5,7 @@ Order: `lpm` (longest cached prefix first) matches every waiting request against
 request that has waited LPM_MAX_WAIT_S goes ahead of the sort (in arrival order), so a stream of requests sharing
 a long prefix cannot starve one that shares none. Past LPM_MAX_QUEUE waiting requests matching the whole queue
 every step costs more than it saves: the queue is taken in arrival order and each request is matched only when
-admission reaches it.
+admission reaches it. `dfs-weight` (matched and aged like lpm) and `random`: queue_order.py; `fcfs`: arrival order.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from braid.runtime.core import ForwardBatch, ForwardMode, Req, host_to_device
 from braid.runtime.multimodal.inputs import item_aligned_chunk_len, item_aligned_prefix_len
+from braid.runtime.scheduler.queue_order import RandomOrder, dfs_weight_order
 
 LPM_MAX_QUEUE = 128
 LPM_MAX_WAIT_S = 5.0
@@ -66,6 +67,7 @@ class PrefillPlanner:
         self.clock = time.time  # under TP every rank reads rank 0's clock here (distributed/tensor_parallel.py)
         chunk = server_args.chunked_prefill_size
         self.token_budget = min(server_args.max_prefill_tokens, (1 << 30) if chunk == -1 else chunk)
+        self.random_order = RandomOrder(server_args.random_seed) if server_args.schedule_policy == "random" else None
 
     # ---- admission ----
     def plan(self, waiting: list[Req], resume_queue: deque, num_running: int, reserved_decode: int,
@@ -121,14 +123,19 @@ class PrefillPlanner:
 
     def _order(self, waiting: list[Req]) -> tuple[list[Req], bool]:
         """(waiting in admission order, whether every request's prefix is matched already)."""
-        if (self.server_args.schedule_policy == "lpm" and not self.tree_cache.disabled
-                and len(waiting) <= LPM_MAX_QUEUE):
+        policy = self.server_args.schedule_policy
+        if policy in ("lpm", "dfs-weight") and not self.tree_cache.disabled and len(waiting) <= LPM_MAX_QUEUE:
             for req in waiting:
                 if req.req_pool_idx is None:
                     match_prefix(req, self.tree_cache)
             overdue = self.clock() - LPM_MAX_WAIT_S
+            if policy == "dfs-weight":  # queue_order.py; overdue requests first here too
+                return sorted(dfs_weight_order(waiting, self.tree_cache.root_node),
+                              key=lambda r: r.created_time > overdue), True
             # stable: ties keep arrival order
             return sorted(waiting, key=lambda r: (r.created_time > overdue, -len(r.prefix_indices))), True
+        if self.random_order is not None:
+            return self.random_order(waiting), False
         return waiting, False
 
     def _admit(self, req: Req, prefix_len: int) -> None:
