@@ -45,10 +45,11 @@ class CudaGraphRunner:
         if model_runner.server_args.enable_torch_compile:
             self._enable_compile()
         self.attn_backend.init_cuda_graph_state(self.max_bs)
+        logger.info("capturing CUDA graphs for %d decode batch sizes (max %d)%s", len(self.batch_sizes), self.max_bs,
+                    ", torch.compile first" if self.compiled is not None else "")  # can take a while: say so first
         start = time.perf_counter()
         self.capture()
-        logger.info("captured CUDA graphs for %d batch sizes (max %d) in %.1f s", len(self.batch_sizes), self.max_bs,
-                    time.perf_counter() - start)
+        logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
     def _enable_compile(self) -> None:
         import torch._dynamo
