@@ -15,7 +15,7 @@ import triton.language as tl
 
 from braid.runtime.layers.kernel_inputs import FusedKernelInputError, rows_view
 
-__all__ = ["silu_and_mul", "gelu_and_mul"]
+__all__ = ["silu_and_mul", "gelu_and_mul", "gelu_tanh"]
 
 ACT_BLOCK = 1024
 
@@ -30,6 +30,13 @@ def _tanh(z):
 
 
 @triton.jit
+def gelu_tanh(gate):
+    """GELU with the tanh approximation, in fp32 (also the batch-1 GEMV's fused epilogue: gemv.py)."""
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi)
+    return 0.5 * gate * (1.0 + _tanh(inner))
+
+
+@triton.jit
 def _act_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, I, BLOCK: tl.constexpr, ACT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -40,8 +47,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, I, BLOCK: tl.const
     if ACT == 0:
         act = gate / (1.0 + tl.exp(-gate))
     elif ACT == 1:
-        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi)
-        act = 0.5 * gate * (1.0 + _tanh(inner))
+        act = gelu_tanh(gate)
     else:
         act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
     # the activation is rounded to the output dtype before the product, as in PyTorch's two ops

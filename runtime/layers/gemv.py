@@ -1,4 +1,4 @@
-"""Triton GEMV for decode at batch 1, with SiLU-and-mul after it fused in.
+"""Triton GEMV for decode at batch 1, with SiLU-and-mul (or Gemma's GELU-tanh-and-mul) after it fused in.
 
 At batch 1 a decode step is a stream over the weights, and the SiLU-and-mul after gate_up_proj costs as much
 as a few microseconds of weight streaming in launch latency alone. One kernel here does
@@ -11,7 +11,8 @@ in fp32 from the upcast weight and the unquantized x, and each row's sum is mult
 (weight-only dequantization: x is not rounded to fp8 at batch 1). With SiLU-and-mul fused, a program owns the gate rows n and the up rows n + N of a [2N, K] weight
 and writes silu(gate) * up, rounding gate and up to the activation dtype where the unfused path
 (activation.py) rounds them. (Fusing the RMSNorm before a projection as well measured slower on the H200:
-every program then re-reads x and the residual from L2; see docs/benchmarks.md.)
+every program then re-reads x and the residual from L2; see docs/benchmarks.md.) Gemma's gelu_tanh_mul is the same
+pairing with gelu(gate, tanh) rounded to the activation dtype before the product, as activation_kernels.py does.
 
 With programmatic dependent launch (PDL, Hopper and later; see pdl.py), a GEMV is launched while the
 kernel before it drains: every program loads its first weight chunk, which no earlier kernel writes, then
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
+from braid.runtime.layers.activation_kernels import gelu_tanh
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
 __all__ = ["gemv", "supports", "fp8_supports", "decode_gemv_applies", "enabled", "set_enabled"]
@@ -75,8 +77,9 @@ def _load_x_chunk(x_ptr, kk, k_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr, W_SCALED: tl.constexpr,
-                 EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
+                 GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     let_next_kernel_launch(USE_PDL)
     cols = tl.arange(0, BLOCK_K)
@@ -117,14 +120,17 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL:
         y = y * tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)
         if SILU_MUL:
             y_up = y_up * tl.load(w_scale_ptr + N + rows, mask=row_mask, other=0.0)
-    if SILU_MUL:
+    if SILU_MUL:  # the gated pair; GELU_GATE: gelu_tanh(gate) * up instead of silu(gate) * up
         gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
         up = y_up.to(y_ptr.dtype.element_ty).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
+        if GELU_GATE:  # rounded before the product, as activation_kernels.gelu_and_mul does
+            y = gelu_tanh(gate).to(y_ptr.dtype.element_ty).to(tl.float32) * up
+        else:
+            y = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
-_gemv_autotuned = triton.autotune(configs=_configs(), key=["N", "K", "SILU_MUL", "USE_PDL"])(_gemv_kernel)
+_gemv_autotuned = triton.autotune(configs=_configs(), key=["N", "K", "SILU_MUL", "GELU_GATE", "USE_PDL"])(_gemv_kernel)
 
 
 def _fp8_configs():
@@ -136,7 +142,7 @@ def _fp8_configs():
 
 
 # EVEN_K per config: Llama-3-8B's down projection (K = 14336) divides by 2048 but not by 4096
-_gemv_fp8_autotuned = triton.autotune(configs=_fp8_configs(), key=["N", "K", "SILU_MUL", "USE_PDL"])(
+_gemv_fp8_autotuned = triton.autotune(configs=_fp8_configs(), key=["N", "K", "SILU_MUL", "GELU_GATE", "USE_PDL"])(
     triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_gemv_kernel))
 
 
@@ -160,11 +166,12 @@ def fp8_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
             and weight_scale.numel() == weight.shape[0] and x.device == weight.device == weight_scale.device)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False,
+def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_tanh_mul: bool = False,
          config: Optional[dict] = None, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x: [1, K]; weight: [N, K] (or [2N, K] = [gate; up] with silu_mul) -> y [1, N].
+    """x: [1, K]; weight: [N, K] (or [2N, K] = [gate; up] with silu_mul or gelu_tanh_mul) -> y [1, N].
 
-    With silu_mul: y = silu(x @ Wg^T) * (x @ Wu^T). `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) skips
+    With silu_mul: y = silu(x @ Wg^T) * (x @ Wu^T); with gelu_tanh_mul: gelu(x @ Wg^T, tanh) * (x @ Wu^T), the
+    activation rounded to x's dtype before the product. `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) skips
     the autotuner (benchmarks sweep configs with it). weight_scale: an fp8 e4m3 weight's fp32 scale per row
     [N] (or [2N]); W is then weight * weight_scale[:, None] and x stays in its own dtype."""
     if weight_scale is not None:
@@ -175,7 +182,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False,
     elif not supports(x, weight):
         raise ValueError(f"gemv needs x [1, K] and weight [N, K] of one dtype and device, got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
-    if weight_scale is not None and config is None:
+    if weight_scale is not None and config is None and not gelu_tanh_mul:
         # e4m3 weights: the faster variants of fp8_kernels (fp16 products / fp8 tensor cores), autotuned per shape;
         # an explicit config (benchmarks) still runs the fp32-upcast kernel below. (Imported here: fp8_kernels'
         # package imports this module.)
@@ -183,14 +190,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False,
 
         return fp8_gemv(x.contiguous(), weight, weight_scale, silu_mul=silu_mul)
     rows, k = weight.shape
-    if silu_mul and rows % 2:
-        raise ValueError(f"silu_mul needs a [2N, K] weight, got {rows} rows")
-    n = rows // 2 if silu_mul else rows
+    if silu_mul and gelu_tanh_mul:
+        raise ValueError("gemv takes one gated activation: silu_mul or gelu_tanh_mul")
+    gated = silu_mul or gelu_tanh_mul
+    if gated and rows % 2:
+        raise ValueError(f"silu_mul / gelu_tanh_mul need a [2N, K] weight, got {rows} rows")
+    n = rows // 2 if gated else rows
     x = x.contiguous()
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     scaled = weight_scale is not None
     args = (x, weight, weight_scale if scaled else weight, y, n, k, weight.stride(0))
-    flags = dict(SILU_MUL=bool(silu_mul), W_SCALED=scaled, **pdl.launch_options(x.device))
+    flags = dict(SILU_MUL=bool(gated), GELU_GATE=bool(gelu_tanh_mul), W_SCALED=scaled,
+                 **pdl.launch_options(x.device))
     if config is None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         if scaled:

@@ -29,6 +29,7 @@ window state the caller does not know (the chunk cache, truncation, resets) coun
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Sequence, Union
 
 import torch
@@ -83,6 +84,7 @@ class HybridKVPool(KVPool):
         self.head_num, self.head_dim, self.v_head_dim = head_num, head_dim, self.full_pool.v_head_dim
         # full slot -> window slot: [size + 1] int32, -1 = released (set up by clear())
         self.full_to_window: Optional[torch.Tensor] = None
+        self._batch_window_loc = None  # (weakref to loc, versions, its window slots): see translate_batch_slots
         super().__init__(size, dtype, len(layer_windows), device, kv_cache_dtype, k_scale, v_scale)
 
     # ---- layers ----
@@ -111,8 +113,31 @@ class HybridKVPool(KVPool):
     def _translated(self, pool: KVPool, loc: torch.Tensor) -> torch.Tensor:
         if pool is self.full_pool:
             return loc
+        memo = self._batch_window_loc
+        if memo is not None and memo[0]() is loc and memo[1] == self._versions(loc):
+            return memo[2]
         # tokens written in a pass were just allocated: they all hold a window slot
         return self.full_to_window.index_select(0, loc.reshape(-1).long()).long()
+
+    def _versions(self, loc: torch.Tensor) -> tuple:
+        try:
+            return loc._version, self.full_to_window._version
+        except RuntimeError:  # an inference-mode tensor keeps no version counter
+            return None, self.full_to_window._version
+
+    def translate_batch_slots(self, loc: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Window slots [T] int64 of a pass's new tokens (its out_cache_loc), translated once per pass by the
+        attention backend: the window layers' set_kv / rotate_and_set_kv then reuse them while they are given this
+        same `loc` tensor, unchanged, instead of one gather per layer. out: a static [>= T] int64 buffer (CUDA
+        graphs: refilled before each replay; the captured layers read it)."""
+        window = self.full_to_window.index_select(0, loc.reshape(-1).long())
+        if out is None:
+            window = window.long()
+        else:
+            out[:window.shape[0]].copy_(window)
+            window = out[:window.shape[0]]
+        self._batch_window_loc = (weakref.ref(loc), self._versions(loc), window)
+        return window
 
     def set_kv_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
         super().set_kv_scales(layer_id, k_scale, v_scale)

@@ -152,13 +152,14 @@ class DecoderForCausalLM(CausalLM):
 
     scale_embeddings = False
     norm_unit_offset = False
+    decoder_model = DecoderModel  # a family whose layers hand a different state along subclasses it
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.model_config = config
-        self.model = DecoderModel(config, [self.build_layer(i, spec) for i, spec in enumerate(config.layers)],
-                                  embed_scale=config.hidden_size ** 0.5 if self.scale_embeddings else None,
-                                  norm_unit_offset=self.norm_unit_offset)
+        self.model = self.decoder_model(config, [self.build_layer(i, spec) for i, spec in enumerate(config.layers)],
+                                        embed_scale=config.hidden_size ** 0.5 if self.scale_embeddings else None,
+                                        norm_unit_offset=self.norm_unit_offset)
         self.tie_word_embeddings = config.tie_word_embeddings
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, logit_softcap=config.final_logit_softcap)
 

@@ -76,6 +76,7 @@ class TritonAttnBackend(AttentionBackend):
         self.cuda_graph_attn_logits: Optional[torch.Tensor] = None
         self.cuda_graph_window_rows: Optional[torch.Tensor] = None  # [max_bs, C] int32 (hybrid KV pool)
         self.cuda_graph_row_ids: Optional[torch.Tensor] = None  # [max_bs] int64: 0..max_bs-1
+        self.cuda_graph_window_loc: Optional[torch.Tensor] = None  # [max_bs] int64: new tokens' window slots
 
     # ------------------------------------------------------------------ metadata
 
@@ -91,6 +92,8 @@ class TritonAttnBackend(AttentionBackend):
             md.window_req_to_token = fb.token_to_kv_pool.window_rows(fb.req_to_token_pool.req_to_token,
                                                                      fb.req_pool_indices, width)
             md.window_req_indices = torch.arange(fb.batch_size, device=md.window_req_to_token.device)
+            if fb.out_cache_loc is not None:  # the new tokens' window slots, once for every window layer
+                fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc)
 
     def _init_metadata(self, fb: "ForwardBatch") -> None:
         if fb.forward_mode.is_decode():
@@ -209,9 +212,11 @@ class TritonAttnBackend(AttentionBackend):
                 self.cuda_graph_window_rows = torch.zeros((max_bs, req_to_token.shape[1]), dtype=torch.int32,
                                                           device=self.device)
                 self.cuda_graph_row_ids = torch.arange(max_bs, device=self.device)
+                self.cuda_graph_window_loc = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
             md.window_req_to_token = pool.window_rows(req_to_token, fb.req_pool_indices, req_to_token.shape[1],
                                                       out=self.cuda_graph_window_rows)
             md.window_req_indices = self.cuda_graph_row_ids[:bs]
+            pool.translate_batch_slots(fb.out_cache_loc, out=self.cuda_graph_window_loc)
 
     def init_forward_metadata_capture(self, bs: int, fb: "ForwardBatch") -> None:
         self._graph_metadata(bs, fb)

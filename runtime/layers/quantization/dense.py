@@ -1,6 +1,6 @@
 """Dense weights in the activation dtype (bf16/fp16/fp32).
 
-Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA (SiLU-and-mul fused after it; gemv.py), a
+Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA (SiLU- or GELU-tanh-and-mul fused after it; gemv.py), a
 oneDNN-prepacked copy of the weight on CPU (cpu_gemm.py), F.linear everywhere else.
 """
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from braid.runtime.layers import cpu_gemm, gemv
-from braid.runtime.layers.activation import SiluAndMul
+from braid.runtime.layers.activation import GeluAndMul, SiluAndMul
 from braid.runtime.layers.quantization.base import LinearMethod
 
 
@@ -32,6 +32,8 @@ class DenseLinearMethod(LinearMethod):
         if gemv.decode_gemv_applies(x, weight, bias):
             if isinstance(act, SiluAndMul):
                 return gemv.gemv(x, weight, silu_mul=True)
+            if isinstance(act, GeluAndMul) and act.approximate == "tanh":
+                return gemv.gemv(x, weight, gelu_tanh_mul=True)
             y = gemv.gemv(x, weight)
         else:
             y = cpu_gemm.linear(x, weight, bias, layer.cpu_packed_weight)

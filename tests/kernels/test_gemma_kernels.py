@@ -1,0 +1,103 @@
+"""Gemma-2's fused decode kernels against the unfused layers and HF's modules: the sandwich-norm kernel (post-norm,
+residual add, next pre-norm in one launch; gemma_norms.py) and the batch-1 GEMV with GELU-tanh-and-mul fused after
+it (gemv.py). On a GPU when there is one, else under TRITON_INTERPRET=1 on CPU tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from braid.runtime.layers.activation import GeluAndMul
+from braid.runtime.layers.gemma_norms import ONE_TILE_MAX, fused_post_norm_add_norm, post_norm_add_norm
+from braid.runtime.layers.gemv import gemv
+from braid.runtime.layers.kernel_inputs import FusedKernelInputError
+from braid.runtime.layers.norm import RMSNorm
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def rel_err(out, ref):
+    assert torch.isfinite(out.float()).all()
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _norm(n, eps, dtype, gen):
+    norm = RMSNorm(n, eps, add_unit_offset=True)
+    norm.weight = torch.nn.Parameter(torch.randn(n, generator=gen).to(device=DEVICE, dtype=dtype) * 0.5,
+                                     requires_grad=False)
+    return norm
+
+
+def _hf_chain(x, residual, post, nxt):
+    """HF Gemma2DecoderLayer's order: post_norm(x), `residual + hidden`, then the next norm."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    def hf(norm):
+        m = Gemma2RMSNorm(norm.weight.shape[0], eps=norm.eps).to(device=x.device, dtype=x.dtype)
+        m.weight.data.copy_(norm.weight)
+        return m
+
+    stream = residual + hf(post)(x)
+    return hf(nxt)(stream), stream
+
+
+@pytest.mark.parametrize("rows,n", [(1, 64), (3, 200), (5, 3584)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sandwich_norm_kernel_matches_hf_layers(rows, n, dtype):
+    gen = torch.Generator().manual_seed(rows * 7 + n)
+    x = (torch.randn(rows, n, generator=gen) * 3).to(device=DEVICE, dtype=dtype)
+    residual = (torch.randn(rows, n, generator=gen) * 10).to(device=DEVICE, dtype=dtype)
+    post, nxt = _norm(n, 1e-6, dtype, gen), _norm(n, 1e-5, dtype, gen)
+    out, stream = fused_post_norm_add_norm(x, residual, post.weight, nxt.weight, post.eps, nxt.eps)
+    want_out, want_stream = _hf_chain(x, residual, post, nxt)
+    assert out.dtype == stream.dtype == dtype and out.shape == stream.shape == x.shape
+    # bf16 rounds at the same points; the interpreter truncates where the GPU rounds to nearest
+    tol = 1e-5 if dtype == torch.float32 else 5e-3 if HAS_CUDA else 2e-2
+    assert rel_err(stream, want_stream) < tol and rel_err(out, want_out) < tol
+    # the module-level entry point: the kernel on CUDA, the modules' own PyTorch path elsewhere
+    got_out, got_stream = post_norm_add_norm(x, residual, post, nxt)
+    ref_out, ref_stream = nxt.forward_native(post.forward_native(x), residual)
+    assert rel_err(got_stream, ref_stream) < tol and rel_err(got_out, ref_out) < tol
+
+
+def test_sandwich_norm_wide_rows_take_two_kernels():
+    gen = torch.Generator().manual_seed(3)
+    n = ONE_TILE_MAX + 16
+    x, residual = torch.randn(2, n, generator=gen).to(DEVICE), torch.randn(2, n, generator=gen).to(DEVICE)
+    post, nxt = _norm(n, 1e-6, torch.float32, gen), _norm(n, 1e-6, torch.float32, gen)
+    out, stream = fused_post_norm_add_norm(x, residual, post.weight, nxt.weight, post.eps, nxt.eps)
+    want_out, want_stream = _hf_chain(x, residual, post, nxt)
+    assert (stream - want_stream).abs().max() < 1e-5 and (out - want_out).abs().max() < 1e-5
+
+
+def test_sandwich_norm_kernel_rejects_mismatched_inputs():
+    x = torch.randn(2, 32, device=DEVICE)
+    w = torch.ones(32, device=DEVICE)
+    with pytest.raises(FusedKernelInputError, match="hidden size"):
+        fused_post_norm_add_norm(x, x.clone(), w, torch.ones(31, device=DEVICE), 1e-6, 1e-6)
+    with pytest.raises(FusedKernelInputError, match="residual"):
+        fused_post_norm_add_norm(x, torch.randn(2, 32, device=DEVICE, dtype=torch.float64), w, w, 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("n,k", [(48, 64), (37, 200), (16, 576)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_gelu_tanh_mul_matches_unfused_layers(n, k, dtype):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    x = torch.randn(1, k, generator=gen).to(device=DEVICE, dtype=dtype)
+    w = (torch.randn(2 * n, k, generator=gen) * 2 / k ** 0.5).to(device=DEVICE, dtype=dtype)
+    got = gemv(x, w, gelu_tanh_mul=True)
+    # the unfused path: matmul rounded to the dtype, then GeluAndMul's PyTorch reference (activation rounded)
+    want = GeluAndMul("tanh").forward_native(F.linear(x.double(), w.double()).to(dtype))
+    assert got.shape == (1, n) and got.dtype == dtype and torch.isfinite(got.float()).all()
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2 if HAS_CUDA else 4e-2)
+    assert rel_err(gemv(x, w, silu_mul=True), want) > 0.05  # the other activation really is another result
+
+
+def test_gemv_takes_one_gated_activation():
+    x, w = torch.randn(1, 8, device=DEVICE), torch.randn(6, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="one gated activation"):
+        gemv(x, w, silu_mul=True, gelu_tanh_mul=True)
+    with pytest.raises(ValueError, match="2N"):
+        gemv(x, torch.randn(5, 8, device=DEVICE), gelu_tanh_mul=True)

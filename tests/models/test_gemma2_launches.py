@@ -1,0 +1,32 @@
+"""Kernel launches of a Gemma-2 decode step at batch 1 on the GPU dispatch path (counted under TRITON_INTERPRET=1 by
+benchmarks/gpu/gemma2_decode_launches.py on a tiny config): a layer launches what a Llama layer does (norm, qkv
+GEMV, rotary + KV store, two attention stages, o GEMV, norm, gate_up GEMV with the activation fused, down GEMV),
+the sandwich norms fused in pairs and GELU-tanh inside the GEMV; window layers add nothing per layer."""
+
+import collections
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "gemma2_decode_launches.py"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts launches under the Triton interpreter")
+def test_gemma2_decode_layer_launches_as_many_kernels_as_a_llama_layer():
+    spec = importlib.util.spec_from_file_location("gemma2_decode_launches", SCRIPT)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    counter = harness.count_decode_step()
+    per_layer = collections.defaultdict(collections.Counter)
+    for scope, name in counter.launches:
+        per_layer[scope][name] += 1
+    layers = harness.TINY_GEMMA2["num_hidden_layers"]
+    for i in range(1, layers - 1):  # the first has no previous post-norm, the last also runs the final norm
+        names = per_layer[f"layer {i}"]
+        assert names["triton._post_norm_add_norm_kernel"] == 2, (i, names)
+        assert names["triton._gemv_kernel"] == 4 and names["triton._decode_stage1_kernel"] == 1, (i, names)
+        assert "triton._act_and_mul_kernel" not in names and "triton._rmsnorm_kernel" not in names, (i, names)
+        assert sum(names.values()) == 9, (i, sorted(names.items()))
+    assert sum(per_layer[f"layer {layers - 1}"].values()) == 10  # + the last post-norm fused with the final norm
