@@ -73,6 +73,31 @@ def _die_with_parent_preexec():
     return preexec
 
 
+class _StartupEcho:
+    """Copies the server's INFO lines (loading the model, weights loaded, KV pool, ready on URL) from its log file to
+    this process's stderr while it starts, so a program that starts a Runtime shows what it is waiting for. Errors
+    are left to ServerStartError, which carries the log's tail, so they are shown once."""
+
+    def __init__(self, log_path: str):
+        self.log_path = log_path
+        self.offset = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+        self.partial = b""
+
+    def echo_new_lines(self) -> None:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except OSError:
+            return
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        for line in lines:
+            text = line.decode("utf-8", "replace")
+            if " INFO " in text:
+                print(text, file=sys.stderr, flush=True)
+
+
 class Runtime:
     def __init__(self, model_path: str = "smollm2", *, host: str = "127.0.0.1", port: Optional[int] = None,
                  api_key: Optional[str] = None, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
@@ -94,6 +119,7 @@ class Runtime:
         self.log_path = log_path
         self.endpoint = RuntimeEndpoint(self.url, api_key=api_key)
         self._log = open(log_path, "ab")
+        startup_echo = _StartupEcho(log_path)
         self._process: Optional[subprocess.Popen] = subprocess.Popen(
             self.command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True,
@@ -101,22 +127,24 @@ class Runtime:
         )
         atexit.register(self.shutdown)
         try:
-            self._wait_healthy(startup_timeout)
+            self._wait_healthy(startup_timeout, startup_echo)
         except BaseException:
             self._keep_log = True  # the error message points at it
             self.shutdown()
             raise
 
     # ---- lifecycle ------------------------------------------------------------------------------
-    def _wait_healthy(self, timeout: float) -> None:
+    def _wait_healthy(self, timeout: float, startup_echo: _StartupEcho) -> None:
         deadline = time.monotonic() + timeout
         delay = 0.1
         while True:
+            startup_echo.echo_new_lines()
             code = self._process.poll()
             if code is not None:
                 raise ServerStartError(f"braid server exited with code {code} before becoming healthy.\n"
                                        f"command: {' '.join(self.command)}\nlog tail ({self.log_path}):\n{self.log_tail()}")
             if self.endpoint.health(timeout=2.0):
+                startup_echo.echo_new_lines()  # "ready on ..."
                 return
             if time.monotonic() > deadline:
                 raise ServerStartError(f"braid server not healthy after {timeout:.0f}s at {self.url}.\n"
