@@ -3,8 +3,8 @@
   python3 benchmarks/gpu/fp8_gemv_variants.py sweep OUT.jsonl [SECONDS]   every variant x config per shape:
         max error against the dequantized fp32 matmul (and its ratio to the variant's bound; PASS/FAIL), the time of
         all 32 layers' weights of the shape in one CUDA graph (50 replays x 5, median), TB/s of weight bytes; beside
-        them the old fp32-upcast GEMV and the bf16 GEMV; then which config fp8_gemv's own autotuning picks. Stops
-        starting new configs after SECONDS (default 200).
+        them the old fp32-upcast GEMV and the bf16 GEMV; then which config fp8_gemv's own autotuning picks. Each
+        shape gets a quarter of SECONDS (default 200) to start configs in.
   python3 benchmarks/gpu/fp8_gemv_variants.py summary DIR                 the table: per shape the best config of
         each variant, the winner, the projected batch-1 step and tok/s, bench_one_batch's figure (DIR/one_batch.jsonl)
         with PASS/FAIL against 450 tok/s, and the winners as Fp8GemvConfig rows to paste into fp8_gemv_candidates.
@@ -49,32 +49,9 @@ def sweep_configs():
                C("f16", 8, 1024, 4, 4, group=8), C("f16", 4, 4096, 8, 2, group=16), C("f16", 4, 2048, 4, 3, group=32),
                C("f16bit", 8, 2048, 8, 3, group=16), C("f16bit", 4, 1024, 4, 4, group=16),
                C("tc", 64, 256, 4, 4, split_k=2), C("tc", 64, 256, 4, 4, split_k=8), C("tc", 64, 128, 4, 6, split_k=0),
-               C("tc", 128, 128, 4, 4, split_k=0), C("tc", 64, 256, 8, 4, split_k=0), C("tc", 128, 256, 8, 3, split_k=0)]
+               C("tc", 128, 128, 4, 4, split_k=0), C("tc", 64, 256, 8, 4, split_k=0),
+               C("tc", 128, 256, 8, 3, split_k=0)]
     return configs
-
-
-def error_coefficient(config) -> float:
-    return 2 ** -4 if config.variant == "tc" else (config.group + 2) * 2 ** -11
-
-
-def check_error(y, x, w_q, w_scale, silu_mul, coefficient):
-    """(max |y - ref|, max |y - ref| / bound) against the fp64 product of the dequantized weight and x."""
-    import torch
-    import torch.nn.functional as F
-
-    w = w_q.double() * w_scale.double()[:, None]
-    ref = (x.double() @ w.t())[0]
-    bound = coefficient * (x.double().abs() @ w.abs().t())[0] + 2 ** -8 * ref.abs() + 1e-30
-    if silu_mul:
-        gate, up = ref.chunk(2)
-        gate_err, up_err = bound.chunk(2)
-        ref = F.silu(gate) * up
-        bound = 1.1 * gate_err * (up.abs() + up_err) + (F.silu(gate).abs() + 1.1 * gate_err) * up_err
-        bound += 2 ** -8 * ref.abs() + 1e-30
-    err = (y.double()[0] - ref).abs()
-    if not torch.isfinite(err).all():
-        return float("inf"), float("inf")
-    return err.max().item(), (err / bound).max().item()
 
 
 def sweep(out_path: str, seconds: float) -> None:
@@ -82,7 +59,8 @@ def sweep(out_path: str, seconds: float) -> None:
 
     from braid.runtime.layers import gemv as gemv_module
     from braid.runtime.layers.quantization import fp8_kernels
-    from braid.runtime.layers.quantization.fp8_kernels import fp8_gemv, quantize_weight_per_channel
+    from braid.runtime.layers.quantization.fp8_kernels import (fp8_gemv, fp8_gemv_error_excess,
+                                                               quantize_weight_per_channel)
     from decode_b1 import graph_time_us  # benchmarks/gpu, this script's folder
 
     started = time.time()
@@ -92,14 +70,15 @@ def sweep(out_path: str, seconds: float) -> None:
     shapes = {"qkv": (qkv, h), "o": (h, h), "gate_up": (2 * inter, h), "down": (h, inter)}
     configs = sweep_configs()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, (rows, k) in shapes.items():
+    for index, (name, (rows, k)) in enumerate(shapes.items()):
+        deadline = started + seconds * (index + 1) / len(shapes)  # each shape its share (the first configs first)
         silu = name == "gate_up"
         n = rows // 2 if silu else rows
         fp8 = []
         for _ in range(layers):  # all layers' weights of the shape, so that L2 does not hold them between calls
             dense = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k ** -0.5
             fp8.append(quantize_weight_per_channel(dense))
-        del dense
+        dense = None
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
         nbytes = layers * (rows * k + rows * 4)
         base = {"shape": name, "n": n, "k": k, "rows": rows, "layers": layers}
@@ -116,7 +95,7 @@ def sweep(out_path: str, seconds: float) -> None:
         _append(out_path, {**base, "variant": "old-fp32", "config": str(old), "us": us,
                            "tb_s": nbytes / layers / us / 1e6})
         for config in configs:
-            if time.time() - started > seconds:
+            if time.time() > deadline:
                 print(f"sweep: time is up before {name} {config}", flush=True)
                 break
             row = {**base, "variant": config.variant, "config": repr(config)}
@@ -126,7 +105,8 @@ def sweep(out_path: str, seconds: float) -> None:
             except Exception as e:  # noqa: BLE001 - a config the device cannot run (shared memory) is skipped
                 _append(out_path, {**row, "error": repr(e)[:200]})
                 continue
-            row["max_abs_err"], row["err_over_bound"] = check_error(y, x, *fp8[0], silu, error_coefficient(config))
+            row["err_over_bound"], row["max_abs_err"] = fp8_gemv_error_excess(y, x, *fp8[0], silu,
+                                                                              config.error_coefficient)
             row["within_bound"] = row["err_over_bound"] <= 1.0
             if config.variant == "tc":
                 row["split_k"] = fp8_kernels._split_k(config, n, k, x.device)
@@ -139,13 +119,13 @@ def sweep(out_path: str, seconds: float) -> None:
         us = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu) for q, s in fp8])
         _append(out_path, {**base, "variant": "autotuned", "config": repr(picked), "us": us,
                            "tb_s": nbytes / layers / us / 1e6})
-        del fp8
-        if time.time() - started < seconds:  # the bf16 GEMV on the same shape: the copy-rate yardstick
+        fp8.clear()
+        if time.time() < deadline:  # the bf16 GEMV on the same shape: the copy-rate yardstick
             dense = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
             us = timed(lambda: [gemv_module.gemv(x, w, silu_mul=silu) for w in dense])
             _append(out_path, {**base, "variant": "bf16-gemv", "config": "autotuned", "us": us,
                                "tb_s": layers * rows * k * 2 / layers / us / 1e6})
-            del dense
+            dense.clear()
         torch.cuda.empty_cache()
 
 
@@ -186,7 +166,8 @@ def summary(folder: str) -> int:
     if len(winners) == 4:
         step_us += LM_HEAD_BYTES / 4.2e12 * 1e6 + 32 * 11.0  # the LM head at the bf16 GEMV's rate; ~11 us/layer else
         print(f"projected batch-1 step from the winners: {step_us / 1e3:.2f} ms -> {1e6 / step_us:.0f} tok/s "
-              f"(linear layers at the winners' rate, LM head at 4.2 TB/s, ~11 us per layer for attention and norms (bf16: 3.92 ms step - 3.57 ms of weights))")
+              f"(linear layers at the winners' rate, LM head at 4.2 TB/s, ~11 us per layer for attention and norms: "
+              f"the bf16 step's 3.92 ms less its 3.57 ms of weights)")
     print("\nrows to paste into fp8_kernels.fp8_gemv_candidates (the measured winner per shape first):")
     for shape, r in winners.items():
         extra = f"  # split_k {r['split_k']} here" if "split_k" in r else ""

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "SMALL_BATCH_MAX_ROWS", "check_fp8_device", "quantize_weight_per_channel",
            "quantize_rows", "quantize_rows_triton", "quantize_rows_reference", "scaled_mm", "small_batch_gemm",
-           "FP8_GEMV_VARIANTS", "Fp8GemvConfig", "fp8_gemv_candidates", "fp8_gemv"]
+           "FP8_GEMV_VARIANTS", "Fp8GemvConfig", "fp8_gemv_candidates", "fp8_gemv", "fp8_gemv_error_excess"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -462,6 +462,40 @@ class Fp8GemvConfig:
         if self.variant != "tc" and (self.group < 1 or self.block_k % self.group):
             raise ValueError(f"group {self.group} must divide block_k {self.block_k}")
 
+    @property
+    def error_coefficient(self) -> float:
+        """C of the variant's bound |y - ref| <= C * sum_k |w_k x_k| (before the output's rounding): fp16 products
+        and group sums (2**-11 each, GROUP + 2 of them at most on a path), or x rounded to e4m3 (2**-4)."""
+        return 2 ** -4 if self.variant == "tc" else (self.group + 2) * 2 ** -11
+
+
+def fp8_gemv_error_excess(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                          silu_mul: bool, coefficient: float, out_rounding: float = 2 ** -8
+                          ) -> tuple[float, float]:
+    """(max over outputs of |y - ref| / bound (<= 1: within), max |y - ref|), ref = act(x @ (weight *
+    weight_scale[:, None])^T) unrounded (float64 on CPU, fp32 in 2048-row blocks on CUDA), bound = coefficient *
+    sum_k |w_k x_k| + out_rounding * |ref|, carried through silu(gate) * up with |silu'| <= 1.1. NaN or inf in y:
+    (inf, inf)."""
+    dtype = torch.float32 if x.is_cuda else torch.float64
+    xf = x.to(dtype)[0]
+    ref, bound = [], []
+    for start in range(0, weight.shape[0], 2048):
+        w = weight[start:start + 2048].to(dtype) * weight_scale[start:start + 2048].to(dtype)[:, None]
+        ref.append(w @ xf)
+        bound.append(w.abs() @ xf.abs())
+    ref = torch.cat(ref)
+    bound = coefficient * torch.cat(bound) + out_rounding * ref.abs()
+    if silu_mul:
+        gate, up = ref.chunk(2)
+        gate_err, up_err = bound.chunk(2)
+        silu = torch.nn.functional.silu(gate)
+        ref = silu * up
+        bound = 1.1 * gate_err * (up.abs() + up_err) + (silu.abs() + 1.1 * gate_err) * up_err + out_rounding * ref.abs()
+    err = (y.to(dtype)[0] - ref).abs()
+    if not torch.isfinite(err).all():
+        return float("inf"), float("inf")
+    return (err / (bound + 1e-30)).max().item(), err.max().item()
+
 
 def fp8_gemv_candidates() -> list[Fp8GemvConfig]:
     """What fp8_gemv times per shape on first use (CUDA): the first is its choice when it cannot time (under CUDA
@@ -525,20 +559,25 @@ def _launch_fp8_gemv(config: Fp8GemvConfig, x, weight, weight_scale, y, n, k, si
 _tuned: dict = {}  # (device, n, k, silu_mul, x dtype, PDL) -> the fastest Fp8GemvConfig
 
 
-def _tune(key, candidates, run) -> Fp8GemvConfig:
-    """The fastest candidate by triton.testing.do_bench (one launch each, L2 flushed between), remembered per key;
-    candidates that fail to compile or launch (too much shared memory) are skipped."""
+def _tune(key, candidates, run, excess) -> Fp8GemvConfig:
+    """The fastest candidate by triton.testing.do_bench (one launch each, L2 flushed between), remembered per key.
+    Skipped: candidates that fail to compile or launch (too much shared memory) and any whose result is outside
+    its error bound (excess(config) > 1: a miscompiled or wrong kernel must not win by being fast)."""
     from triton.testing import do_bench
 
     timings = {}
     for config in candidates:
         try:
             run(config)
+            off = excess(config)
+            if off > 1.0:
+                logger.warning("fp8 GEMV %s: %s is %.3g x outside its error bound, not used", key, config, off)
+                continue
             timings[config] = do_bench(lambda: run(config), warmup=5, rep=20)
         except Exception as e:  # noqa: BLE001 - a config the device cannot run is not a candidate
             logger.debug("fp8 GEMV config %s failed: %r", config, e)
     if not timings:
-        raise RuntimeError(f"no fp8 GEMV config runs for {key}")
+        raise RuntimeError(f"no fp8 GEMV config runs within its error bound for {key}")
     best = min(timings, key=timings.get)
     logger.info("fp8 GEMV %s: %s (%.1f us)", key, best, timings[best] * 1e3)
     _tuned[key] = best
@@ -572,7 +611,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
             if _INTERPRET or x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
                 config = candidates[0]
             else:
-                config = _tune(key, candidates, lambda c: _launch_fp8_gemv(c, x, weight, weight_scale, y, n, k,
-                                                                           silu_mul))
+                config = _tune(key, candidates,
+                               lambda c: _launch_fp8_gemv(c, x, weight, weight_scale, y, n, k, silu_mul),
+                               lambda c: fp8_gemv_error_excess(y, x, weight, weight_scale, silu_mul,
+                                                               c.error_coefficient)[0])
     _launch_fp8_gemv(config, x, weight, weight_scale, y, n, k, silu_mul)
     return y
