@@ -2,9 +2,10 @@
 
 Layer i is the shared pre-norm block; its MLP is dense for i < first_k_dense_replace, else a DeepSeekMoE
 (layers/moe FusedMoE): a router in fp32 over n_routed_experts (greedy or group-limited top-k, times
-routed_scaling_factor), the routed experts plus n_shared_experts always-on experts fused into one gated MLP. The
-checkpoint's per-expert tensors `mlp.experts.{e}.{gate,up,down}_proj.weight` are stacked at load into
-w13 [E, 2I, hidden] and w2 [E, hidden, I] (route_expert_weights).
+routed_scaling_factor), the routed experts plus n_shared_experts always-on experts, all in the same fused launches.
+The checkpoint's per-expert tensors `mlp.experts.{e}.{gate,up,down}_proj.weight` and the shared experts'
+`mlp.shared_experts.{gate,up,down}_proj.weight` are stacked at load into w13 [E + S, 2I, hidden] and
+w2 [E + S, hidden, I] (route_expert_weights).
 """
 
 from __future__ import annotations
@@ -49,10 +50,9 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
                                 absorbed=not c.mla_expanded, bias=c.attention_bias)
         if spec.is_moe:
             m = c.moe
-            shared = GatedMLP(c.hidden_size, m.moe_intermediate_size * m.n_shared_experts, c.hidden_act) \
-                if m.n_shared_experts else None
+            # the n_shared_experts shared experts are stacked after the routed ones (layers/moe/layer.py)
             mlp = FusedMoE(m.n_routed_experts, m.num_experts_per_tok, c.hidden_size, m.moe_intermediate_size, m,
-                           shared_experts=shared, activation=c.hidden_act)
+                           activation=c.hidden_act)
         else:
             mlp = GatedMLP(c.hidden_size, c.intermediate_size, c.hidden_act, bias=c.mlp_bias)
         return DeepseekV2DecoderLayer(attention, mlp, c.hidden_size, c.rms_norm_eps)

@@ -14,6 +14,7 @@ from braid.runtime.layers.moe.router import select_experts_torch
 from braid.runtime.layers.moe.router_kernels import route_topk_triton
 from braid.runtime.layers.moe.fused_moe_kernels import (MoEKernelConfig, fused_moe_triton, moe_align_block_size,
                                                         pick_config)
+from braid.runtime.layers.moe.small_batch_kernels import GemvConfig, small_batch_moe
 from braid.runtime.loader.config_specs import MoESpec
 from braid.runtime.loader.hf import iter_safetensors
 from braid.runtime.loader.model_config import ModelConfig
@@ -91,6 +92,33 @@ def test_triton_router_matches_torch_router(name):
     torch.testing.assert_close(got_w, want_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name,tokens", [("greedy_e64_top6", 1), ("group_e12_renorm", 5)])
+def test_one_launch_router_matches_gemm_and_torch_router(name, tokens):
+    """The small-batch router (the fp32 gate matmul, the selection and 2 shared slots in one launch; its last program
+    routes every token) == hidden.float() @ gate.T then the PyTorch router; twice, so the arrival counter reset."""
+    from braid.runtime.layers.moe.router_kernels import route_tokens_small_batch
+
+    spec = ROUTER_SPECS[name]
+    gen = torch.Generator().manual_seed(tokens)
+    # H 200: not a multiple of the column block, so the K mask is exercised
+    hidden = torch.randn(tokens, 200, generator=gen).to(torch.bfloat16)
+    gate = torch.randn(spec.n_routed_experts, 200, generator=gen) * 0.2
+    want_w, want_ids = select_experts_torch(hidden.float() @ gate.T, spec, num_shared=2)
+    for _ in range(2):
+        weights, ids = route_tokens_small_batch(hidden.to(DEVICE), gate.to(DEVICE), spec, num_shared=2)
+        assert weights.shape == ids.shape == (tokens, spec.num_experts_per_tok + 2)
+        k = spec.num_experts_per_tok
+        got_w, got_ids = sorted_routing(weights[:, :k].cpu(), ids[:, :k].cpu())
+        ref_w, ref_ids = sorted_routing(want_w[:, :k], want_ids[:, :k])
+        assert torch.equal(got_ids, ref_ids)
+        torch.testing.assert_close(got_w, ref_w, rtol=1e-5, atol=1e-6)
+        # the shared slots: experts E and E + 1, weight 1
+        assert ids[:, k:].cpu().tolist() == [[spec.n_routed_experts, spec.n_routed_experts + 1]] * tokens
+        assert torch.equal(weights[:, k:].cpu(), torch.ones(tokens, 2))
+    with pytest.raises(ValueError, match="up to 16 tokens"):
+        route_tokens_small_batch(torch.zeros(17, 200), gate, spec)
+
+
 def test_norm_topk_prob_renormalizes_before_scaling():
     torch.manual_seed(1)
     logits = torch.randn(9, 8)
@@ -115,17 +143,17 @@ def test_unsupported_routing_and_activation_are_refused():
 
 
 class OneMoELayer(CausalLM):
-    """Holds `model.layers.1.mlp` as braid's FusedMoE + shared GatedMLP, loaded the way a model family loads."""
+    """Holds `model.layers.1.mlp` as braid's FusedMoE (shared experts stacked in), loaded the way a model family
+    loads."""
 
     stacked_params = GATE_UP_STACKED_PARAMS
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         spec = config.moe
-        shared = GatedMLP(config.hidden_size, spec.moe_intermediate_size * spec.n_shared_experts)
         layer = torch.nn.Module()
         layer.mlp = FusedMoE(spec.n_routed_experts, spec.num_experts_per_tok, config.hidden_size,
-                             spec.moe_intermediate_size, spec, shared_experts=shared)
+                             spec.moe_intermediate_size, spec)
         self.model = torch.nn.Module()
         self.model.layers = torch.nn.ModuleList([torch.nn.Module(), layer])
 
@@ -155,10 +183,18 @@ def test_fused_moe_layer_loads_checkpoint_and_matches_hf(tmp_path, routing):
     moe = holder.model.layers[1].mlp
     assert not any(p.is_meta for p in holder.parameters())
     assert moe.gate.weight.dtype == torch.float32
-    # the stacked tensors hold HF's experts: w13 = [gate; up] per expert, w2 = down
+    # the stacked tensors hold HF's experts: w13 = [gate; up] per expert, w2 = down; then the 2 shared experts,
+    # each 16 of the shared MLP's 32 intermediate units
     hf_experts = hf.model.layers[1].mlp.experts
-    assert torch.equal(moe.w13_weight, hf_experts.gate_up_proj.detach())
-    assert torch.equal(moe.w2_weight, hf_experts.down_proj.detach())
+    assert moe.w13_weight.shape == (16 + 2, 2 * 16, 32) and moe.w2_weight.shape == (16 + 2, 32, 16)
+    assert torch.equal(moe.w13_weight[:16], hf_experts.gate_up_proj.detach())
+    assert torch.equal(moe.w2_weight[:16], hf_experts.down_proj.detach())
+    hf_shared = hf.model.layers[1].mlp.shared_experts
+    for s in range(2):
+        units = slice(16 * s, 16 * (s + 1))
+        assert torch.equal(moe.w13_weight[16 + s], torch.cat([hf_shared.gate_proj.weight[units],
+                                                              hf_shared.up_proj.weight[units]]))
+        assert torch.equal(moe.w2_weight[16 + s], hf_shared.down_proj.weight[:, units])
     hidden = torch.randn(23, config.hidden_size)
     with torch.no_grad():
         ref = hf.model.layers[1].mlp(hidden[None])[0]
@@ -185,9 +221,9 @@ def test_tensor_parallel_ranks_load_intermediate_slices_that_sum_to_the_whole(tm
     config, hf = save_tiny_deepseek(tmp_path, "greedy")
     spec = ModelConfig.from_hf(config.to_dict()).moe
     checkpoint = [(n.removeprefix("model.layers.1.mlp."), t) for n, t in iter_safetensors(str(tmp_path))
-                  if n.startswith("model.layers.1.mlp.experts.")]
+                  if n.startswith("model.layers.1.mlp.") and "experts." in n]
     hidden = torch.randn(5, config.hidden_size)
-    weights, ids = select_experts(torch.randn(5, spec.n_routed_experts), spec)
+    weights, ids = select_experts(torch.randn(5, spec.n_routed_experts), spec, num_shared=2)
     partial_sums = torch.zeros_like(hidden)
     for rank in range(2):
         monkeypatch.setattr(ps, "_TP_SIZE", 2)
@@ -196,12 +232,19 @@ def test_tensor_parallel_ranks_load_intermediate_slices_that_sum_to_the_whole(tm
             moe = FusedMoE(spec.n_routed_experts, spec.num_experts_per_tok, config.hidden_size,
                            spec.moe_intermediate_size, spec)
         for name, tensor in checkpoint:
-            _, expert, proj, _ = name.split(".")
-            moe.weight_loader(proj, int(expert), tensor, "cpu")
-        assert moe.w13_weight.shape == (16, 16, 32) and moe.w2_weight.shape == (16, 32, 8)
+            if name.startswith("shared_experts."):
+                moe.shared_weight_loader(name.split(".")[1], tensor, "cpu")
+            else:
+                _, expert, proj, _ = name.split(".")
+                moe.weight_loader(proj, int(expert), tensor, "cpu")
+        moe.prepack_weights()  # every (expert, proj) slice arrived, the 2 shared experts' too
+        assert moe.w13_weight.shape == (18, 16, 32) and moe.w2_weight.shape == (18, 32, 8)
         partial_sums += moe_forward_torch(hidden, moe.w13_weight, moe.w2_weight, weights, ids)
-    experts = hf.model.layers[1].mlp.experts
-    full = moe_forward_torch(hidden, experts.gate_up_proj.detach(), experts.down_proj.detach(), weights, ids)
+    mlp = hf.model.layers[1].mlp
+    routed = moe_forward_torch(hidden, mlp.experts.gate_up_proj.detach(), mlp.experts.down_proj.detach(),
+                               weights[:, :4].contiguous(), ids[:, :4].contiguous())
+    with torch.no_grad():
+        full = routed + mlp.shared_experts(hidden)
     torch.testing.assert_close(partial_sums, full, rtol=1e-5, atol=1e-5)
 
 
@@ -239,6 +282,16 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def fp32_reference(x, w13, w2, weights, ids):
     return moe_forward_torch(x.float(), w13.float(), w2.float(), weights, ids)
+
+
+def assert_close_to_fp32_reference(out, x, w13, w2, weights, ids):
+    ref = fp32_reference(x, w13, w2, weights, ids)
+    if x.dtype == torch.float32:
+        assert rel_err(out, ref) < 1e-5
+    else:
+        # bf16 rounds the intermediate rows; the PyTorch path in bf16 is no closer to the fp32 reference
+        torch_err = rel_err(moe_forward_torch(x, w13, w2, weights, ids), ref)
+        assert rel_err(out, ref) < max(1e-2, 1.5 * torch_err)
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
@@ -279,13 +332,30 @@ def test_fused_triton_matches_torch(dtype, tokens, config):
     x, w13, w2, weights, ids = random_moe_inputs(tokens, 8, 3, 48, 40, dtype, DEVICE, seed=tokens)
     out = fused_moe_triton(x, w13, w2, weights, ids, config=config)
     assert out.dtype == dtype and out.shape == x.shape
-    ref = fp32_reference(x, w13, w2, weights, ids)
-    if dtype == torch.float32:
-        assert rel_err(out, ref) < 1e-5
-    else:
-        # bf16 rounds the intermediate rows; the PyTorch path in bf16 is no closer to the fp32 reference
-        torch_err = rel_err(moe_forward_torch(x, w13, w2, weights, ids), ref)
-        assert rel_err(out, ref) < max(1e-2, 1.5 * torch_err)
+    assert_close_to_fp32_reference(out, x, w13, w2, weights, ids)
+
+
+CUSTOM_GEMV = (GemvConfig(4, 16, 1, 1), GemvConfig(8, 64, 1, 1))
+
+
+@pytest.mark.parametrize("tokens,dtype,configs", [(1, torch.bfloat16, None), (3, torch.float32, CUSTOM_GEMV),
+                                                  (6, torch.bfloat16, CUSTOM_GEMV)],
+                         ids=["t1_bf16", "t3_fp32_bn4_bk16_then_bn8_bk64", "t6_bf16_bn4_bk16_then_bn8_bk64"])
+def test_small_batch_moe_matches_torch(tokens, dtype, configs):
+    """The decode path's two GEMV-style launches (gate_up + SiLU-and-mul per (token, slot) pair; down with the slot
+    weights and the sum over slots in its epilogue) == the PyTorch reference; 3 routed + 2 shared slots, and tokens
+    that share experts (8 experts: T = 6 repeats some)."""
+    x, w13, w2, weights, ids = random_moe_inputs(tokens, 8, 3, 48, 40, dtype, DEVICE, seed=tokens + 10)
+    spec = MoESpec(8, 3, 40, routed_scaling_factor=1.3, n_shared_experts=2)
+    # 2 more stacked experts for the shared slots
+    gen = torch.Generator().manual_seed(tokens)
+    w13 = torch.cat([w13, (torch.randn(2, 80, 48, generator=gen) / 48 ** 0.5).to(DEVICE, dtype)])
+    w2 = torch.cat([w2, (torch.randn(2, 48, 40, generator=gen) / 40 ** 0.5).to(DEVICE, dtype)])
+    weights, ids = select_experts(torch.randn(tokens, 8, generator=gen).to(DEVICE), spec, num_shared=2)
+    gate_up, down = configs or (None, None)
+    out = small_batch_moe(x, w13, w2, weights, ids, gate_up_config=gate_up, down_config=down)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close_to_fp32_reference(out, x, w13, w2, weights, ids)
 
 
 def test_fused_experts_dispatch_and_config_table():

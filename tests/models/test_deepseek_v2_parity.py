@@ -249,7 +249,8 @@ def test_config_refusals_and_expanded_kv_shape():
 
 def test_tensor_parallel_rank_holds_its_heads_and_the_whole_latent(monkeypatch):
     """At tp 2 (equal tokens to tp 1: tests/distributed/test_tensor_parallel.py) rank 1 holds heads 2-3 of q_b,
-    kv_b and o_proj, the whole latent/rope projection, and half of every expert's intermediate dim."""
+    kv_b and o_proj, the whole latent/rope projection, and half of every expert's intermediate dim (the shared
+    expert's too)."""
     from braid.runtime.distributed import parallel_state as ps
     from braid.runtime.loader.model_config import ModelConfig
     from braid.runtime.models.deepseek_v2 import DeepseekV2ForCausalLM
@@ -263,7 +264,7 @@ def test_tensor_parallel_rank_holds_its_heads_and_the_whole_latent(monkeypatch):
     assert attn.num_heads == 2 and attn.qkv_proj.output_sizes == [24, 32 + 8]
     assert attn.q_b_proj.shard_starts == [2 * 24] and attn.kv_b_proj.weight.shape == (2 * 32, 32)
     assert attn.o_proj.in_start == 2 * 16 and attn.o_proj.weight.shape == (64, 2 * 16)
-    assert model.model.layers[1].mlp.w13_weight.shape == (8, 2 * 16, 64)
+    assert model.model.layers[1].mlp.w13_weight.shape == (8 + 1, 2 * 16, 64)  # 8 routed + 1 shared expert
 
 
 # ---------------------------------------------------------------------------- GPU: DeepSeek-V2-Lite's real shapes

@@ -1,6 +1,6 @@
 """The routed experts' computation: out[t] = sum_j topk_weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)),
-e = topk_ids[t, j]; a PyTorch reference (`moe_forward_torch`) and the fused Triton path (fused_moe_kernels.py),
-which `fused_experts` picks for CUDA tensors."""
+e = topk_ids[t, j]; a PyTorch reference (`moe_forward_torch`) and the Triton paths (small_batch_kernels.py for
+decode batches, fused_moe_kernels.py above them), which `fused_experts` picks for CUDA tensors."""
 
 from __future__ import annotations
 
@@ -62,11 +62,15 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
                   config: Optional["MoEKernelConfig"] = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k] int -> [T, H].
 
-    CUDA tensors take the fused Triton kernels (no host sync, CUDA-graph capturable; `config` overrides the block
-    sizes picked by T, see fused_moe_kernels.MoEKernelConfig); anything else the PyTorch reference."""
+    CUDA tensors take Triton kernels (no host sync, CUDA-graph capturable): up to SMALL_BATCH_MAX_TOKENS tokens the
+    two GEMV-style launches of small_batch_kernels.py, more the sorted grouped GEMM of fused_moe_kernels.py
+    (`config` picks its block sizes at any T, see MoEKernelConfig); anything else the PyTorch reference."""
     if hidden.is_cuda:
         from braid.runtime.layers.moe.fused_moe_kernels import fused_moe_triton
+        from braid.runtime.layers.moe.small_batch_kernels import SMALL_BATCH_MAX_TOKENS, small_batch_moe
 
+        if config is None and hidden.shape[0] <= SMALL_BATCH_MAX_TOKENS:
+            return small_batch_moe(hidden, w13, w2, topk_weights, topk_ids, activation)
         return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, config)
     if config is not None:
         raise ValueError("a kernel config applies to the fused Triton path (CUDA tensors) only")

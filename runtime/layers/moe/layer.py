@@ -1,14 +1,15 @@
-"""FusedMoE: the router gate and the routed experts of one MoE layer, the experts stacked into two tensors.
+"""FusedMoE: the router gate and the experts of one MoE layer, the experts stacked into two tensors.
 
 Checkpoint names (relative to the layer's `mlp`): `gate.weight` [E, H] loads as an ordinary parameter;
-`experts.{e}.{gate,up,down}_proj.weight` go through `FusedMoE.weight_loader` into `w13_weight` [E, 2I, H] (gate
-rows then up rows) and `w2_weight` [E, H, I]. A model wraps its checkpoint iterator in `route_expert_weights` so
+`experts.{e}.{gate,up,down}_proj.weight` go through `FusedMoE.weight_loader` into `w13_weight` [E + S, 2I, H] (gate
+rows then up rows) and `w2_weight` [E + S, H, I]. A model wraps its checkpoint iterator in `route_expert_weights` so
 those names reach the right layer before CausalLM.load_weights sees the rest.
 
-Shared experts (DeepSeek's `mlp.shared_experts.*`) are the model's: build a blocks.GatedMLP of intermediate size
-`moe_intermediate_size * n_shared_experts` and pass it as `shared_experts`; FusedMoE adds its output to the routed
-sum, and because it is a submodule named `shared_experts` its checkpoint names load through the model's
-GATE_UP_STACKED_PARAMS like any GatedMLP.
+Shared experts (DeepSeek's `mlp.shared_experts.{gate,up,down}_proj`, one gated MLP of intermediate S * I for
+S = n_shared_experts) are stacked as experts E .. E + S - 1 (each I of the S * I intermediate rows) that the router
+chooses for every token with weight 1 (router.py): the routed and the shared experts then run in the same launches
+(SGLang's "shared experts fusion"), with no separate MLP and no add after it. The split over S experts changes
+only how the intermediate sum is grouped.
 """
 
 from __future__ import annotations
@@ -17,20 +18,21 @@ import re
 from typing import Iterable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.moe.experts import SUPPORTED_ACTIVATIONS, fused_experts
-from braid.runtime.layers.moe.router import check_routing_supported, select_experts
+from braid.runtime.layers.moe.router import check_routing_supported, route_hidden
 from braid.runtime.loader.config_specs import MoESpec
 
 EXPERT_WEIGHT_NAME = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
                                 r"\.weight$")
+SHARED_EXPERT_WEIGHT_NAME = re.compile(r"^(?P<layer>.+)\.shared_experts\.(?P<proj>gate_proj|up_proj|down_proj)"
+                                       r"\.weight$")
 
 
 class MoEGate(nn.Module):
-    """The router: hidden [T, H] -> logits [T, E] in fp32 (the weight is kept in fp32 after loading)."""
+    """The router's weight [E, H], kept in fp32 after loading; router.route_hidden multiplies by it."""
 
     def __init__(self, num_experts: int, hidden_size: int):
         super().__init__()
@@ -40,18 +42,16 @@ class MoEGate(nn.Module):
         if self.weight.dtype != torch.float32:
             self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.float(), self.weight.float())
-
 
 class FusedMoE(nn.Module):
-    """hidden [T, H] -> fp32 router -> select_experts -> fused_experts (+ shared_experts(hidden)) -> [T, H].
+    """hidden [T, H] -> fp32 router (top-k routed + the spec's n_shared_experts shared slots) -> fused_experts
+    -> [T, H].
 
-    Under tensor parallelism each rank holds every expert's slice of the intermediate dim (I / tp) and the routed
-    sum is all-reduced; shared_experts all-reduce in their own RowParallelLinear."""
+    Under tensor parallelism each rank holds every expert's slice of the intermediate dim (I / tp), shared experts
+    included, and the sum is all-reduced once."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, spec: MoESpec,
-                 shared_experts: Optional[nn.Module] = None, activation: str = "silu"):
+                 activation: str = "silu"):
         super().__init__()
         if (num_experts, top_k, intermediate_size) != (spec.n_routed_experts, spec.num_experts_per_tok,
                                                        spec.moe_intermediate_size):
@@ -66,23 +66,28 @@ class FusedMoE(nn.Module):
             raise ValueError(f"moe_intermediate_size {intermediate_size} does not split over tp {self.tp_size}")
         self.spec = spec
         self.num_experts = num_experts
+        self.num_shared = spec.n_shared_experts
+        stacked = num_experts + self.num_shared
         self.hidden_size = hidden_size
         self.intermediate_per_rank = intermediate_size // self.tp_size
         self.activation = activation
         self.gate = MoEGate(num_experts, hidden_size)
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_per_rank, hidden_size),
+        self.w13_weight = nn.Parameter(torch.empty(stacked, 2 * self.intermediate_per_rank, hidden_size),
                                        requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_per_rank),
+        self.w2_weight = nn.Parameter(torch.empty(stacked, hidden_size, self.intermediate_per_rank),
                                       requires_grad=False)
-        self.shared_experts = shared_experts
         # which (expert, proj) slices the checkpoint filled, so that a partial checkpoint fails at post_load
         self._loaded_slices: set[tuple[int, str]] = set()
 
     def weight_loader(self, proj: str, expert: int, loaded: torch.Tensor, device) -> None:
         """One HF expert matrix into the stacked tensors: gate_proj / up_proj [I, H] -> w13 rows [0, I) / [I, 2I);
-        down_proj [H, I] -> w2[expert]. The first call materializes both tensors on `device` in loaded's dtype."""
-        if not 0 <= expert < self.num_experts:
+        down_proj [H, I] -> w2[expert]. The first call materializes both tensors on `device` in loaded's dtype.
+        Experts num_experts .. num_experts + num_shared - 1 are the shared ones (shared_weight_loader)."""
+        if not 0 <= expert < self.num_experts + self.num_shared:
             raise ValueError(f"checkpoint has expert {expert}; this layer has {self.num_experts}")
+        if not loaded.is_floating_point() or loaded.element_size() < 2:
+            raise ValueError(f"expert {expert} {proj}: {loaded.dtype} expert weights are not supported (FP8 MoE "
+                             "checkpoints are not implemented)")
         inter, rank = self.intermediate_per_rank, self.tp_rank
         for attr in ("w13_weight", "w2_weight"):
             param = getattr(self, attr)
@@ -109,6 +114,17 @@ class FusedMoE(nn.Module):
         target.copy_(part)
         self._loaded_slices.add((expert, proj))
 
+    def shared_weight_loader(self, proj: str, loaded: torch.Tensor, device) -> None:
+        """The shared experts' one gated MLP (gate_proj / up_proj [S * I, H], down_proj [H, S * I], whole) as S
+        stacked experts: shared expert s takes intermediate units [s * I, (s + 1) * I)."""
+        inter = self.intermediate_per_rank * self.tp_size
+        dim = 1 if proj == "down_proj" else 0
+        if self.num_shared == 0 or loaded.dim() != 2 or loaded.shape[dim] != self.num_shared * inter:
+            raise ValueError(f"shared_experts.{proj}: checkpoint shape {tuple(loaded.shape)} does not hold "
+                             f"{self.num_shared} shared expert(s) of intermediate size {inter}")
+        for s in range(self.num_shared):
+            self.weight_loader(proj, self.num_experts + s, loaded.narrow(dim, s * inter, inter), device)
+
     def expert_rank_range(self, proj: str, shape: list[int]) -> Optional[tuple[int, int, int]]:
         """(dim, start, stop) of this rank's slice of a checkpoint expert matrix, for the sharded loader."""
         inter, dim = self.intermediate_per_rank, 1 if proj == "down_proj" else 0
@@ -118,29 +134,33 @@ class FusedMoE(nn.Module):
 
     def prepack_weights(self) -> None:
         """After loading: every expert's three matrices must have come (a dummy load fills none through here)."""
-        if self._loaded_slices and len(self._loaded_slices) != 3 * self.num_experts:
-            missing = sorted({(e, p) for e in range(self.num_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+        stacked = self.num_experts + self.num_shared
+        if self._loaded_slices and len(self._loaded_slices) != 3 * stacked:
+            # (expert, proj); the shared experts are (num_experts + s, proj)
+            missing = sorted({(e, p) for e in range(stacked) for p in ("gate_proj", "up_proj", "down_proj")}
                              - self._loaded_slices)
             raise ValueError(f"expert weights missing from the checkpoint: {missing[:5]}"
                              f"{' ...' if len(missing) > 5 else ''}")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [T, H] -> [T, H]
-        topk_weights, topk_ids = select_experts(self.gate(hidden), self.spec)
+        # hidden: [T, H] -> [T, H]; weights and ids [T, top_k + num_shared]
+        topk_weights, topk_ids = route_hidden(hidden, self.gate.weight, self.spec, self.num_shared)
         out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
         if self.tp_size > 1:
             out = ps.all_reduce(out)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
         return out
 
 
 def route_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                          device) -> Iterator[tuple[str, torch.Tensor]]:
-    """Loads `<layer>.experts.{e}.{gate,up,down}_proj.weight` into the FusedMoE at `<layer>` and yields every other
-    (name, tensor) unchanged: `super().load_weights(route_expert_weights(self, weights, device), device)`."""
+    """Loads `<layer>.experts.{e}.{gate,up,down}_proj.weight` and `<layer>.shared_experts.{gate,up,down}_proj.weight`
+    into the FusedMoE at `<layer>` and yields every other (name, tensor) unchanged:
+    `super().load_weights(route_expert_weights(self, weights, device), device)`."""
     for name, loaded in weights:
         match = EXPERT_WEIGHT_NAME.match(name)
+        shared = SHARED_EXPERT_WEIGHT_NAME.match(name) if match is None else None
+        if shared is not None:
+            match = shared
         if match is None:
             yield name, loaded
             continue
@@ -151,4 +171,7 @@ def route_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         if not isinstance(layer, FusedMoE):
             raise ValueError(f"checkpoint tensor {name}: {match['layer']} is not a FusedMoE layer in "
                              f"{type(model).__name__}")
-        layer.weight_loader(match["proj"], int(match["expert"]), loaded, device)
+        if shared is not None:
+            layer.shared_weight_loader(match["proj"], loaded, device)
+        else:
+            layer.weight_loader(match["proj"], int(match["expert"]), loaded, device)

@@ -9,6 +9,7 @@ released DeepSeek-V2 / V2-Lite / Coder-V2 configs all have norm_topk_prob false,
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from braid.runtime.loader.config_specs import MoESpec
 
@@ -21,11 +22,14 @@ def check_routing_supported(spec: MoESpec) -> None:
                          f"{SUPPORTED_TOPK_METHODS}")
 
 
-def select_experts(router_logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] (fp32) -> (topk_weights [T, k] fp32, topk_ids [T, k] int32); k = num_experts_per_tok.
+def select_experts(router_logits: torch.Tensor, spec: MoESpec,
+                   num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (fp32) -> (topk_weights [T, k + S] fp32, topk_ids [T, k + S] int32); k =
+    num_experts_per_tok, then S = num_shared always-chosen slots: expert E + s with weight 1 (the shared experts,
+    stacked after the routed ones).
 
     CUDA tensors take one Triton launch (router_kernels.py), others the PyTorch ops below. No host
-    synchronization: usable inside CUDA graphs. The k ids of a token come in no particular order."""
+    synchronization: usable inside CUDA graphs. The k routed ids of a token come in no particular order."""
     check_routing_supported(spec)
     num_tokens, num_experts = router_logits.shape
     if num_experts != spec.n_routed_experts:
@@ -33,11 +37,26 @@ def select_experts(router_logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Te
     if router_logits.is_cuda:
         from braid.runtime.layers.moe.router_kernels import route_topk_triton
 
-        return route_topk_triton(router_logits, spec)
-    return select_experts_torch(router_logits, spec)
+        return route_topk_triton(router_logits, spec, num_shared)
+    return select_experts_torch(router_logits, spec, num_shared)
 
 
-def select_experts_torch(router_logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, spec: MoESpec,
+                 num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole router from the layer input: select_experts(hidden.float() @ gate_weight.T, spec, num_shared).
+    hidden [T, H], gate_weight [E, H] fp32. On CUDA, up to SMALL_BATCH_ROUTER_MAX_TOKENS tokens (decode) take one
+    launch for the matmul and the selection together."""
+    if hidden.is_cuda:
+        from braid.runtime.layers.moe.router_kernels import SMALL_BATCH_ROUTER_MAX_TOKENS, route_tokens_small_batch
+
+        if hidden.shape[0] <= SMALL_BATCH_ROUTER_MAX_TOKENS:
+            check_routing_supported(spec)
+            return route_tokens_small_batch(hidden, gate_weight, spec, num_shared)
+    return select_experts(F.linear(hidden.float(), gate_weight.float()), spec, num_shared)
+
+
+def select_experts_torch(router_logits: torch.Tensor, spec: MoESpec,
+                         num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """select_experts in PyTorch ops, in HF DeepseekV2TopkRouter's order."""
     num_tokens, num_experts = router_logits.shape
     scores = router_logits.float().softmax(dim=-1)
@@ -53,4 +72,9 @@ def select_experts_torch(router_logits: torch.Tensor, spec: MoESpec) -> tuple[to
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     if spec.routed_scaling_factor != 1.0:
         topk_weights = topk_weights * spec.routed_scaling_factor
-    return topk_weights, topk_ids.to(torch.int32)
+    topk_ids = topk_ids.to(torch.int32)
+    if num_shared:
+        shared_ids = torch.arange(num_experts, num_experts + num_shared, dtype=torch.int32, device=scores.device)
+        topk_ids = torch.cat([topk_ids, shared_ids.expand(num_tokens, num_shared)], dim=1)
+        topk_weights = torch.cat([topk_weights, topk_weights.new_ones(num_tokens, num_shared)], dim=1)
+    return topk_weights, topk_ids

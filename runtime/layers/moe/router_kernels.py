@@ -1,30 +1,53 @@
-"""Expert selection in one Triton launch: softmax over the router logits, the group limit, top-k, renormalization and
-routed_scaling_factor (router.py's PyTorch path does the same in 3 to 9 launches, which at decode batch sizes cost
-more than the work). Each program routes BLOCK_T tokens with all E scores in registers; the k experts are taken by
-repeated arg-max (the lowest expert id wins a tie). Runs on CPU tensors under TRITON_INTERPRET=1 (the tests)."""
+"""Expert selection in Triton: softmax over the router logits, the group limit, top-k, renormalization and
+routed_scaling_factor in one launch (router.py's PyTorch path does the same in 3 to 9 launches, which at decode batch
+sizes cost more than the work), the shared experts appended as always-chosen slots (see layer.py).
+
+Two entry points:
+- `route_topk_triton(logits)`: logits computed before (any T). Each program routes BLOCK_T tokens with all E scores
+  in registers; the k experts are taken by repeated arg-max (the lowest expert id wins a tie).
+- `route_tokens_small_batch(hidden, gate_weight)`: for a few tokens (decode), the router matmul itself too, so the
+  whole router is one launch instead of three (hidden.float(), the fp32 GEMM, the routing). Programs (expert block,
+  token) each write BLOCK_E fp32 logits to a scratch row and count themselves on a global counter; the program that
+  arrives last routes every token (the "last block" reduction: its acquire on the counter orders it after the
+  others' logit stores) and resets the counter for the next launch. No host sync, CUDA-graph capturable.
+
+Runs on CPU tensors under TRITON_INTERPRET=1 (the tests).
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from braid.runtime.layers import pdl
+from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 from braid.runtime.loader.config_specs import MoESpec
+
+__all__ = ["route_topk_triton", "route_tokens_small_batch", "SMALL_BATCH_ROUTER_MAX_TOKENS"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# up to this many tokens route through route_tokens_small_batch (its last program routes them all alone)
+SMALL_BATCH_ROUTER_MAX_TOKENS = 16
 
 
 @triton.jit
-def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, logits_stride, scaling,
-                       NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr,
-                       TOP_K_POW2: tl.constexpr, GROUP_LIMITED: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                       GROUPS_POW2: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUPS: tl.constexpr,
-                       RENORMALIZE: tl.constexpr,
-                       BLOCK_T: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+def _route_rows(logits_ptr, weights_ptr, ids_ptr, rows, num_tokens, logits_stride, scaling,
+                NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr,
+                SLOTS_POW2: tl.constexpr, NUM_SHARED: tl.constexpr, GROUP_LIMITED: tl.constexpr,
+                NUM_GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                TOPK_GROUPS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                VOLATILE: tl.constexpr):
+    # rows [BLOCK_T]: routes these tokens' logits into TOP_K + NUM_SHARED slots per token
     row_valid = rows < num_tokens
     experts = tl.arange(0, EXPERTS_POW2)
     expert_valid = experts < NUM_EXPERTS
     logits = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * logits_stride + experts[None, :],
-                     mask=row_valid[:, None] & expert_valid[None, :], other=float("-inf")).to(tl.float32)
+                     mask=row_valid[:, None] & expert_valid[None, :], other=float("-inf"),
+                     volatile=VOLATILE).to(tl.float32)
     logits = tl.where(row_valid[:, None], logits, 0.0)  # rows past T: finite, never stored
     shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     scores = shifted / tl.sum(shifted, axis=1)[:, None]  # [BLOCK_T, EXPERTS_POW2]; 0 past NUM_EXPERTS
@@ -44,9 +67,9 @@ def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, logits_stri
             group_scores = tl.where(groups[None, :] == chosen[:, None], -2.0, group_scores)
         scores = tl.where(keep, scores, 0.0)
     scores = tl.where(expert_valid[None, :], scores, -1.0)
-    slots = tl.arange(0, TOP_K_POW2)
-    top_weights = tl.zeros((BLOCK_T, TOP_K_POW2), dtype=tl.float32)
-    top_ids = tl.zeros((BLOCK_T, TOP_K_POW2), dtype=tl.int32)
+    slots = tl.arange(0, SLOTS_POW2)
+    top_weights = tl.zeros((BLOCK_T, SLOTS_POW2), dtype=tl.float32)
+    top_ids = tl.zeros((BLOCK_T, SLOTS_POW2), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
         best = tl.max(scores, axis=1)
         chosen = tl.min(tl.where(scores == best[:, None], experts[None, :], EXPERTS_POW2), axis=1)
@@ -56,31 +79,147 @@ def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, logits_stri
     if RENORMALIZE:
         top_weights = top_weights / (tl.sum(top_weights, axis=1)[:, None] + 1e-20)
     top_weights = top_weights * scaling
-    out_offsets = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-    out_mask = row_valid[:, None] & (slots[None, :] < TOP_K)
+    # the shared experts: slots TOP_K + s hold expert NUM_EXPERTS + s with weight 1
+    shared_slot = (slots >= TOP_K)[None, :]
+    top_weights = tl.where(shared_slot, 1.0, top_weights)
+    top_ids = tl.where(shared_slot, NUM_EXPERTS - TOP_K + slots[None, :], top_ids)
+    out_offsets = rows.to(tl.int64)[:, None] * (TOP_K + NUM_SHARED) + slots[None, :]
+    out_mask = row_valid[:, None] & (slots[None, :] < TOP_K + NUM_SHARED)
     tl.store(weights_ptr + out_offsets, top_weights, mask=out_mask)
     tl.store(ids_ptr + out_offsets, top_ids, mask=out_mask)
 
 
-def route_topk_triton(router_logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] (fp32) -> (topk_weights [T, k] fp32, topk_ids [T, k] int32), k ids by falling score."""
-    num_tokens, num_experts = router_logits.shape
-    top_k = spec.num_experts_per_tok
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=router_logits.device)
-    if num_tokens == 0:
-        return weights, ids
-    if router_logits.stride(1) != 1:
-        router_logits = router_logits.contiguous()
-    experts_pow2 = triton.next_power_of_2(num_experts)
-    block_t = max(1, min(16, 2048 // experts_pow2))
+@triton.jit
+def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, logits_stride, scaling,
+                       NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr,
+                       SLOTS_POW2: tl.constexpr, NUM_SHARED: tl.constexpr, GROUP_LIMITED: tl.constexpr,
+                       NUM_GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                       TOPK_GROUPS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _route_rows(logits_ptr, weights_ptr, ids_ptr, rows, num_tokens, logits_stride, scaling, NUM_EXPERTS,
+                EXPERTS_POW2, TOP_K, SLOTS_POW2, NUM_SHARED, GROUP_LIMITED, NUM_GROUPS, GROUPS_POW2, GROUP_SIZE,
+                TOPK_GROUPS, RENORMALIZE, BLOCK_T, False)
+
+
+@triton.jit
+def _router_small_batch_kernel(x_ptr, gate_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, num_tokens,
+                               hidden_size, x_stride, scaling,
+                               NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr,
+                               SLOTS_POW2: tl.constexpr, NUM_SHARED: tl.constexpr, GROUP_LIMITED: tl.constexpr,
+                               NUM_GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                               TOPK_GROUPS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
+                               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    # program (e, t): logits[t, e * BLOCK_E + i] = x[t] . gate[e * BLOCK_E + i] in fp32 (x upcast as hidden.float())
+    let_next_kernel_launch(USE_PDL)
+    pid_e = tl.program_id(0)
+    token = tl.program_id(1)
+    experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    expert_valid = experts < NUM_EXPERTS
+    cols = tl.arange(0, BLOCK_K)
+    gate_rows = gate_ptr + experts.to(tl.int64)[:, None] * hidden_size
+    # the first gate chunk: no kernel of the step writes the gate weight, so it loads before the wait
+    w = tl.load(gate_rows + cols[None, :], mask=expert_valid[:, None] & (cols < hidden_size)[None, :], other=0.0)
+    wait_for_previous_kernel(USE_PDL)
+    x_row = x_ptr + token.to(tl.int64) * x_stride
+    acc = w * tl.load(x_row + cols, mask=cols < hidden_size, other=0.0).to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, hidden_size, BLOCK_K):
+        kk = k0 + cols
+        k_valid = kk < hidden_size
+        w = tl.load(gate_rows + kk[None, :], mask=expert_valid[:, None] & k_valid[None, :], other=0.0)
+        acc += w * tl.load(x_row + kk, mask=k_valid, other=0.0).to(tl.float32)[None, :]
+    tl.store(logits_ptr + token * EXPERTS_POW2 + experts, tl.sum(acc, axis=1), mask=expert_valid)
+    # every thread's store is issued before the release below (CTA barrier, then one gpu-scope acq_rel atomic)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        # the last program: every logit is written; route all tokens, then reset the counter for the next launch
+        for first in range(0, num_tokens, BLOCK_T):
+            _route_rows(logits_ptr, weights_ptr, ids_ptr, first + tl.arange(0, BLOCK_T), num_tokens, EXPERTS_POW2,
+                        scaling, NUM_EXPERTS, EXPERTS_POW2, TOP_K, SLOTS_POW2, NUM_SHARED, GROUP_LIMITED,
+                        NUM_GROUPS, GROUPS_POW2, GROUP_SIZE, TOPK_GROUPS, RENORMALIZE, BLOCK_T, True)
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+
+
+def _routing_constants(spec: MoESpec, num_shared: int) -> dict:
+    num_experts, top_k = spec.n_routed_experts, spec.num_experts_per_tok
     group_limited = spec.topk_method == "group_limited_greedy"
     num_groups = spec.n_group if group_limited else 1
+    return dict(NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k,
+                SLOTS_POW2=triton.next_power_of_2(top_k + num_shared), NUM_SHARED=num_shared,
+                GROUP_LIMITED=group_limited, NUM_GROUPS=num_groups, GROUPS_POW2=triton.next_power_of_2(num_groups),
+                GROUP_SIZE=num_experts // num_groups, TOPK_GROUPS=spec.topk_group if group_limited else 1,
+                RENORMALIZE=spec.norm_topk_prob)
+
+
+def _route_outputs(num_tokens: int, slots: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(num_tokens, slots, dtype=torch.float32, device=device),
+            torch.empty(num_tokens, slots, dtype=torch.int32, device=device))
+
+
+def _unit_column_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _block_t(experts_pow2: int) -> int:
+    return max(1, min(16, 2048 // experts_pow2))
+
+
+def route_topk_triton(router_logits: torch.Tensor, spec: MoESpec,
+                      num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] (fp32) -> (topk_weights [T, k + S] fp32, topk_ids [T, k + S] int32): the k routed
+    experts by falling score, then the S = num_shared shared experts (ids E .. E + S - 1, weight 1)."""
+    num_tokens = router_logits.shape[0]
+    weights, ids = _route_outputs(num_tokens, spec.num_experts_per_tok + num_shared, router_logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    router_logits = _unit_column_stride(router_logits)
+    constants = _routing_constants(spec, num_shared)
+    block_t = _block_t(constants["EXPERTS_POW2"])
     _route_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
         router_logits, weights, ids, num_tokens, router_logits.stride(0), float(spec.routed_scaling_factor),
-        NUM_EXPERTS=num_experts, EXPERTS_POW2=experts_pow2, TOP_K=top_k, TOP_K_POW2=triton.next_power_of_2(top_k),
-        GROUP_LIMITED=group_limited, NUM_GROUPS=num_groups, GROUPS_POW2=triton.next_power_of_2(num_groups),
-        GROUP_SIZE=num_experts // num_groups,
-        TOPK_GROUPS=spec.topk_group if group_limited else 1, RENORMALIZE=spec.norm_topk_prob, BLOCK_T=block_t,
-        num_warps=4)
+        **constants, BLOCK_T=block_t, num_warps=4)
+    return weights, ids
+
+
+_arrival_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counter(device: torch.device) -> torch.Tensor:
+    # one int32 per device, zero between launches (the last program resets it); launches on one stream never overlap
+    counter = _arrival_counters.get(device)
+    if counter is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("route_tokens_small_batch: run it once before CUDA-graph capture (its counter is "
+                               "allocated on first use)")
+        counter = _arrival_counters[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
+def route_tokens_small_batch(hidden: torch.Tensor, gate_weight: torch.Tensor, spec: MoESpec,
+                             num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [T, H] (any float dtype, read as fp32), gate_weight [E, H] fp32, T <= SMALL_BATCH_ROUTER_MAX_TOKENS ->
+    route_topk_triton(hidden.float() @ gate_weight.T) in one launch."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts = spec.n_routed_experts
+    if num_tokens > SMALL_BATCH_ROUTER_MAX_TOKENS:
+        raise ValueError(f"route_tokens_small_batch routes up to {SMALL_BATCH_ROUTER_MAX_TOKENS} tokens, got "
+                         f"{num_tokens}")
+    if gate_weight.shape != (num_experts, hidden_size) or gate_weight.dtype != torch.float32 \
+            or not gate_weight.is_contiguous():
+        raise ValueError(f"gate weight must be contiguous fp32 [{num_experts}, {hidden_size}], got "
+                         f"{tuple(gate_weight.shape)} {gate_weight.dtype}")
+    weights, ids = _route_outputs(num_tokens, spec.num_experts_per_tok + num_shared, hidden.device)
+    if num_tokens == 0:
+        return weights, ids
+    hidden = _unit_column_stride(hidden)
+    constants = _routing_constants(spec, num_shared)
+    experts_pow2 = constants["EXPERTS_POW2"]
+    logits = torch.empty(num_tokens, experts_pow2, dtype=torch.float32, device=hidden.device)
+    # about 32 programs per token: each streams BLOCK_E rows of the fp32 gate weight
+    block_e = max(1, min(16, triton.next_power_of_2(triton.cdiv(num_experts, 32))))
+    block_k = min(64 if _INTERPRET else 1024, triton.next_power_of_2(hidden_size))
+    _router_small_batch_kernel[(triton.cdiv(num_experts, block_e), num_tokens)](
+        hidden, gate_weight, logits, _arrival_counter(hidden.device), weights, ids, num_tokens, hidden_size,
+        hidden.stride(0), float(spec.routed_scaling_factor), **constants, BLOCK_T=_block_t(experts_pow2),
+        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4, **pdl.launch_options(hidden.device))
     return weights, ids

@@ -1,0 +1,154 @@
+"""The experts of a few tokens (decode batches) as two GEMV-style launches, without the expert sort.
+
+At T <= SMALL_BATCH_MAX_TOKENS the grouped GEMM (fused_moe_kernels.py) pads every chosen expert's one or two rows to
+a BLOCK_M = 16 tile and needs the sort launch before it; here every (token, slot) pair streams its expert's rows
+directly, as the dense batch-1 GEMV (layers/gemv.py) streams a weight:
+
+1. gate_up: program (pair, n) reads BLOCK_N gate rows and the matching up rows of expert ids[pair] (coalesced along
+   H) against x[token], and writes act[pair, n-block] = silu(gate) * up. [T*S, I]
+2. down: program (token, n) reads BLOCK_N rows of w2 for each of the token's S slots in turn and sums
+   weights[token, slot] * (w2[e] . act[pair]) in fp32: the top-k weights and the sum over the slots happen in the
+   epilogue, the output [T, H] is written once (no [T*S, H] intermediate, no separate sum).
+
+S = top_k + shared experts (router.py appends the shared ones as always-chosen slots). Tokens that chose the same
+expert re-read its rows, mostly from L2: programs of one row block are adjacent in launch order. Both kernels launch
+with PDL (pdl.py): they start during the previous kernel's tail; the expert ids come from the router, so no weight
+is read before the wait. Grids depend only on T: CUDA-graph capturable. Runs under TRITON_INTERPRET=1 (the tests).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from braid.runtime.layers import pdl
+from braid.runtime.layers.moe.experts import check_expert_inputs
+from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
+
+__all__ = ["SMALL_BATCH_MAX_TOKENS", "GemvConfig", "small_batch_moe"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# up to this many tokens fused_experts takes these kernels on CUDA (benchmarks/gpu/fused_moe_vs_torch.sh times both
+# paths at T = 1 .. 16 at DeepSeek-V2-Lite shapes)
+SMALL_BATCH_MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # weight rows per program
+    block_k: int  # columns per load
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if self.block_n < 1 or self.block_n & (self.block_n - 1) or self.block_k < 16 \
+                or self.block_k & (self.block_k - 1):
+            raise ValueError(f"GEMV config needs power-of-two block_n and block_k >= 16: {self}")
+
+
+# defaults for bf16 at DeepSeek-V2-Lite shapes (H 2048, I 1408) from the dense GEMV's best shapes (4 rows x 2048
+# columns per program); the GPU script sweeps them
+GATE_UP_CONFIG = GemvConfig(4, 1024, 4, 3)
+DOWN_CONFIG = GemvConfig(4, 512, 4, 3)
+_INTERPRET_CONFIG = GemvConfig(4, 32, 1, 1)
+
+
+@triton.jit
+def _rows_dot_vector(w_rows, vec_ptr, row_mask, K, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    # [BLOCK_N] fp32: w_rows[i, :K] . vec[:K], w_rows a [BLOCK_N, 1] block of row pointers
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + cols
+        if EVEN_K:
+            v = tl.load(vec_ptr + kk).to(tl.float32)
+            w_mask = row_mask[:, None]
+        else:
+            v = tl.load(vec_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            w_mask = row_mask[:, None] & (kk < K)[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * v[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _silu_mul_gemv_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, N, K, x_stride, w_expert_stride, w_row_stride,
+                          act_stride, SLOTS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # act[pair, n] = silu(x[pair // SLOTS] . w13[e, n]) * (x[pair // SLOTS] . w13[e, N + n]), e = ids[pair]
+    let_next_kernel_launch(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
+    pair = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    gate_rows = w13_ptr + expert * w_expert_stride + rows.to(tl.int64)[:, None] * w_row_stride
+    x_row = x_ptr + (pair // SLOTS).to(tl.int64) * x_stride
+    gate = _rows_dot_vector(gate_rows, x_row, row_mask, K, EVEN_K, BLOCK_N, BLOCK_K)
+    up = _rows_dot_vector(gate_rows + N.to(tl.int64) * w_row_stride, x_row, row_mask, K, EVEN_K, BLOCK_N, BLOCK_K)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + pair.to(tl.int64) * act_stride + rows, out.to(act_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _weighted_down_gemv_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, N, K, act_stride, w_expert_stride,
+                               w_row_stride, out_stride, SLOTS: tl.constexpr, EVEN_K: tl.constexpr,
+                               USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # out[t, n] = sum_j weights[t, j] * (act[t * SLOTS + j] . w2[ids[t, j], n]), summed in fp32, stored once
+    let_next_kernel_launch(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(SLOTS):
+        pair = token * SLOTS + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        w_rows = w2_ptr + expert * w_expert_stride + rows.to(tl.int64)[:, None] * w_row_stride
+        total += tl.load(weights_ptr + pair) * _rows_dot_vector(w_rows, act_ptr + pair.to(tl.int64) * act_stride,
+                                                                row_mask, K, EVEN_K, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + token.to(tl.int64) * out_stride + rows, total.to(out_ptr.dtype.element_ty), mask=row_mask)
+
+
+def _launch_options(config: GemvConfig, device: torch.device) -> dict:
+    return dict(BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+                num_stages=config.num_stages, **pdl.launch_options(device))
+
+
+def small_batch_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, activation: str = "silu", gate_up_config: Optional[GemvConfig] = None,
+                    down_config: Optional[GemvConfig] = None) -> torch.Tensor:
+    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, S] fp32, topk_ids [T, S] int32 -> [T, H] in
+    hidden's dtype: sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
+    Two launches; the configs default to GATE_UP_CONFIG / DOWN_CONFIG (benchmarks pass their own)."""
+    check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids, activation)
+    num_tokens, slots = topk_ids.shape
+    _, two_inter, hidden_size = w13.shape
+    inter = two_inter // 2
+    out = torch.empty_like(hidden)
+    if num_tokens == 0:
+        return out
+    if topk_weights.dtype != torch.float32 or topk_ids.dtype != torch.int32:
+        raise ValueError(f"topk_weights must be fp32 and topk_ids int32, got {topk_weights.dtype}, {topk_ids.dtype}")
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError("the expert weights need unit stride along their last dim")
+    hidden, topk_weights, topk_ids = hidden.contiguous(), topk_weights.contiguous(), topk_ids.contiguous()
+    gate_up_config = gate_up_config or (_INTERPRET_CONFIG if _INTERPRET else GATE_UP_CONFIG)
+    down_config = down_config or (_INTERPRET_CONFIG if _INTERPRET else DOWN_CONFIG)
+    act = torch.empty(num_tokens * slots, inter, dtype=hidden.dtype, device=hidden.device)  # [T*S, I]
+    _silu_mul_gemv_kernel[(num_tokens * slots, triton.cdiv(inter, gate_up_config.block_n))](
+        hidden, w13, topk_ids, act, inter, hidden_size, hidden.stride(0), w13.stride(0), w13.stride(1),
+        act.stride(0), SLOTS=slots, EVEN_K=hidden_size % gate_up_config.block_k == 0,
+        **_launch_options(gate_up_config, hidden.device))
+    _weighted_down_gemv_kernel[(num_tokens, triton.cdiv(hidden_size, down_config.block_n))](
+        act, w2, topk_ids, topk_weights, out, hidden_size, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        out.stride(0), SLOTS=slots, EVEN_K=inter % down_config.block_k == 0,
+        **_launch_options(down_config, hidden.device))
+    return out
