@@ -235,8 +235,8 @@ def small_batch_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 # streamed 2.0-2.8 TB/s. The variants here, autotuned together per shape (fp8_gemv):
 #   "f16"    e4m3 pairs -> f16x2 (one cvt per two values on sm_90), products and sums of GROUP products in packed
 #            fp16, each group sum added to an fp32 accumulator [BLOCK_N, BLOCK_K / GROUP]; ~1.6 instructions per
-#            value, ~60 registers. x is scaled per BLOCK_K chunk (by X_LIMIT / max|x|) so that no fp16 product or
-#            group sum can overflow (|e4m3| <= 448: 448 * X_LIMIT * GROUP < 65504), and unscaled in fp32.
+#            value, ~60 registers. x is scaled per BLOCK_K chunk to max |x| = 145 / GROUP so that no fp16 product
+#            or group sum can overflow (|e4m3| <= 448, 448 * 145 < 65504), and unscaled in fp32.
 #   "f16bit" the same with e4m3 -> fp16 by bit moves (no conversion unit: byte permute, and, shift, or), which
 #            yields value * 2**-8, folded into x's chunk scale.
 #   "tc"     tensor cores: x rounded to e4m3 per BLOCK_K chunk (its own scale) in the kernel, fp8 x fp8 wgmma of a
@@ -245,14 +245,15 @@ def small_batch_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 #            programs for N = 4096, so K is split over SPLIT_K programs whose partial sums meet in an fp32
 #            workspace (atomic adds; the last program of a row tile, told by a counter, applies scales and
 #            activation, writes y and zeroes the workspace and counter for the next call).
-# Error against the fp32 matmul of the dequantized weight with the unrounded x (tests/kernels/test_fp8_gemv*.py):
-# "f16"/"f16bit" round each product and each partial group sum to fp16 (2**-11 relative), so
-# |y - ref| <= (GROUP + 2) * 2**-11 * sum_k |w_k x_k| (+ the output's own rounding); "tc" rounds x to e4m3
-# (2**-4 relative): |y - ref| <= 2**-4 * sum_k |w_k x_k| (+ the same). All keep PDL (the first weight chunk streams
-# before the wait for x) and fuse SiLU-and-mul for a [gate; up] weight.
+# Error against the fp32 matmul of the dequantized weight with the unrounded x (Fp8GemvConfig.error_bound, checked
+# by tests/kernels/test_fp8_gemv_variants.py and by the autotuner): |y - ref| <= C * sum_k |w_k x_k| + F * max|x| *
+# sum_k |w_k| (+ the output's own rounding), C the relative rounding of the path, F the absolute floor of values too
+# small for the format: "f16"/"f16bit" round each product and partial group sum to fp16, C = (GROUP + 2) * 2**-11,
+# F = 2**-20 (fp16 subnormals, in x's chunk scale); "tc" rounds x to e4m3, C = 2**-4, F = 2**-10 / 448 (half of
+# e4m3's smallest subnormal at the chunk's scale). All keep PDL (the first weight chunk streams before the wait for
+# x) and fuse SiLU-and-mul for a [gate; up] weight.
 
 FP8_GEMV_VARIANTS = ("f16", "f16bit", "tc")
-_E4M3_TO_F16_BITS_SCALE = 256.0  # "f16bit": the fp16 made of an e4m3's bits is its value / 256
 
 
 @triton.jit
@@ -463,28 +464,30 @@ class Fp8GemvConfig:
             raise ValueError(f"group {self.group} must divide block_k {self.block_k}")
 
     @property
-    def error_coefficient(self) -> float:
-        """C of the variant's bound |y - ref| <= C * sum_k |w_k x_k| (before the output's rounding): fp16 products
-        and group sums (2**-11 each, GROUP + 2 of them at most on a path), or x rounded to e4m3 (2**-4)."""
-        return 2 ** -4 if self.variant == "tc" else (self.group + 2) * 2 ** -11
+    def error_bound(self) -> tuple[float, float]:
+        """(C, F) of the variant's bound |y - ref| <= C * sum_k |w_k x_k| + F * max|x| * sum_k |w_k| (before the
+        output's rounding): fp16 products and group sums (2**-11 each, GROUP + 2 of them at most on a path; fp16
+        subnormals), or x rounded to e4m3 (2**-4; below e4m3's subnormals at the chunk's scale)."""
+        return (2 ** -4, 2 ** -10 / FP8_MAX) if self.variant == "tc" else ((self.group + 2) * 2 ** -11, 2 ** -20)
 
 
 def fp8_gemv_error_excess(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                          silu_mul: bool, coefficient: float, out_rounding: float = 2 ** -8
+                          silu_mul: bool, error_bound: tuple[float, float], out_rounding: float = 2 ** -8
                           ) -> tuple[float, float]:
     """(max over outputs of |y - ref| / bound (<= 1: within), max |y - ref|), ref = act(x @ (weight *
-    weight_scale[:, None])^T) unrounded (float64 on CPU, fp32 in 2048-row blocks on CUDA), bound = coefficient *
-    sum_k |w_k x_k| + out_rounding * |ref|, carried through silu(gate) * up with |silu'| <= 1.1. NaN or inf in y:
-    (inf, inf)."""
+    weight_scale[:, None])^T) unrounded (float64 on CPU, fp32 in 2048-row blocks on CUDA), bound = C * sum_k
+    |w_k x_k| + F * max|x| * sum_k |w_k| + out_rounding * |ref| for error_bound = (C, F) (Fp8GemvConfig.error_bound),
+    carried through silu(gate) * up with |silu'| <= 1.1. NaN or inf in y: (inf, inf)."""
+    relative, floor = error_bound
     dtype = torch.float32 if x.is_cuda else torch.float64
     xf = x.to(dtype)[0]
     ref, bound = [], []
     for start in range(0, weight.shape[0], 2048):
         w = weight[start:start + 2048].to(dtype) * weight_scale[start:start + 2048].to(dtype)[:, None]
         ref.append(w @ xf)
-        bound.append(w.abs() @ xf.abs())
+        bound.append(w.abs() @ (relative * xf.abs() + floor * xf.abs().max()))
     ref = torch.cat(ref)
-    bound = coefficient * torch.cat(bound) + out_rounding * ref.abs()
+    bound = torch.cat(bound) + out_rounding * ref.abs()
     if silu_mul:
         gate, up = ref.chunk(2)
         gate_err, up_err = bound.chunk(2)
@@ -614,6 +617,6 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
                 config = _tune(key, candidates,
                                lambda c: _launch_fp8_gemv(c, x, weight, weight_scale, y, n, k, silu_mul),
                                lambda c: fp8_gemv_error_excess(y, x, weight, weight_scale, silu_mul,
-                                                               c.error_coefficient)[0])
+                                                               c.error_bound)[0])
     _launch_fp8_gemv(config, x, weight, weight_scale, y, n, k, silu_mul)
     return y
