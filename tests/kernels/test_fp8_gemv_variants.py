@@ -163,3 +163,28 @@ def test_gpu_fp8_gemv_in_a_cuda_graph(variant):
         x.copy_(torch.randn(1, 4096, generator=torch.Generator().manual_seed(seed)).to(x))
         graph.replay()
         torch.testing.assert_close(y, fp8_gemv(x, w_q, w_scale, config=config), rtol=0, atol=0)
+
+
+def test_fp8_gemv_tuner_takes_the_fastest_within_its_bound(monkeypatch):
+    """The autotuner's choice: candidates that raise (no shared memory for them) or land outside their error bound
+    are dropped however fast; the fastest of the rest wins and is remembered per key."""
+    import triton.testing
+
+    from braid.runtime.layers.quantization import fp8_kernels
+
+    wrong, broken, slow, fast = (Fp8GemvConfig("f16", 4, 64), Fp8GemvConfig("f16", 8, 64),
+                                 Fp8GemvConfig("tc", 64, 64), Fp8GemvConfig("f16bit", 4, 64))
+    times = {wrong: 1.0, slow: 9.0, fast: 3.0}
+    current = []
+
+    def run(config):
+        if config is broken:
+            raise RuntimeError("out of shared memory")
+        current[:] = [config]
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), times[current[0]])[1])
+    key = ("test", 1, 2, False)
+    chosen = fp8_kernels._tune(key, [wrong, broken, slow, fast], run, lambda c: 5.0 if c is wrong else 0.5)
+    assert chosen is fast and fp8_kernels._tuned.pop(key) is fast
+    with pytest.raises(RuntimeError, match="no fp8 GEMV config"):
+        fp8_kernels._tune(key, [wrong, broken], run, lambda c: 5.0)

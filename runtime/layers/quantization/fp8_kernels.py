@@ -614,9 +614,12 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
             if _INTERPRET or x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
                 config = candidates[0]
             else:
+                # timed and checked on a probe x of its own: the first call's x may be a warm-up's placeholder
+                probe = torch.randn(1, k, generator=torch.Generator(x.device).manual_seed(0), device=x.device,
+                                    dtype=x.dtype)
                 config = _tune(key, candidates,
-                               lambda c: _launch_fp8_gemv(c, x, weight, weight_scale, y, n, k, silu_mul),
-                               lambda c: fp8_gemv_error_excess(y, x, weight, weight_scale, silu_mul,
+                               lambda c: _launch_fp8_gemv(c, probe, weight, weight_scale, y, n, k, silu_mul),
+                               lambda c: fp8_gemv_error_excess(y, probe, weight, weight_scale, silu_mul,
                                                                c.error_bound)[0])
     _launch_fp8_gemv(config, x, weight, weight_scale, y, n, k, silu_mul)
     return y
