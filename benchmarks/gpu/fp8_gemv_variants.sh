@@ -3,7 +3,8 @@
 #   bash benchmarks/gpu/fp8_gemv_variants.sh
 # 1. the gpu tests of the variants (every runtime candidate at the 4 Llama-3-8B shapes within its error bound, all
 #    254 e4m3 values through both dequantizations, CUDA-graph replays); they also fill Triton's cache;
-# 2. bench_one_batch --quantization fp8, batch 1, 128 in / 512 out (the runtime autotunes over the candidates);
+# 2. bench_one_batch --quantization fp8, batch 1, 128 in / 512 out (the runtime autotunes over the candidates; only
+#    batch 1's CUDA graph is captured, which saves the other sizes' kernels and captures, not batch 1's time);
 # 3. the sweep (what time is left): per shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096 + SiLU-mul,
 #    down 4096x14336) every variant x config: max error vs the dequantized fp32 matmul, TB/s of weight bytes with 32 layers in a CUDA
 #    graph; beside them the old fp32-upcast kernel, fp8_gemv's own autotuned pick and the bf16 GEMV;
@@ -27,7 +28,7 @@ grep -qE "[0-9]+ passed" "$OUT/tests.log" && ! grep -qE "[0-9]+ (failed|error)" 
 step "bench_one_batch --quantization fp8, batch 1 (fp8_gemv autotunes over its candidates)"
 timeout "$(cap 130)" python3 -m braid.bench_one_batch --load-format dummy --model-config benchmarks/configs/llama3-8b.json \
   --model-path llama3-8b-dummy --dtype bfloat16 --quantization fp8 --batch-size 1 --input-len 128 --output-len 512 \
-  --log-level info --result-filename "$OUT/one_batch.jsonl" > "$OUT/one_batch.log" 2>&1
+  --cuda-graph-max-bs 1 --log-level info --result-filename "$OUT/one_batch.jsonl" > "$OUT/one_batch.log" 2>&1
 grep -E "fp8 GEMV \(" "$OUT/one_batch.log" | cut -c1-220
 grep -v Warning "$OUT/one_batch.log" | tail -6
 
