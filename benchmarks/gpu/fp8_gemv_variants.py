@@ -43,9 +43,10 @@ def sweep_configs():
 
     # the runtime candidates first (fp8_gemv_candidates), then their neighbours
     configs = [C("f16", 4, 2048, 4, 3, group=16), C("f16", 8, 1024, 4, 3, group=16), C("f16", 4, 1024, 4, 4, group=8),
-               C("f16bit", 4, 2048, 4, 3, group=16), C("f16bit", 8, 1024, 4, 3, group=16),
-               C("tc", 64, 256, 4, 4, split_k=0), C("tc", 64, 512, 4, 3, split_k=0), C("tc", 128, 256, 4, 3, split_k=0),
-               C("f16", 2, 4096, 4, 2, group=16), C("f16", 8, 2048, 8, 3, group=16), C("f16", 16, 512, 4, 4, group=16),
+               C("f16", 8, 2048, 8, 3, group=16), C("f16bit", 4, 2048, 4, 3, group=16),
+               C("f16bit", 8, 1024, 4, 3, group=16), C("tc", 64, 256, 4, 4, split_k=0),
+               C("tc", 64, 512, 4, 3, split_k=0), C("tc", 128, 256, 4, 3, split_k=0),
+               C("f16", 2, 4096, 4, 2, group=16), C("f16", 16, 512, 4, 4, group=16),
                C("f16", 8, 1024, 4, 4, group=8), C("f16", 4, 4096, 8, 2, group=16), C("f16", 4, 2048, 4, 3, group=32),
                C("f16bit", 8, 2048, 8, 3, group=16), C("f16bit", 4, 1024, 4, 4, group=16),
                C("tc", 64, 256, 4, 4, split_k=2), C("tc", 64, 256, 4, 4, split_k=8), C("tc", 64, 128, 4, 6, split_k=0),

@@ -509,7 +509,8 @@ def fp8_gemv_candidates() -> list[Fp8GemvConfig]:
     # tiles of 8-16 KB per load and about 60 registers (f16), fp8 wgmma tiles of 16-32 KB per stage (tc);
     # benchmarks/gpu/fp8_gemv_variants.py sweeps wider and prints the measured winners per Llama-3-8B shape
     return [Fp8GemvConfig("f16", 4, 2048, 4, 3, group=16), Fp8GemvConfig("f16", 8, 1024, 4, 3, group=16),
-            Fp8GemvConfig("f16", 4, 1024, 4, 4, group=8), Fp8GemvConfig("f16bit", 4, 2048, 4, 3, group=16),
+            Fp8GemvConfig("f16", 4, 1024, 4, 4, group=8), Fp8GemvConfig("f16", 8, 2048, 8, 3, group=16),
+            Fp8GemvConfig("f16bit", 4, 2048, 4, 3, group=16),
             Fp8GemvConfig("f16bit", 8, 1024, 4, 3, group=16), Fp8GemvConfig("tc", 64, 256, 4, 4, split_k=0),
             Fp8GemvConfig("tc", 64, 512, 4, 3, split_k=0), Fp8GemvConfig("tc", 128, 256, 4, 3, split_k=0)]
 
