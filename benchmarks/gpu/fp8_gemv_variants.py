@@ -116,7 +116,7 @@ def sweep(out_path: str, seconds: float) -> None:
             _append(out_path, row)
         # what fp8_gemv picks by itself (its autotuning over fp8_gemv_candidates), timed the same way
         y = fp8_gemv(x, *fp8[0], silu_mul=silu)
-        picked = next(c for key, c in fp8_kernels._tuned.items() if key[1:4] == (n, k, silu))
+        picked = next((c for key, c in fp8_kernels._tuned.items() if key[1:4] == (n, k, silu)), "not tuned")
         us = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu) for q, s in fp8])
         _append(out_path, {**base, "variant": "autotuned", "config": repr(picked), "us": us,
                            "tb_s": nbytes / layers / us / 1e6})
