@@ -357,14 +357,15 @@ def test_gpu_v2_lite_absorbed_matches_expanded():
 @pytest.mark.gpu
 @requires_cuda
 def test_gpu_v2_lite_cuda_graph_decode_equals_eager():
-    """Decode steps of V2-Lite-shaped layers replayed from CUDA graphs (latent decode attention and the fused MoE
-    inside the graph; batch 3 captured as is, batch 5 padded to 8) give the eager pass's logits."""
+    """Decode steps of V2-Lite-shaped layers replayed from CUDA graphs (latent decode attention and the MoE's
+    one-launch router and small-batch expert GEMVs inside the graph; batches 1 and 3 captured as they are, batch 5
+    padded to 8) give the eager pass's logits."""
     runner = _v2_lite_runner(num_layers=3)
     graphs = runner.cuda_graph_runner
     assert graphs is not None
     d = Driver(runner)
     gen = torch.Generator().manual_seed(1)
-    for bs in (3, 5):
+    for bs in (1, 3, 5):
         rows = [runner.req_to_token_pool.alloc() for _ in range(bs)]
         lens = [int(n) for n in torch.randint(20, 200, (bs,), generator=gen)]
         for row, n in zip(rows, lens):
@@ -376,4 +377,4 @@ def test_gpu_v2_lite_cuda_graph_decode_equals_eager():
             with torch.inference_mode():
                 replayed = runner.model.lm_head(graphs.replay(fb)).float()
             assert _rel_err(replayed, eager) < 1e-2, (bs, step)
-    assert graphs.num_replays == 8 and graphs.num_padded_replays == 4
+    assert graphs.num_replays == 12 and graphs.num_padded_replays == 4
