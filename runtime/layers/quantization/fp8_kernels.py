@@ -249,7 +249,8 @@ def small_batch_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 # by tests/kernels/test_fp8_gemv_variants.py and by the autotuner): |y - ref| <= C * sum_k |w_k x_k| + F * max|x| *
 # sum_k |w_k| (+ the output's own rounding), C the relative rounding of the path, F the absolute floor of values too
 # small for the format: "f16"/"f16bit" round each product and partial group sum to fp16, C = (GROUP + 2) * 2**-11,
-# F = 2**-20 (fp16 subnormals, in x's chunk scale); "tc" rounds x to e4m3, C = 2**-4, F = 2**-10 / 448 (half of
+# F = GROUP * 2**-23 (a product below fp16's normals is off by up to 2**-25 <= 2**-16 |w| in the chunk's scale,
+# 145 / GROUP; sums there are exact); "tc" rounds x to e4m3, C = 2**-4, F = 2**-10 / 448 (half of
 # e4m3's smallest subnormal at the chunk's scale). All keep PDL (the first weight chunk streams before the wait for
 # x) and fuse SiLU-and-mul for a [gate; up] weight.
 
@@ -468,7 +469,9 @@ class Fp8GemvConfig:
         """(C, F) of the variant's bound |y - ref| <= C * sum_k |w_k x_k| + F * max|x| * sum_k |w_k| (before the
         output's rounding): fp16 products and group sums (2**-11 each, GROUP + 2 of them at most on a path; fp16
         subnormals), or x rounded to e4m3 (2**-4; below e4m3's subnormals at the chunk's scale)."""
-        return (2 ** -4, 2 ** -10 / FP8_MAX) if self.variant == "tc" else ((self.group + 2) * 2 ** -11, 2 ** -20)
+        if self.variant == "tc":
+            return 2 ** -4, 2 ** -10 / FP8_MAX
+        return (self.group + 2) * 2 ** -11, self.group * 2 ** -23
 
 
 def fp8_gemv_error_excess(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
