@@ -242,9 +242,9 @@ def small_batch_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 #   "tc"     tensor cores: x rounded to e4m3 per BLOCK_K chunk (its own scale) in the kernel, fp8 x fp8 wgmma of a
 #            [BLOCK_N >= 64, BLOCK_K] weight tile against x broadcast to [BLOCK_K, 16], fp32 accumulators; the
 #            weight goes global -> shared -> tensor core with no per-value instruction. BLOCK_N = 64 leaves too few
-#            programs for N = 4096, so K is split over SPLIT_K programs whose partial sums meet in an fp32
-#            workspace (atomic adds; the last program of a row tile, told by a counter, applies scales and
-#            activation, writes y and zeroes the workspace and counter for the next call).
+#            programs for N = 4096, so K is split over SPLIT_K programs that store their partial sums in an fp32
+#            workspace; the last program of a row tile (told by an atomic counter) adds them in split order
+#            (deterministic), applies scales and activation, writes y and zeroes the counter for the next call.
 # Error against the fp32 matmul of the dequantized weight with the unrounded x (Fp8GemvConfig.error_bound, checked
 # by tests/kernels/test_fp8_gemv_variants.py and by the autotuner): |y - ref| <= C * sum_k |w_k x_k| + F * max|x| *
 # sum_k |w_k| (+ the output's own rounding), C the relative rounding of the path, F the absolute floor of values too
@@ -374,20 +374,13 @@ def _e4m3_x_tile(x_ptr, kk, k_mask, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _take_and_zero(ptrs, mask):
-    """fp32 values at ptrs, read and zeroed in one atomic exchange each (as int32 bits: the interpreter has no fp32
-    exchange)."""
-    bits = tl.atomic_xchg(ptrs.to(tl.pointer_type(tl.int32)), tl.zeros(ptrs.shape, tl.int32), mask=mask)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _fp8_gemv_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr, N, K, w_row_stride,
                         SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         SPLIT_K: tl.constexpr):
     # program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) (and the up rows N further) over the pid_k-th of
-    # SPLIT_K ranges of K (whole BLOCK_K chunks); partial_ptr: [N (2N with SILU_MUL)] fp32 and count_ptr:
-    # [cdiv(N, BLOCK_N)] int32, zero between calls (the last program of a row tile leaves them so)
+    # SPLIT_K ranges of K (whole BLOCK_K chunks); partial_ptr: [SPLIT_K, N (2N with SILU_MUL)] fp32, each
+    # program's row sums; count_ptr: [cdiv(N, BLOCK_N)] int32, zero between calls (the last program of a row tile
+    # resets its counter)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     let_next_kernel_launch(USE_PDL)
@@ -429,16 +422,24 @@ def _fp8_gemv_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr
     if SPLIT_K == 1:
         _scaled_activation_store(y, y_up, w_scale_ptr, y_ptr, rows, row_mask, N, SILU_MUL)
     else:
-        tl.atomic_add(partial_ptr + rows, y, mask=row_mask, sem="relaxed")
+        split_stride = 2 * N if SILU_MUL else N
+        tl.store(partial_ptr + pid_k * split_stride + rows, y, mask=row_mask)
         if SILU_MUL:
-            tl.atomic_add(partial_ptr + N + rows, y_up, mask=row_mask, sem="relaxed")
-        # every thread's adds are issued before one thread's release of the counter (as CUTLASS's semaphores do)
+            tl.store(partial_ptr + pid_k * split_stride + N + rows, y_up, mask=row_mask)
+        # every thread's stores precede one thread's release of the counter (as CUTLASS's semaphores do)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last of the row tile: read and zero the sums, zero the counter
-            y = _take_and_zero(partial_ptr + rows, row_mask)
-            if SILU_MUL:
-                y_up = _take_and_zero(partial_ptr + N + rows, row_mask)
+        if arrived == SPLIT_K - 1:
+            # the last of the row tile: the sums in split order (the same result every call, whichever program
+            # is last), read from L2 where the others' stores are; then the counter back to zero
+            y = tl.zeros_like(y)
+            y_up = tl.zeros_like(y_up)
+            for split in tl.static_range(SPLIT_K):
+                y += tl.load(partial_ptr + split * split_stride + rows, mask=row_mask, other=0.0,
+                             cache_modifier=".cg")
+                if SILU_MUL:
+                    y_up += tl.load(partial_ptr + split * split_stride + N + rows, mask=row_mask, other=0.0,
+                                    cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
             _scaled_activation_store(y, y_up, w_scale_ptr, y_ptr, rows, row_mask, N, SILU_MUL)
 
@@ -535,14 +536,14 @@ def _split_k(config: Fp8GemvConfig, n: int, k: int, device: torch.device) -> int
     return split
 
 
-_tc_workspaces: dict = {}  # (device, rows, tiles) -> (fp32 [rows], int32 [tiles]); zero between calls, kept forever
+_tc_workspaces: dict = {}  # (device, splits, rows, tiles) -> (fp32 [splits * rows], int32 [tiles] zero between calls)
 
 
-def _tc_workspace(device: torch.device, rows: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # kept: a CUDA graph that captured a launch holds its pointers
-    key = (str(device), rows, tiles)
+def _tc_workspace(device: torch.device, splits: int, rows: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # kept forever: a CUDA graph that captured a launch holds its pointers
+    key = (str(device), splits, rows, tiles)
     if key not in _tc_workspaces:
-        _tc_workspaces[key] = (torch.zeros(rows, dtype=torch.float32, device=device),
+        _tc_workspaces[key] = (torch.empty(splits * rows, dtype=torch.float32, device=device),
                                torch.zeros(tiles, dtype=torch.int32, device=device))
     return _tc_workspaces[key]
 
@@ -552,7 +553,8 @@ def _launch_fp8_gemv(config: Fp8GemvConfig, x, weight, weight_scale, y, n, k, si
     if config.variant == "tc":
         split = _split_k(config, n, k, x.device)
         tiles = triton.cdiv(n, config.block_n)
-        partial, count = _tc_workspace(x.device, weight.shape[0], tiles) if split > 1 else (weight_scale, weight_scale)
+        partial, count = (_tc_workspace(x.device, split, weight.shape[0], tiles) if split > 1
+                          else (weight_scale, weight_scale))
         _fp8_gemv_tc_kernel[(tiles, split)](x, weight, weight_scale, y, partial, count, n, k, weight.stride(0),
                                             SILU_MUL=silu_mul, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                             SPLIT_K=split, **launch)
