@@ -44,10 +44,10 @@ def first_config(variant: str, **changes) -> Fp8GemvConfig:
 def make_case(rows, k, seed, x_scale=1.0):
     if HAS_CUDA and not HAS_FP8_GPU:
         pytest.skip("the fp8 GEMV variants need sm90 on CUDA (fp8 wgmma, e4m3x2 -> f16x2)")
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(1, k, generator=gen) * x_scale).to(torch.bfloat16)
-    w_q, w_scale = quantize_weight_per_channel(torch.randn(rows, k, generator=gen) * k ** -0.5)
-    return x.to(DEVICE), w_q.to(DEVICE), w_scale.to(DEVICE)
+    gen = torch.Generator(DEVICE).manual_seed(seed)  # made where they are used: the 8B shapes are big for a CPU
+    x = (torch.randn(1, k, generator=gen, device=DEVICE) * x_scale).to(torch.bfloat16)
+    w_q, w_scale = quantize_weight_per_channel(torch.randn(rows, k, generator=gen, device=DEVICE) * k ** -0.5)
+    return x, w_q, w_scale
 
 
 def check(y, x, w_q, w_scale, silu_mul, bound):
