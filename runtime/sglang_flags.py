@@ -110,8 +110,11 @@ def _dest(flag: str) -> str:
 
 
 def add_sglang_flags(parser: argparse.ArgumentParser) -> None:
-    """Parse the flags above, hidden from --help (its epilog says where they are listed)."""
+    """Parse the flags above, hidden from --help (its epilog says where they are listed); one that ServerArgs has
+    meanwhile gained as a field or alias is left to ServerArgs."""
     for flag, spec in SGLANG_FLAGS.items():
+        if flag in parser._option_string_actions:
+            continue
         if spec.nargs is None:
             parser.add_argument(flag, dest=_dest(flag), action="store_const", const="on", default=None,
                                 help=argparse.SUPPRESS)
@@ -124,7 +127,7 @@ def check_sglang_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """(notices for the flags accepted, errors for the flags refused), one line each."""
     notices, errors = [], []
     for flag, spec in SGLANG_FLAGS.items():
-        value = getattr(args, _dest(flag))
+        value = getattr(args, _dest(flag), None)
         if value is None:
             continue
         shown = flag if spec.nargs is None else f"{flag} {' '.join(value) if isinstance(value, list) else value}"

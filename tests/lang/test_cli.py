@@ -210,3 +210,15 @@ def test_sglang_values_braid_lacks_and_contradictions_are_refused(capsys):
         assert server_args is None and words in err, (argv, err)
     _, _, err = _parse(["--is-embedding", "--lora-paths", "a", "b=c"], capsys)
     assert len(err.splitlines()) == 2 and "--lora-paths a b=c (an SGLang flag)" in err, err
+
+
+def test_an_sglang_flag_that_server_args_gains_is_left_to_server_args():
+    import argparse
+
+    from braid.runtime.sglang_flags import add_sglang_flags, check_sglang_flags
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--enable-mla", action="store_true")  # as if ServerArgs had the field
+    add_sglang_flags(parser)
+    args = parser.parse_args(["--enable-mla"])
+    assert args.enable_mla is True and check_sglang_flags(args) == ([], [])
