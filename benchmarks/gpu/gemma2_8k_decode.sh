@@ -1,6 +1,7 @@
 # Gemma-2-9B-shaped dummy bf16 (benchmarks/configs/gemma2-9b.json) at 8K context on the H200:
 #   1. the Gemma-2 GPU parity tests (tests/models/test_gemma2_parity.py -m gpu: Triton fp32 vs HF, Triton and
-#      FlashInfer bf16, window 64 crossed in prefill, chunked prefill, cached prefixes and decode, CUDA graphs)
+#      FlashInfer bf16, window 64 crossed in prefill, chunked prefill, cached prefixes and decode, CUDA graphs) and
+#      the fused decode kernels' tests (tests/kernels/test_gemma_kernels.py on the GPU)
 #   2. per attention backend (triton; flashinfer when it imports, or when its wheel halves were staged as
 #      flashinfer_vs_triton.sh describes): an 8,000-token prompt prefilled and decoded 64 steps at batch 1 and 8,
 #      and a 4,000-token one; decode tok/s and its fraction of the ceiling (weights + window-trimmed KV per step at
@@ -34,6 +35,11 @@ timeout 90 python3 -m pytest tests/models/test_gemma2_parity.py -q -m gpu -p no:
   | tee "$OUT/gpu_tests.log"
 grep -q " passed" "$OUT/gpu_tests.log" && ! grep -q "failed\|error" "$OUT/gpu_tests.log" \
   && echo "PASS Gemma-2 GPU parity tests" || echo "FAIL Gemma-2 GPU parity tests (see gpu_tests.log)"
+# the fused decode kernels compiled for the H200 (sandwich norms, GELU-tanh GEMV, the split merge at head_dim 256)
+timeout 60 python3 -m pytest tests/kernels/test_gemma_kernels.py -q -p no:cacheprovider 2>&1 | tail -4 \
+  > "$OUT/kernel_tests.log"
+grep -q " passed" "$OUT/kernel_tests.log" && ! grep -q "failed\|error" "$OUT/kernel_tests.log" \
+  && echo "PASS Gemma-2 fused kernel tests" || echo "FAIL Gemma-2 fused kernel tests (see kernel_tests.log)"
 
 for BACKEND in $BACKENDS; do
   HF=; LIMIT=110; [ "$BACKEND" = triton ] && HF=--hf && LIMIT=150

@@ -101,3 +101,37 @@ def test_gemv_takes_one_gated_activation():
         gemv(x, w, silu_mul=True, gelu_tanh_mul=True)
     with pytest.raises(ValueError, match="2N"):
         gemv(x, torch.randn(5, 8, device=DEVICE), gelu_tanh_mul=True)
+
+
+@pytest.mark.parametrize("window", [-1, 40])
+def test_decode_attention_merges_many_splits(window):
+    """Gemma-2's decode shape (head_dim 256, a soft-cap, 2 query heads per KV head) split 40 ways: stage 2 merges the
+    splits 16 at a time (3 chunks, the last partial), equal to plain softmax attention over the visible keys."""
+    from braid.runtime.layers.attention.triton_ops import decode_attention_fwd
+
+    gen = torch.Generator().manual_seed(21)
+    h, h_kv, d, cap, scale, splits = 4, 2, 256, 5.0, 0.0625, 40
+    seq_lens = [700, 23, 1]
+    slots = torch.randperm(sum(seq_lens), generator=gen) + 1
+    req_to_token = torch.zeros((len(seq_lens), max(seq_lens)), dtype=torch.int32)
+    off = 0
+    for b, n in enumerate(seq_lens):
+        req_to_token[b, :n] = slots[off:off + n].int()
+        off += n
+    k_buf = torch.randn(sum(seq_lens) + 1, h_kv, d, generator=gen)
+    v_buf = torch.randn(sum(seq_lens) + 1, h_kv, d, generator=gen)
+    q = torch.randn(len(seq_lens), h, d, generator=gen)
+    o = torch.full_like(q, float("nan"))
+    scratch = torch.empty(len(seq_lens), h, splits, d + 1)
+    to_dev = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
+    q, k_buf, v_buf, o, req_to_token, scratch = to_dev(q, k_buf, v_buf, o, req_to_token, scratch)
+    decode_attention_fwd(q, k_buf, v_buf, o, req_to_token, torch.arange(len(seq_lens), device=DEVICE),
+                         torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), scratch, splits, scale, cap, window)
+    for b, n in enumerate(seq_lens):
+        first = max(0, n - window) if window > 0 else 0
+        rows = req_to_token[b, first:n].long()
+        keys = k_buf[rows].repeat_interleave(h // h_kv, 1)  # [L, H, D]
+        s = torch.einsum("hd,lhd->hl", q[b], keys) * scale
+        p = torch.softmax(cap * torch.tanh(s / cap), -1)
+        want = torch.einsum("hl,lhd->hd", p, v_buf[rows].repeat_interleave(h // h_kv, 1))
+        assert (o[b] - want).abs().max() < 1e-4, b

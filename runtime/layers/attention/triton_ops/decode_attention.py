@@ -8,7 +8,9 @@ Stage 1, grid (B, Hkv * head_blocks, num_kv_splits): one program takes up to BLO
 share a KV head (GQA) and one split of the visible keys, so every KV tile is read once per group. It
 writes the split's normalised partial output and its base-2 log-sum-exp into
 attn_logits[b, h, split, :Dv] and attn_logits[b, h, split, Dv].
-Stage 2, grid (B, H): merges the splits.
+Stage 2, grid (B, H): merges the splits, BLOCK_S of them per load (one memory round trip for up to BLOCK_S
+splits instead of one per split: at 8K context every split is in use, and the merge was a chain of 16 dependent
+L2 reads per layer).
 
 Splits cover ceil(len / num_kv_splits) keys rounded up to a whole BLOCK_N tile, so short sequences use
 fewer splits (the rest exit at once); the split count stays fixed, which CUDA graphs need.
@@ -16,6 +18,8 @@ Values read from fp8 buffers are multiplied by k_scale / v_scale (the pool store
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -132,7 +136,7 @@ def _decode_stage2_kernel(
     sliding_window, num_kv_splits,
     stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -143,18 +147,23 @@ def _decode_stage2_kernel(
 
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < DV
+    offs_s = tl.arange(0, BLOCK_S)
     att_base = Att + cur_batch.to(tl.int64) * stride_ab + cur_head * stride_ah
     m = float("-inf")
     l = 0.0
     acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s in range(0, n_splits):
-        part = tl.load(att_base + s * stride_as + offs_dv, mask=mask_dv, other=0.0)
-        lse = tl.load(att_base + s * stride_as + DV)
-        m_new = tl.maximum(m, lse)
+    for s0 in range(0, n_splits, BLOCK_S):
+        # BLOCK_S splits at once: parts [BLOCK_S, BLOCK_DV], their log-sum-exps [BLOCK_S] (-inf past n_splits)
+        splits = s0 + offs_s
+        mask_s = splits < n_splits
+        lse = tl.load(att_base + splits * stride_as + DV, mask=mask_s, other=float("-inf"))
+        parts = tl.load(att_base + splits[:, None] * stride_as + offs_dv[None, :],
+                        mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))  # finite: the chunk holds at least one split
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)
-        acc = acc * alpha + w * part
-        l = l * alpha + w
+        acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
+        l = l * alpha + tl.sum(w, axis=0)
         m = m_new
     # seq_len == 0 (padding rows of a CUDA-graph batch) has no splits: write zeros, not NaN
     l = tl.where(l == 0.0, 1.0, l)
@@ -202,6 +211,7 @@ def decode_attention_fwd(
     sliding_window: int = -1,
     k_scale: float = 1.0,  # dequantisation scales of values read from k_buffer / v_buffer (fp8 caches)
     v_scale: float = 1.0,
+    launch_config: Optional[dict] = None,  # stage 1's BLOCK_N, num_warps, num_stages (benchmark sweeps)
 ) -> None:
     b, h, d = q.shape
     h_kv = k_buffer.shape[1]
@@ -228,8 +238,8 @@ def decode_attention_fwd(
     block_dv = max(16, triton.next_power_of_2(dv))
     use_window = sliding_window > 0
     dot_dt = _decode_dot_dtype(q, k_buffer)
-    configs = _decode_launch_configs(d, dv, q.device)
-    key = ("decode", q.device, q.dtype, k_buffer.dtype, d, dv)
+    configs = [dict(launch_config)] if launch_config else _decode_launch_configs(d, dv, q.device)
+    key = ("decode", q.device, q.dtype, k_buffer.dtype, d, dv, tuple(sorted((launch_config or {}).items())))
     cfg = launch_first_fitting(
         _decode_stage1_kernel, lambda cfg: (b, h_kv * head_blocks, num_kv_splits), configs, key,
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits,
@@ -241,10 +251,11 @@ def decode_attention_fwd(
         USE_CAP=logit_cap > 0, USE_WINDOW=use_window, DOT_DTYPE=dot_dt,
         CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16, **pdl.launch_options(q.device),
     )
-    # stage 2 must split the keys exactly as stage 1 did: same BLOCK_N
+    # stage 2 must split the keys exactly as stage 1 did: same BLOCK_N; it loads up to 4096 fp32 values at a time
+    block_s = max(2, min(triton.next_power_of_2(num_kv_splits), 4096 // block_dv))
     _decode_stage2_kernel[(b, h)](
         attn_logits, o, seq_lens, int(sliding_window), int(num_kv_splits),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), o.stride(0), o.stride(1),
-        DV=dv, BLOCK_DV=block_dv, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=use_window,
+        DV=dv, BLOCK_DV=block_dv, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=use_window, BLOCK_S=block_s,
         num_warps=4 if dv <= 256 else 8, num_stages=2, **pdl.launch_options(q.device),
     )
