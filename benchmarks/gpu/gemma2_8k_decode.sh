@@ -15,13 +15,7 @@ nvidia-smi -L
 RESULT="$OUT/gemma2_8k.jsonl"
 rm -f "$RESULT"
 
-W=/tmp/flashinfer_python-0.7.2-py3-none-any.whl
-if ! python3 -c "import flashinfer" >/dev/null 2>&1 && [ -f /tmp/fi_part_aa ] && [ -f .gpu/fi2/fi_part_ab ]; then
-  cat /tmp/fi_part_aa .gpu/fi2/fi_part_ab > $W && echo "$(cat .gpu/fi2/fi.sha256)  $W" | sha256sum -c \
-    && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $W .gpu/fi2/apache_tvm_ffi-*.whl \
-    2>&1 | tail -2
-fi
-export FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+install_staged_flashinfer
 BACKENDS=triton
 if python3 -c "import flashinfer" >/dev/null 2>&1; then BACKENDS="triton flashinfer"
 else echo "SKIP flashinfer: not importable here (stage its wheel as benchmarks/gpu/flashinfer_vs_triton.sh does)"; fi

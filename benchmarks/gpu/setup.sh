@@ -70,3 +70,12 @@ server_counters() {  # the load left on the server after a run: should be 0 runn
   curl -s "localhost:$1/get_server_info" | python3 -c "import json, sys; d = json.load(sys.stdin); \
 print({k: v for k, v in d.items() if k.startswith(('num_', 'kv_')) and not isinstance(v, (dict, list))})"
 }
+install_staged_flashinfer() {  # FlashInfer from the wheel halves staged as flashinfer_vs_triton.sh describes, if any
+  local w=/tmp/flashinfer_python-0.7.2-py3-none-any.whl
+  if ! python3 -c "import flashinfer" >/dev/null 2>&1 && [ -f /tmp/fi_part_aa ] && [ -f .gpu/fi2/fi_part_ab ]; then
+    cat /tmp/fi_part_aa .gpu/fi2/fi_part_ab > $w && echo "$(cat .gpu/fi2/fi.sha256)  $w" | sha256sum -c \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site $w .gpu/fi2/apache_tvm_ffi-*.whl \
+      2>&1 | tail -2
+  fi
+  export FLASHINFER_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
+}
