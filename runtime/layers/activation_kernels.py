@@ -15,7 +15,7 @@ import triton.language as tl
 
 from braid.runtime.layers.kernel_inputs import FusedKernelInputError, rows_view
 
-__all__ = ["silu_and_mul", "gelu_and_mul", "gelu_tanh"]
+__all__ = ["silu_and_mul", "gelu_and_mul", "gelu_tanh", "tanh"]
 
 ACT_BLOCK = 1024
 
@@ -23,7 +23,7 @@ _SILU, _GELU_TANH, _GELU_ERF = 0, 1, 2
 
 
 @triton.jit
-def _tanh(z):
+def tanh(z):
     # |z| >= 15 already rounds tanh to +-1 in fp32; the clamp keeps e^2z finite
     z = tl.minimum(tl.maximum(z, -15.0), 15.0)
     return 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)
@@ -33,7 +33,7 @@ def _tanh(z):
 def gelu_tanh(gate):
     """GELU with the tanh approximation, in fp32 (also the batch-1 GEMV's fused epilogue: gemv.py)."""
     inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi)
-    return 0.5 * gate * (1.0 + _tanh(inner))
+    return 0.5 * gate * (1.0 + tanh(inner))
 
 
 @triton.jit

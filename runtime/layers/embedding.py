@@ -94,7 +94,12 @@ class LMHead(nn.Module):
         self.linear_method.process_weights_after_loading(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = ps.all_gather_last_dim(self.linear_method.apply(self, hidden).float())
+        logits = self.linear_method.apply(self, hidden)
+        if self.logit_softcap and logits.is_cuda:  # the cast and the cap in one kernel (elementwise: before the gather)
+            from braid.runtime.layers.gemma_kernels import soft_capped_fp32
+
+            return ps.all_gather_last_dim(soft_capped_fp32(logits, self.logit_softcap))
+        logits = ps.all_gather_last_dim(logits.float())
         if self.logit_softcap:
             logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
         return logits

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from braid.runtime.layers.gemma_norms import post_norm_add_norm
+from braid.runtime.layers.gemma_kernels import post_norm_add_norm
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.loader.model_config import LayerSpec
 from braid.runtime.models.blocks import (GATE_UP_STACKED_PARAMS, QKV_STACKED_PARAMS, Attention, DecoderForCausalLM,
@@ -21,7 +21,7 @@ from braid.runtime.models.blocks import (GATE_UP_STACKED_PARAMS, QKV_STACKED_PAR
 class SandwichNormDecoderLayer(nn.Module):
     """hidden + post_norm(attn(norm(hidden))), then + post_norm(mlp(norm(...))); every norm multiplies by (1 + w).
 
-    Each post-norm, the residual add after it and the pre-norm after that are one kernel (gemma_norms.py), so a
+    Each post-norm, the residual add after it and the pre-norm after that are one kernel (gemma_kernels.py), so a
     layer returns its MLP output before post_feedforward_layernorm: the next layer (or the final norm) applies it
     together with its own input norm.
     """

@@ -1,5 +1,5 @@
 """Gemma-2's fused decode kernels against the unfused layers and HF's modules: the sandwich-norm kernel (post-norm,
-residual add, next pre-norm in one launch; gemma_norms.py) and the batch-1 GEMV with GELU-tanh-and-mul fused after
+residual add, next pre-norm in one launch; gemma_kernels.py) and the batch-1 GEMV with GELU-tanh-and-mul fused after
 it (gemv.py). On a GPU when there is one, else under TRITON_INTERPRET=1 on CPU tensors."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from braid.runtime.layers.activation import GeluAndMul
-from braid.runtime.layers.gemma_norms import ONE_TILE_MAX, fused_post_norm_add_norm, post_norm_add_norm
+from braid.runtime.layers.gemma_kernels import ONE_TILE_MAX, fused_post_norm_add_norm, post_norm_add_norm
 from braid.runtime.layers.gemv import gemv
 from braid.runtime.layers.kernel_inputs import FusedKernelInputError
 from braid.runtime.layers.norm import RMSNorm
@@ -135,3 +135,17 @@ def test_decode_attention_merges_many_splits(window):
         p = torch.softmax(cap * torch.tanh(s / cap), -1)
         want = torch.einsum("hl,lhd->hd", p, v_buf[rows].repeat_interleave(h // h_kv, 1))
         assert (o[b] - want).abs().max() < 1e-4, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_fp32_is_lm_heads_cap(dtype):
+    from braid.runtime.layers.gemma_kernels import SOFTCAP_BLOCK, soft_capped_fp32
+
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(3, SOFTCAP_BLOCK + 77, generator=gen) * 40).to(device=DEVICE, dtype=dtype)
+    got = soft_capped_fp32(logits, 30.0)
+    want = torch.tanh(logits.float() / 30.0) * 30.0
+    assert got.dtype == torch.float32 and got.shape == logits.shape
+    assert (got - want).abs().max() < 1e-4 and got.abs().max() <= 30.0 and want.abs().max() > 29.0
+    with pytest.raises(FusedKernelInputError, match="soft-cap"):
+        soft_capped_fp32(logits, 0.0)

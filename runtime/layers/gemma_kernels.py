@@ -1,4 +1,5 @@
-"""Gemma-2's sandwich norms in one kernel: a post-norm, the residual add, the next pre-norm.
+"""Gemma-2's decode kernels: the sandwich norms in one kernel (a post-norm, the residual add, the next pre-norm),
+and the final logit soft-cap with the cast to fp32 in one kernel.
 
 A Gemma-2 layer norms each block's output before adding it to the residual stream (post_attention_layernorm,
 post_feedforward_layernorm) and norms the stream again before the next block (pre_feedforward_layernorm, the next
@@ -11,7 +12,8 @@ rounded as `residual + hidden` is in PyTorch), so its results are those of the t
 (norm_kernels.rmsnorm, then fused_add_rmsnorm). Rows wider than ONE_TILE_MAX take those two kernels.
 
 `post_norm_add_norm` runs the kernel on CUDA tensors (and under TRITON_INTERPRET=1 on CPU ones, which is how the
-tests check it); elsewhere the RMSNorm modules' PyTorch reference.
+tests check it); elsewhere the RMSNorm modules' PyTorch reference. `soft_capped_fp32` is LMHead's
+`tanh(logits.float() / cap) * cap` (four launches in PyTorch) as one.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
+from braid.runtime.layers.activation_kernels import tanh
 from braid.runtime.layers.kernel_inputs import FusedKernelInputError, rows_view
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
-__all__ = ["post_norm_add_norm", "fused_post_norm_add_norm"]
+__all__ = ["post_norm_add_norm", "fused_post_norm_add_norm", "soft_capped_fp32"]
 
 ONE_TILE_MAX = 16384  # row elements kept in registers (Gemma-2: hidden 2304, 3584, 4608)
 
@@ -102,3 +105,29 @@ def post_norm_add_norm(x: torch.Tensor, residual: torch.Tensor, post_norm: RMSNo
         return fused_post_norm_add_norm(x, residual, post_norm.weight, next_norm.weight, post_norm.eps, next_norm.eps,
                                         post_norm.add_unit_offset)
     return next_norm(post_norm(x), residual)
+
+
+SOFTCAP_BLOCK = 2048
+
+
+@triton.jit
+def _soft_cap_kernel(x_ptr, out_ptr, n, cap, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    let_next_kernel_launch(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, tanh(x / cap) * cap, mask=mask)
+
+
+def soft_capped_fp32(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """logits [..., V] in any float dtype -> tanh(logits / cap) * cap in fp32, one launch."""
+    if cap <= 0:
+        raise FusedKernelInputError(f"soft-cap must be > 0, got {cap}")
+    x = logits.contiguous()
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    n = x.numel()
+    if n:
+        _soft_cap_kernel[(triton.cdiv(n, SOFTCAP_BLOCK),)](x, out, n, float(cap), BLOCK=SOFTCAP_BLOCK, num_warps=4,
+                                                           **pdl.launch_options(x.device))
+    return out
