@@ -96,14 +96,14 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_pe = q.view(T, H, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         if self.absorbed:
-            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc)  # [H, T, R]
             if fb.forward_mode.is_decode():
-                # the pool writes the cache rows [norm(latent) ; rot(k_pe)] and builds [q_latent ; rot(q_pe)] (one
+                # the pool writes the cache rows [norm(latent) ; rot(k_pe)] and builds [q_nope w_kc ; rot(q_pe)] (one
                 # launch on CUDA); attention then reads the keys and values from the pool
                 q_full = _store_latent_and_build_query(
                     fb.token_to_kv_pool, self.attn.layer_id, fb.out_cache_loc, positions, latent, k_pe,
-                    self.kv_a_layernorm, self.rotary_emb, q_latent, q_pe)  # [T, H, R + rope]
+                    self.kv_a_layernorm, self.rotary_emb, q_nope, self.w_kc, q_pe)  # [T, H, R + rope]
                 return self._absorbed_output(self.attn(q_full.view(T, -1), None, None, fb, save_kv_cache=False))
+            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc)  # [H, T, R]
         latent = self.kv_a_layernorm(latent)  # [T, R]
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, H * rope], [T, rope]
         q_pe = q_pe.view(T, H, self.rope_dim)

@@ -1,5 +1,6 @@
-"""MLAKVPool.store_latent_and_build_query: the one-launch Triton path (mla_kernels) against the unfused one (RMSNorm,
-rotary, set_kv, concatenation): the same query rows, the same cache rows, untouched slots left alone.
+"""MLAKVPool.store_latent_and_build_query: the one-launch Triton path (mla_kernels) against the unfused one (the
+q_nope x w_kc bmm, RMSNorm, rotary, set_kv, concatenation): the same query rows, the same cache rows, untouched
+slots left alone.
 
 Without a GPU the kernel runs under TRITON_INTERPRET=1 on CPU tensors (conftest.py); the pool only launches Triton
 kernels on CUDA, so on CPU the test lets it (`_triton_kernels_run_on`).
@@ -17,14 +18,16 @@ from braid.runtime.mem_cache import pools
 from braid.runtime.mem_cache.pools import MLAKVPool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-H, R, P, SLOTS, T = 5, 48, 8, 30, 4  # 5 heads cross a head block; R = 48 is not a power of two
+# R = 80 is not a power of two and spans two latent blocks of 64; nope 24 pads to a 32-wide dot
+H, R, P, NOPE, SLOTS = 5, 80, 8, 24, 40
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("neox", [False, True], ids=["interleaved", "neox"])
-def test_fused_decode_store_matches_unfused(monkeypatch, dtype, neox):
+@pytest.mark.parametrize("dtype,neox,tokens", [(torch.float32, False, 4), (torch.bfloat16, True, 4),
+                                               (torch.bfloat16, False, 19)],
+                         ids=["fp32_interleaved", "bf16_neox", "bf16_two_token_blocks"])
+def test_fused_decode_store_matches_unfused(monkeypatch, dtype, neox, tokens):
     monkeypatch.setattr(pools, "_triton_kernels_run_on", lambda device: True)
     calls = []
     real = mla_kernels.mla_decode_prepare
@@ -35,23 +38,27 @@ def test_fused_decode_store_matches_unfused(monkeypatch, dtype, neox):
     norm = RMSNorm(R, 1e-6)
     norm.weight.data = torch.rand(R, generator=g, device=DEVICE) + 0.5
     # rows of a projection output: latent and k_pe are strided slices, q_pe a strided view of q
+    T = tokens
     proj = torch.randn(T, 3 + R + P, device=DEVICE, generator=g).to(dtype)
     latent, k_pe = proj[:, 3:3 + R], proj[:, 3 + R:]
-    q = torch.randn(T, H, 6 + P, device=DEVICE, generator=g).to(dtype)
-    q_pe = q[..., 6:]
-    q_latent = torch.randn(H, T, R, device=DEVICE, generator=g).to(dtype)
-    positions = torch.tensor([0, 5, 17, 63], device=DEVICE)
-    loc = torch.tensor([3, 9, 1, 22], device=DEVICE)
+    q = torch.randn(T, H, NOPE + P, device=DEVICE, generator=g).to(dtype)
+    q_nope, q_pe = q[..., :NOPE], q[..., NOPE:]
+    w_kc = (torch.randn(H, NOPE, R, device=DEVICE, generator=g) / NOPE ** 0.5).to(dtype)
+    positions = torch.randint(0, 64, (T,), device=DEVICE, generator=g)
+    loc = torch.randperm(SLOTS, device=DEVICE, generator=g)[:T] + 1
     outs = {}
     for fused in (True, False):
         pool = MLAKVPool(SLOTS, dtype, R, P, layer_num=2, device=DEVICE, fused_rotary_store=fused)
         q_full = pool.store_latent_and_build_query(1, loc, positions, latent.clone(), k_pe.clone(), norm, rotary,
-                                                   q_latent, q_pe.clone())
+                                                   q_nope, w_kc, q_pe.clone())
         outs[fused] = (q_full, pool.get_key_buffer(1).clone(), pool.get_key_buffer(0).clone())
     assert calls == [1]
     (q_f, kv_f, other_f), (q_u, kv_u, other_u) = outs[True], outs[False]
     assert q_f.shape == (T, H, R + P) and q_f.dtype == dtype
-    assert torch.equal(q_f[..., :R], q_latent.transpose(0, 1))
+    # the latent query against an fp32 matmul (the unfused bmm rounds like the fused dot, up to summation order)
+    q_latent = torch.einsum("thn,hnr->thr", q_nope.float(), w_kc.float())
+    torch.testing.assert_close(q_f[..., :R].float(), q_latent, atol=1e-5 if dtype == torch.float32 else 3e-2,
+                               rtol=1e-5 if dtype == torch.float32 else 2 ** -7)
     # fp32 math in both, rounded once; bf16 results may differ in the last bit (fused multiply-adds)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
     torch.testing.assert_close(q_f, q_u, **tol)

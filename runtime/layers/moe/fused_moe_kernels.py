@@ -13,6 +13,7 @@ CUDA-graph capturable. All GEMMs accumulate in fp32. Runs on CPU tensors under T
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -21,6 +22,8 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers.moe.experts import check_expert_inputs
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 __all__ = ["MoEKernelConfig", "H200_CONFIGS", "pick_config", "moe_align_block_size", "fused_moe_triton"]
 
@@ -223,9 +226,9 @@ def _launch_grouped_gemm(a, b, c, topk_weights, sorted_pairs, block_experts, pad
         a, b, c, topk_weights, sorted_pairs, block_experts, padded_total, num_pairs, sorted_pairs.numel(), n_out,
         k_in, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div, GATED=gated, MUL_WEIGHT=mul_weight,
-        # fp32 inputs multiply in full fp32 (not tf32); so do 16-bit ones on CPU, which Triton's interpreter
-        # multiplies wrongly as they are
-        FP32_DOT=a.dtype == torch.float32 or not a.is_cuda, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        # fp32 inputs multiply in full fp32 (not tf32); so do 16-bit ones under Triton's interpreter, which
+        # multiplies them wrongly as they are
+        FP32_DOT=a.dtype == torch.float32 or _INTERPRET, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
