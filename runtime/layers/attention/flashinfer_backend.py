@@ -327,6 +327,8 @@ class FlashInferAttnBackend(AttentionBackend):
             md.qo_indptr_cpu = _indptr(md.qo_lens)
         self._plan_all(md, list(self._variants))
         fb.attn_metadata = md
+        if self._hybrid_pool and fb.out_cache_loc is not None:  # the new tokens' window slots, once for all layers
+            fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc)
 
     def _metadata(self, fb: "ForwardBatch", mode: str) -> FlashInferMetadata:
         md = fb.attn_metadata
@@ -378,6 +380,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._graph_max_bs = int(max_bs)
         self._graph_indptr = self._graph_indices = self._graph_last_page_len = None
         self._graph_window = {}
+        self._graph_window_loc = None  # [max_bs] int64: a hybrid pool's window slots of the new tokens
         self._graph_wrappers.clear()  # they point into the buffers allocated at the next capture
 
     def _ensure_graph_buffers(self, req_to_token: torch.Tensor) -> None:
@@ -410,13 +413,24 @@ class FlashInferAttnBackend(AttentionBackend):
                     torch.zeros(self._graph_max_bs * window, dtype=torch.int32, device=self.device))
         return buffers
 
+    def _graph_new_window_slots(self, fb: "ForwardBatch") -> None:
+        """Hybrid pool: the new tokens' window slots into a static buffer the captured layers read."""
+        if not self._hybrid_pool:
+            return
+        if self._graph_window_loc is None:
+            with torch.inference_mode(False):
+                self._graph_window_loc = torch.zeros(self._graph_max_bs, dtype=torch.int64, device=self.device)
+        fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc, out=self._graph_window_loc)
+
     def init_forward_metadata_capture(self, bs: int, fb: "ForwardBatch") -> None:
         md = self._kv_metadata(fb, "decode", graph_bs=bs)
         self._plan_all(md, list(self._variants))
         fb.attn_metadata = md
+        self._graph_new_window_slots(fb)
 
     def init_forward_metadata_replay(self, bs: int, fb: "ForwardBatch") -> None:
         md = self._kv_metadata(fb, "decode", graph_bs=bs)
         # the variants this size was captured with (layers first seen in its warm-up included)
         self._plan_all(md, list(self._graph_wrappers.get(bs) or self._variants))
         fb.attn_metadata = md
+        self._graph_new_window_slots(fb)
