@@ -21,6 +21,11 @@ def _opt(default, help: str, choices=None, aliases: tuple = ()):
 VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "kv_cache_dtype": {"fp8": "fp8_e4m3"},
                  "attention_backend": {"torch_native": "torch"}}
 
+# max_running_requests when unset: one request per this many KV pool tokens, within these bounds
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+MAX_DERIVED_RUNNING_REQUESTS = 4096
+KV_TOKENS_PER_DERIVED_REQUEST = 256
+
 
 @dataclass(frozen=True)
 class ServerArgs:
@@ -57,7 +62,10 @@ class ServerArgs:
     max_total_tokens: Optional[int] = _opt(None, "KV pool size in tokens (default: from mem_fraction_static on GPU; on CPU "
                                                       "10% of available memory, 4096..65536 tokens)")
     mem_fraction_static: float = _opt(0.85, "fraction of GPU memory for weights + KV pool")
-    max_running_requests: int = _opt(256, "max requests decoding at once")
+    max_running_requests: Optional[int] = _opt(None, "max requests decoding at once (default: from the KV pool, one "
+                                                     "per 256 of its tokens within 256..4096, so admission stops at "
+                                                     "the pool's real capacity with retraction as the safety net; 256 "
+                                                     "with --max-queued-requests)")
     max_prefill_tokens: int = _opt(16384, "max new tokens in one extend batch")
     chunked_prefill_size: int = _opt(4096, "split prompts longer than this over several extend steps (-1: off)")
     schedule_policy: str = _opt("lpm", "waiting-queue order: lpm (longest cached prefix first), dfs-weight "
@@ -78,6 +86,9 @@ class ServerArgs:
                                            "prefill batch instead of a pass of their own")
     disable_overlap_schedule: bool = _opt(False, "on CUDA, do each decode step's host bookkeeping after the GPU "
                                                  "finishes it instead of while it runs the next step")
+    num_continuous_decode_steps: int = _opt(1, "look at the waiting queue once per this many decode steps (an extend "
+                                               "between two decode steps stops the overlapped schedule; more steps "
+                                               "chain on the device, new requests wait up to this many steps)")
 
     # ---- kernels ----
     attention_backend: Optional[str] = _opt(None, "torch, triton or flashinfer (default: triton on GPU, torch on CPU)",
@@ -158,6 +169,15 @@ class ServerArgs:
     max_media_items: int = _opt(16, "most images and videos in one request (400 beyond it)")
     media_timeout_s: float = _opt(10.0, "longest time one remote image download may take (400 beyond it)")
 
+    def running_requests_cap(self, kv_pool_tokens: int) -> int:
+        """max_running_requests, or when it is unset the KV pool's share: one request per
+        KV_TOKENS_PER_DERIVED_REQUEST of its tokens, within [DEFAULT_MAX_RUNNING_REQUESTS, MAX_DERIVED_RUNNING_REQUESTS]
+        (a pool of 65,536 tokens or fewer, every CPU default, keeps 256)."""
+        if self.max_running_requests is not None:
+            return self.max_running_requests
+        derived = kv_pool_tokens // KV_TOKENS_PER_DERIVED_REQUEST
+        return max(DEFAULT_MAX_RUNNING_REQUESTS, min(MAX_DERIVED_RUNNING_REQUESTS, derived))
+
     def __post_init__(self):
         for name, aliases in VALUE_ALIASES.items():
             value = getattr(self, name)
@@ -178,8 +198,13 @@ class ServerArgs:
         if self.window_kv_ratio is not None and self.disable_window_kv_trimming:
             raise ValueError("window_kv_ratio sizes the trimmed window-layer pool; it has no effect with "
                              "--disable-window-kv-trimming")
-        if self.max_running_requests < 1:
+        if self.max_running_requests is None and self.max_queued_requests is not None:
+            # the queue limit counts beyond a cap the server knows before the KV pool exists
+            object.__setattr__(self, "max_running_requests", DEFAULT_MAX_RUNNING_REQUESTS)
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.num_continuous_decode_steps < 1:
+            raise ValueError("num_continuous_decode_steps must be >= 1")
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError("tp_size and dp_size must be >= 1")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

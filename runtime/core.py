@@ -204,17 +204,22 @@ class ForwardOutput:
 
     def host(self) -> dict[str, list]:
         """Waits for the copies; returns each present field as (nested) Python lists."""
+        return {name: t.tolist() for name, t in self.host_tensors().items()}
+
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """Waits for the copies; returns each present field as a host tensor."""
         if self._host is None:
             self.copy_to_host()
         if self._ready is not None:
             self._ready.synchronize()
             self._ready = None
-        return {name: t.tolist() for name, t in self._host.items()}
+        return self._host
 
 
-@dataclass
+@dataclass(slots=True)
 class ReqOutput:
-    """What the scheduler reports for a request that advanced (streaming) or finished."""
+    """What the scheduler reports for a request that advanced (streaming) or finished (one per streamed request per
+    step, hence slots: it is built and read field by field on the host's critical path)."""
 
     rid: str
     index: int  # choice index for n > 1

@@ -25,7 +25,7 @@ from braid.runtime.model_executor.model_runner import ModelRunner
 def main() -> int:
     args = parse_args()
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
-    kw["max_running_requests"] = max(kw["max_running_requests"], max(args.batch_size))
+    kw["max_running_requests"] = max(kw["max_running_requests"] or 0, max(args.batch_size))
     server_args = ServerArgs(**kw)
     started = time.perf_counter()
     runner = ModelRunner(server_args)

@@ -330,7 +330,7 @@ def server_args_for(args: argparse.Namespace) -> ServerArgs:
         if args.correctness_test:
             longest = max(longest, 64 + max(args.output_len))
         kw["max_total_tokens"] = max(max_bs, len(CORRECTNESS_PROMPTS)) * longest + 64
-    kw["max_running_requests"] = max(kw["max_running_requests"], max_bs)
+    kw["max_running_requests"] = max(kw["max_running_requests"] or 0, max_bs)
     return ServerArgs(**kw)
 
 

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from braid.runtime.config import ServerArgs
+from braid.runtime.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs
 from braid.runtime.core import ForwardBatch, ForwardOutput
 from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.attention.registry import check_backend_device, default_backend, get_backend_class
@@ -98,7 +98,8 @@ class ModelRunner:
                             "unknown" if available is None else f"{available / 2**30:.1f} GiB",
                             _CPU_MIN_KV_TOKENS, _CPU_DEFAULT_KV_TOKENS)
         self.max_total_tokens = ps.min_over_ranks(int(total))  # TP ranks schedule against one budget
-        max_reqs = min(self.server_args.max_running_requests + 32, max(self.max_total_tokens // 2, 8))
+        self.max_running_requests = self.server_args.running_requests_cap(self.max_total_tokens)
+        max_reqs = min(self.max_running_requests + 32, max(self.max_total_tokens // 2, 8))
         self.req_to_token_pool = ReqToTokenPool(max_reqs, self.context_len + 8, self.device)
         if hybrid:
             if self.window_kv_tokens is None:
@@ -133,7 +134,8 @@ class ModelRunner:
         """The most new tokens one forward pass allocates: a prefill batch's budget plus mixed-in decode tokens."""
         sa = self.server_args
         chunk = self.context_len if sa.chunked_prefill_size == -1 else sa.chunked_prefill_size
-        return min(sa.max_prefill_tokens, chunk) + sa.max_running_requests
+        # (the pool is not sized yet here: an unset max_running_requests counts as its smallest derived value)
+        return min(sa.max_prefill_tokens, chunk) + (sa.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
 
     def _hybrid_sizes(self, budget: float, layer_windows: list, kv_dtype) -> tuple[int, int]:
         mc = self.model_config

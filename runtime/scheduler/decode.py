@@ -33,11 +33,14 @@ class DecodeInFlight:
     reqs: list[Req]
     output: ForwardOutput  # host copy started
     sampling_info: SamplingBatchInfo
+    slots: torch.Tensor  # [B] int64 on the host: each request's req_pool_idx
 
 
 class DecodeRunner:
-    def __init__(self, server_args, runner, tree_cache, device: torch.device):
+    def __init__(self, server_args, runner, tree_cache, device: torch.device, timing, finish_table):
         self.runner = runner
+        self.timing = timing  # scheduler.HostTiming
+        self.finish_table = finish_table  # output.FinishTable
         self.tree_cache = tree_cache
         self.req_to_token_pool = runner.req_to_token_pool
         self.device = device
@@ -56,13 +59,16 @@ class DecodeRunner:
         return sum(int((r.sampling_params.max_new_tokens - len(r.output_ids)) * ratio) for r in running)
 
     # ---- one step ----
-    def forward(self, reqs: list[Req], input_ids: Optional[torch.Tensor], info: SamplingBatchInfo) -> ForwardOutput:
-        """One decode pass (input_ids [B] on the device, or each request's last token), sampled with `info`."""
+    def forward(self, reqs: list[Req], input_ids: Optional[torch.Tensor],
+                info: SamplingBatchInfo) -> tuple[ForwardOutput, torch.Tensor]:
+        """One decode pass (input_ids [B] on the device, or each request's last token), sampled with `info`.
+        -> (its output, the requests' req_pool_idx as a [B] int64 host tensor)."""
         B = len(reqs)
         out_loc = self.tree_cache.alloc_slots(B)
         dev = self.device
         seq_lens_cpu = [r.kv_committed_len + 1 for r in reqs]
-        req_idx = host_to_device([r.req_pool_idx for r in reqs], torch.int64, dev)
+        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        req_idx = slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else slots
         positions = host_to_device([s - 1 for s in seq_lens_cpu], torch.int64, dev)
         self.req_to_token_pool.req_to_token[req_idx, positions] = out_loc.to(torch.int32)
         if input_ids is None:
@@ -73,39 +79,41 @@ class DecodeRunner:
             out_cache_loc=out_loc, seq_lens_cpu=seq_lens_cpu, sampling_info=info,
         )
         self.num_forward += 1
-        out = self.runner.forward(fb)
+        out = self.timing.forward(self.runner, fb)
         for r in reqs:
             r.kv_committed_len += 1
         # the release is queued behind this pass on the device, and the next query's window starts past it
         self.tree_cache.trim_window_kv(reqs)
         self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
-        return out
+        return out, slots
 
     # ---- overlap ----
-    def can_overlap(self, reqs: list[Req], tokens_in_flight: int) -> bool:
+    def can_overlap(self, reqs: list[Req], tokens_in_flight: int, slots: Optional[torch.Tensor] = None) -> bool:
         """True when sampling these requests needs nothing the host learns from the step before
-        (each has `tokens_in_flight` sampled tokens not yet in output_ids)."""
-        for r in reqs:
-            sp = r.sampling_params
-            if (r.grammar is not None or r.return_logprob or sp.frequency_penalty or sp.presence_penalty
-                    or sp.repetition_penalty != 1.0 or len(r.output_ids) + tokens_in_flight < sp.min_new_tokens):
-                return False
-        return True
-
-    def will_finish_by_length(self, r: Req) -> bool:
-        # with the token in flight it has len(output_ids) + 1 outputs
-        return len(r.output_ids) + 1 >= r.sampling_params.max_new_tokens or r.seqlen + 1 >= self.context_len
+        (each has `tokens_in_flight` sampled tokens not yet in output_ids); slots: their req_pool_idx if known."""
+        if slots is None:
+            slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        out_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64) + tokens_in_flight
+        return self.finish_table.can_overlap(slots, out_lens)
 
     def launch(self, reqs: list[Req], input_ids: Optional[torch.Tensor],
                info: Optional[SamplingBatchInfo] = None) -> DecodeInFlight:
         info = info or SamplingBatchInfo.build(reqs, self.vocab_size, self.device)
-        return DecodeInFlight(reqs, self.forward(reqs, input_ids, info).copy_to_host(), info)
+        output, slots = self.forward(reqs, input_ids, info)
+        return DecodeInFlight(reqs, output.copy_to_host(), info, slots)
 
     def chain(self, prev: DecodeInFlight) -> Optional[DecodeInFlight]:
         """Launch the step after `prev` for its requests that go on; None when that needs prev's results first."""
-        keep = [i for i, r in enumerate(prev.reqs) if not r.finished and not self.will_finish_by_length(r)]
+        # with the token in flight each has len(output_ids) + 1 outputs; those at their length limit end with it
+        out_lens = torch.tensor([len(r.output_ids) for r in prev.reqs], dtype=torch.int64) + 1
+        ends = self.finish_table.ends_by_length(prev.slots, out_lens).tolist()
+        keep = [i for i, (r, end) in enumerate(zip(prev.reqs, ends)) if not end and r.finished_reason is None]
         reqs = [prev.reqs[i] for i in keep]
-        if not reqs or not self.can_overlap(reqs, 1) or self.tree_cache.available_slots() < len(reqs):
+        if not reqs:
+            return None
+        keep_t = torch.tensor(keep, dtype=torch.int64)
+        if not self.finish_table.can_overlap(prev.slots[keep_t], out_lens[keep_t]) \
+                or self.tree_cache.available_slots() < len(reqs):
             return None
         ids, info = prev.output.next_token_ids, prev.sampling_info
         if len(keep) != len(prev.reqs):

@@ -10,6 +10,62 @@ import torch
 
 from braid.runtime.core import FinishReason, Req, ReqOutput
 
+_NEVER = 1 << 62  # an output length no request reaches
+
+
+class FinishTable:
+    """What ends each request, by request slot (`req_pool_idx`), so that a step's finish checks over the whole batch
+    are a few tensor ops instead of Python per request. Filled once per admission (`set`); per step `candidates`
+    gives the rows whose token may end the request (EOS or a stop id, the length limit) or that need Python checks
+    anyway (`slow`: stop strings, grammars, logprobs, an internal prefill, more stop ids than a row holds). Only
+    those go through `OutputProcessor.commit`; the rest just append their token."""
+
+    STOP_IDS_PER_ROW = 4
+
+    def __init__(self, num_slots: int, eos_token_ids: set[int], context_len: int):
+        self.context_len = context_len
+        self.eos = torch.tensor(sorted(eos_token_ids) or [-1], dtype=torch.int64)
+        # per slot, in output tokens: the length that ends it, from which an EOS id ends it (_NEVER: ignore_eos),
+        # below which it may not end (min_new_tokens: its decode step is not overlapped)
+        self.out_limit = torch.zeros(num_slots, dtype=torch.int64)
+        self.eos_from = torch.zeros(num_slots, dtype=torch.int64)
+        self.min_new = torch.zeros(num_slots, dtype=torch.int64)
+        self.stop_ids = torch.full((num_slots, self.STOP_IDS_PER_ROW), -1, dtype=torch.int64)
+        self.slow = torch.ones(num_slots, dtype=torch.bool)
+        # sampling that needs the host's view of the previous step (grammar masks, penalties, logprobs)
+        self.blocks_overlap = torch.ones(num_slots, dtype=torch.bool)
+
+    def set(self, req: Req) -> None:
+        sp, slot = req.sampling_params, req.req_pool_idx
+        stop_ids = sorted(set(sp.stop_token_ids or ()))
+        self.out_limit[slot] = min(sp.max_new_tokens, self.context_len - len(req.input_ids))
+        self.eos_from[slot] = _NEVER if sp.ignore_eos else sp.min_new_tokens
+        self.min_new[slot] = sp.min_new_tokens
+        self.stop_ids[slot] = -1
+        self.stop_ids[slot, :min(len(stop_ids), self.STOP_IDS_PER_ROW)] = torch.tensor(
+            stop_ids[:self.STOP_IDS_PER_ROW], dtype=torch.int64)
+        self.slow[slot] = bool(req.grammar is not None or req.return_logprob or sp.stop or req.is_internal
+                               or len(stop_ids) > self.STOP_IDS_PER_ROW)
+        self.blocks_overlap[slot] = bool(req.grammar is not None or req.return_logprob or sp.frequency_penalty
+                                         or sp.presence_penalty or sp.repetition_penalty != 1.0)
+
+    def candidates(self, slots: torch.Tensor, token_ids: torch.Tensor, out_lens: torch.Tensor) -> torch.Tensor:
+        """[B] bool: the rows that need `OutputProcessor.commit` after appending token_ids [B] (int64) to outputs
+        that then hold out_lens [B] (int64) tokens; slots [B] int64."""
+        hit = (out_lens >= self.out_limit[slots]) | self.slow[slots]
+        hit |= torch.isin(token_ids, self.eos) & (out_lens >= self.eos_from[slots])
+        hit |= (self.stop_ids[slots] == token_ids.unsqueeze(1)).any(dim=1)
+        return hit
+
+    def ends_by_length(self, slots: torch.Tensor, out_lens: torch.Tensor) -> torch.Tensor:
+        """[B] bool: outputs of out_lens tokens are at the length limit (max_new_tokens or the context)."""
+        return out_lens >= self.out_limit[slots]
+
+    def can_overlap(self, slots: torch.Tensor, out_lens: torch.Tensor) -> bool:
+        """Whether the rows may be sampled without the host's view of the step before (each will then have
+        out_lens tokens before this sample): no grammar, penalty or logprobs, and min_new_tokens already met."""
+        return not bool((self.blocks_overlap[slots] | (out_lens < self.min_new[slots])).any())
+
 
 class OutputProcessor:
     def __init__(self, server_args, tokenizer, eos_token_ids: set[int], context_len: int, vocab_size: int,
@@ -137,32 +193,31 @@ class OutputProcessor:
 
     # ---- reporting ----
     def make_output(self, req: Req) -> Optional[ReqOutput]:
-        """What to report for `req` now, or None (not streamed and unfinished; or within the stream interval)."""
-        if req.is_internal or not (req.finished or req.stream):
+        """What to report for `req` now, or None (not streamed and unfinished; or within the stream interval).
+        Runs for every streamed request on every step: the plain case (no logprobs) builds one ReqOutput."""
+        reason = req.finished_reason
+        if req.is_internal or not (reason is not None or req.stream):
             return None
-        if (not req.finished and req.dirty_offset is None and req.sent_offset > 0
-                and len(req.output_ids) - req.sent_offset < self.stream_interval):
+        n = len(req.output_ids)
+        sent, dirty = req.sent_offset, req.dirty_offset
+        if reason is None and dirty is None and sent > 0 and n - sent < self.stream_interval:
             return None
-        offset = req.sent_offset if req.dirty_offset is None else min(req.sent_offset, req.dirty_offset)
-        lp_off = req.sent_logprob_offset
-        send_input_lps = req.return_logprob and not req.sent_input_logprobs
-        out = ReqOutput(
-            rid=req.rid, index=req.index, output_ids_offset=offset, new_token_ids=req.output_ids[offset:],
-            finished=req.finished, finish_reason=req.finished_reason.to_json() if req.finished else None,
-            prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
-            completion_tokens_wo_jump_forward=len(req.output_ids) - req.jump_forward_tokens,
-            output_token_logprobs=req.output_token_logprobs[lp_off:] if req.return_logprob else None,
-            output_top_logprobs=req.output_top_logprobs[lp_off:] if req.return_logprob else None,
-            input_token_logprobs=req.input_token_logprobs if send_input_lps else None,
-            input_top_logprobs=req.input_top_logprobs if send_input_lps else None,
-        )
-        if req.finished:
+        offset = sent if dirty is None else min(sent, dirty)
+        out = ReqOutput(req.rid, req.index, offset, req.output_ids[offset:], reason is not None,
+                        None if reason is None else reason.to_json(), len(req.input_ids), n, req.cached_tokens,
+                        n - req.jump_forward_tokens)
+        if req.return_logprob:
+            lp_off = req.sent_logprob_offset
+            out.output_token_logprobs = req.output_token_logprobs[lp_off:]
+            out.output_top_logprobs = req.output_top_logprobs[lp_off:]
+            if not req.sent_input_logprobs:
+                out.input_token_logprobs, out.input_top_logprobs = req.input_token_logprobs, req.input_top_logprobs
+                req.sent_input_logprobs = req.input_token_logprobs is not None
+            req.sent_logprob_offset = len(req.output_token_logprobs)
+        if reason is not None:
             out.first_token_time = req.first_token_time
             if req.scheduled_time is not None:
                 out.queue_time = req.scheduled_time - req.created_time
-        if req.return_logprob and req.input_token_logprobs is not None:
-            req.sent_input_logprobs = True
-        req.sent_offset = len(req.output_ids)
-        req.sent_logprob_offset = len(req.output_token_logprobs)
+        req.sent_offset = n
         req.dirty_offset = None
         return out

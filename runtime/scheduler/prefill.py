@@ -59,8 +59,11 @@ class PromptLogprobSlice:
 
 
 class PrefillPlanner:
-    def __init__(self, server_args, tree_cache, req_to_token_pool, device: torch.device):
+    def __init__(self, server_args, tree_cache, req_to_token_pool, device: torch.device,
+                 max_running_requests: Optional[int] = None):
         self.server_args = server_args
+        # the scheduler's cap (derived from the KV pool when the flag is unset)
+        self.max_running_requests = max_running_requests or server_args.max_running_requests
         self.tree_cache = tree_cache
         self.req_to_token_pool = req_to_token_pool
         self.device = device
@@ -77,7 +80,7 @@ class PrefillPlanner:
         token_budget = self.token_budget
         kv_budget = self.tree_cache.available_slots() - reserved_decode
         batch: list[Req] = []
-        running_slots = self.server_args.max_running_requests - num_running
+        running_slots = self.max_running_requests - num_running
         while resume_queue and token_budget > 0:
             req = resume_queue[0]
             remaining = len(req.fill_ids) - req.kv_committed_len

@@ -29,6 +29,7 @@ from braid.runtime.server import messages as M
 logger = logging.getLogger("braid.scheduler")
 
 _IDLE_POLL_MS = 500  # wake up this often when idle, to notice a dead parent
+_ZERO_COPY_MIN_BYTES = 1 << 16
 
 
 def spawn(server_args, to_scheduler_addr: str, from_scheduler_addr: str):
@@ -127,6 +128,7 @@ class SchedulerLoop:
         self.poller.register(recv_sock, zmq.POLLIN)
         self.running = True
         self.stats_log = ServingStatsLog(log_stats_interval_s)
+        self.send_s = 0.0  # seconds in zmq sends (the output batch of each step), for the stats
 
     def run(self) -> None:
         from braid.runtime.scheduler.scheduler import run_scheduler_loop
@@ -134,7 +136,12 @@ class SchedulerLoop:
         run_scheduler_loop(self.scheduler, self)
 
     def send(self, msg) -> None:
-        self.send_sock.send(M.encode(msg), copy=False)
+        data = M.encode(msg)
+        # zero-copy sends hand each frame to pyzmq's garbage-collector thread: slower than a copy below ~64 KiB,
+        # which a step's output batch usually is
+        start = time.perf_counter()
+        self.send_sock.send(data, copy=len(data) < _ZERO_COPY_MIN_BYTES)
+        self.send_s += time.perf_counter() - start
 
     # ---- SchedulerIO ----
     def receive(self, scheduler, block: bool) -> bool:
@@ -173,7 +180,7 @@ class SchedulerLoop:
         elif isinstance(msg, M.FlushCacheReq):
             self.send(M.FlushCacheResult(msg.req_id, bool(self.scheduler.flush_cache())))
         elif isinstance(msg, M.GetStatsReq):
-            self.send(M.Stats(msg.req_id, _plain_stats(self.scheduler.get_stats())))
+            self.send(M.Stats(msg.req_id, _plain_stats({**self.scheduler.get_stats(), "send_time_s_total": self.send_s})))
         elif isinstance(msg, M.ShutdownReq):
             self.running = False
 

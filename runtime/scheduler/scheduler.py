@@ -14,7 +14,9 @@ from collections import deque
 from typing import Optional, Protocol
 
 from braid.runtime.config import ServerArgs
-from braid.runtime.core import FinishReason, Req, ReqOutput
+import torch
+
+from braid.runtime.core import FinishReason, ForwardOutput, Req, ReqOutput
 from braid.runtime.layers.sampler import SamplingBatchInfo
 from braid.runtime.loader.tokenizer import get_tokenizer
 from braid.runtime.mem_cache.chunk_cache import ChunkCache
@@ -22,7 +24,7 @@ from braid.runtime.mem_cache.radix_cache import RadixCache
 from braid.runtime.model_executor.model_runner import ModelRunner
 from braid.runtime.scheduler.decode import DecodeInFlight, DecodeRunner
 from braid.runtime.scheduler.intake import RequestError, RequestIntake
-from braid.runtime.scheduler.output import OutputProcessor
+from braid.runtime.scheduler.output import FinishTable, OutputProcessor
 from braid.runtime.scheduler.prefill import PrefillPlanner, record_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -51,6 +53,34 @@ def run_scheduler_loop(scheduler, io: SchedulerIO) -> None:
                 io.send_outputs(outputs)
 
 
+class HostTiming:
+    """Where the scheduler's wall time goes, in seconds summed over its life: inside `step()`, inside
+    `ModelRunner.forward` (on CUDA: launching the pass), and waiting for a pass's results to reach the host. The rest
+    of a step is the host's own work (admission, batch building, commits, reports)."""
+
+    def __init__(self):
+        self.steps = 0
+        self.step_s = 0.0
+        self.forward_s = 0.0
+        self.device_wait_s = 0.0
+
+    def forward(self, runner, fb):
+        start = time.perf_counter()
+        out = runner.forward(fb)
+        self.forward_s += time.perf_counter() - start
+        return out
+
+    def wait(self, output: ForwardOutput) -> dict:
+        start = time.perf_counter()
+        host = output.host_tensors()
+        self.device_wait_s += time.perf_counter() - start
+        return host
+
+    def stats(self) -> dict:
+        return dict(num_steps=self.steps, step_time_s_total=self.step_s, forward_time_s_total=self.forward_s,
+                    device_wait_s_total=self.device_wait_s)
+
+
 class Scheduler:
     def __init__(self, server_args: ServerArgs):
         self.server_args = server_args
@@ -58,6 +88,7 @@ class Scheduler:
         self.tokenizer = get_tokenizer(server_args)
         self.device = self.runner.device
         self.context_len = self.runner.context_len
+        self.max_running_requests = self.runner.max_running_requests  # the cap, derived from the KV pool if unset
         self.vocab_size = self.runner.vocab_size
         self.model_config = self.runner.model_config
         self.req_to_token_pool = self.runner.req_to_token_pool
@@ -67,8 +98,12 @@ class Scheduler:
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.prefill = PrefillPlanner(server_args, self.tree_cache, self.req_to_token_pool, self.device)
-        self.decode = DecodeRunner(server_args, self.runner, self.tree_cache, self.device)
+        self.timing = HostTiming()
+        self.finish_table = FinishTable(self.req_to_token_pool.size, eos, self.context_len)
+        self.prefill = PrefillPlanner(server_args, self.tree_cache, self.req_to_token_pool, self.device,
+                                      self.max_running_requests)
+        self.decode = DecodeRunner(server_args, self.runner, self.tree_cache, self.device, self.timing,
+                                   self.finish_table)
         self.output = OutputProcessor(server_args, self.tokenizer, eos, self.context_len, self.vocab_size,
                                       self.tree_cache, self.device)
         self.intake = RequestIntake(server_args, self.tokenizer, self.vocab_size, self.context_len, self.kv_pool.size,
@@ -79,6 +114,9 @@ class Scheduler:
         self.resume_queue: deque[Req] = deque()  # hold KV, need an extend (chunked prefill, jump-forward)
         self.in_flight: Optional[DecodeInFlight] = None
         self.outputs: list[ReqOutput] = []
+        self.aborts_pending = False  # a request holding KV was aborted: release it at the next step
+        # --num-continuous-decode-steps: decode steps left before the waiting queue is looked at again
+        self.decode_steps_before_admit = 0
         self.stats = dict(num_prompt_tokens_total=0, num_computed_prompt_tokens_total=0, num_cached_tokens_total=0,
                           num_forward_extend=0, num_tokens_through_model_total=0, num_decode_tokens_mixed=0)
 
@@ -98,6 +136,7 @@ class Scheduler:
         for req in [*self.running, *self.resume_queue, *in_flight]:
             if req.rid == rid and not req.finished:
                 req.finished_reason = reason
+                self.aborts_pending = True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.intake.grammar_queue or self.resume_queue or self.outputs
@@ -129,7 +168,8 @@ class Scheduler:
             kv_cached_tokens=self.tree_cache.evictable_size(), kv_used_tokens=kv_used,
             **self._window_kv_stats(),
             cache_hit_rate=(s["num_cached_tokens_total"] / s["num_prompt_tokens_total"]) if s["num_prompt_tokens_total"] else 0.0,
-            new_token_ratio=self.decode.new_token_ratio,
+            new_token_ratio=self.decode.new_token_ratio, max_running_requests=self.max_running_requests,
+            **self.timing.stats(),
         )
         return s
 
@@ -144,14 +184,22 @@ class Scheduler:
 
     # ---- the step ----
     def step(self) -> list[ReqOutput]:
+        start = time.perf_counter()
+        self._step()
+        self.timing.steps += 1
+        self.timing.step_s += time.perf_counter() - start
+        return self._take_outputs()
+
+    def _step(self) -> None:
         self._poll_grammars()
-        self._release_aborted()
+        if self.aborts_pending:
+            self._release_aborted()
         if self.in_flight is not None:
             if self._chain_decode():
-                return self._take_outputs()
+                return
             prev, self.in_flight = self.in_flight, None
-            self._commit(prev.reqs, prev.output.host())
-        batch = self._admit()
+            self._commit(prev.reqs, prev.output, slots=prev.slots)
+        batch = self._admit() if self._admission_due() else []
         if batch:
             self._run_extend(batch, self._mix_in_running(batch))
         elif self.running:
@@ -159,7 +207,11 @@ class Scheduler:
                 self.waiting.insert(0, victim)
             if self.running:
                 self._run_decode()
-        return self._take_outputs()
+
+    def _admission_due(self) -> bool:
+        """--num-continuous-decode-steps N: the waiting queue is looked at once per N decode steps (at once when
+        nothing is decoding), so that up to N steps chain on the device without an extend between them."""
+        return self.decode_steps_before_admit <= 0 or not (self.running or self.in_flight is not None)
 
     def _take_outputs(self) -> list[ReqOutput]:
         out, self.outputs = self.outputs, []
@@ -172,6 +224,7 @@ class Scheduler:
             self.finish(req, reason)
 
     def _release_aborted(self) -> None:
+        self.aborts_pending = False
         for name in ("running", "resume_queue"):
             queue = getattr(self, name)
             if any(r.finished for r in queue):
@@ -182,12 +235,16 @@ class Scheduler:
     def _admit(self) -> list[Req]:
         if not self.waiting and not self.resume_queue:
             return []
+        self.decode_steps_before_admit = self.server_args.num_continuous_decode_steps
+        if not self.resume_queue and len(self.running) >= self.max_running_requests:
+            return []  # full: not even the decode reservation needs adding up
         batch, admitted = self.prefill.plan(self.waiting, self.resume_queue, len(self.running),
                                             self.decode.reserved_tokens(self.running), self.decode.new_token_ratio)
         if admitted:
             taken = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in taken]
             for req in admitted:
+                self.finish_table.set(req)
                 if req.scheduled_time is None:
                     req.scheduled_time = time.time()
                 if req.retracted_count == 0 and not req.output_ids:
@@ -223,7 +280,8 @@ class Scheduler:
         self.stats["num_computed_prompt_tokens_total"] += sum(
             max(0, min(p + n, len(r.input_ids)) - p)
             for r, p, n in zip(batch, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu))
-        host = self.runner.forward(fb).host()
+        output = self.timing.forward(self.runner, fb)
+        host = output.host()
         for req, n in zip(batch, fb.extend_seq_lens_cpu):
             req.kv_committed_len += n
         self.tree_cache.trim_window_kv(batch)
@@ -241,48 +299,80 @@ class Scheduler:
                 rows.append(i)
         if rows:
             rows.sort()
-            self._commit([batch[i] for i in rows], host, rows)
+            self._commit([batch[i] for i in rows], output, rows)
 
     def _run_decode(self) -> None:
         reqs, self.running = self.running, []
         self.stats["num_tokens_through_model_total"] += len(reqs)
+        self.decode_steps_before_admit -= 1
         if self.decode.overlap and self.decode.can_overlap(reqs, 0):
             self.in_flight = self.decode.launch(reqs, None)
             return
         info = SamplingBatchInfo.build(reqs, self.vocab_size, self.device)
         info.vocab_mask = self.output.vocab_mask(reqs)
-        self._commit(reqs, self.decode.forward(reqs, None, info).host())
+        output, slots = self.decode.forward(reqs, None, info)
+        self._commit(reqs, output, slots=slots)
 
     def _chain_decode(self) -> bool:
         """Launch the next decode step behind the one in flight, then commit the one in flight. False: not possible."""
         prev = self.in_flight
-        admissible = (self.waiting and len(prev.reqs) < self.server_args.max_running_requests
+        admissible = (self.waiting and len(prev.reqs) < self.max_running_requests
                       and self.req_to_token_pool.available_size() > 0)
-        if self.resume_queue or admissible:
+        if (self.resume_queue or admissible) and self.decode_steps_before_admit <= 0:
             return False  # an extend may be due: settle the step in flight first
         nxt = self.decode.chain(prev)
         if nxt is None:
             return False
         self.stats["num_tokens_through_model_total"] += len(nxt.reqs)
+        self.decode_steps_before_admit -= 1
         self.in_flight = nxt
-        self._commit(prev.reqs, prev.output.host())
+        self._commit(prev.reqs, prev.output, slots=prev.slots)
         self.running = []  # the survivors are in the step now in flight
         return True
 
     # ---- commit and finish ----
-    def _commit(self, reqs: list[Req], host: dict, rows: Optional[list[int]] = None) -> None:
-        """Append each request's sampled token (host: ForwardOutput.host(); rows: each request's row in it)."""
-        for req, row in zip(reqs, rows if rows is not None else range(len(reqs))):
-            if req.finished:  # aborted while its step ran: its token is dropped
+    def _commit(self, reqs: list[Req], output: ForwardOutput, rows: Optional[list[int]] = None,
+                slots: Optional[torch.Tensor] = None) -> None:
+        """Append each request's sampled token (rows: each request's row in `output`, default 0..; slots: their
+        req_pool_idx as an int64 CPU tensor when the caller has it). The finish checks run over the batch at once
+        (FinishTable); only the requests they flag, and those with stop strings, grammars or logprobs, go through
+        OutputProcessor.commit one by one."""
+        host = self.timing.wait(output)
+        token_ids = host["next_token_ids"]
+        if rows is not None:
+            token_ids = token_ids[torch.tensor(rows, dtype=torch.int64)]
+        if slots is None:
+            slots = torch.tensor([r.req_pool_idx or 0 for r in reqs], dtype=torch.int64)
+        out_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64) + 1
+        check = self.finish_table.candidates(slots, token_ids, out_lens).tolist()
+        host_lists = None
+        now = time.time()
+        running, make_output, outputs = self.running, self.output.make_output, self.outputs
+        appended = 0
+        for i, (req, tok, slow) in enumerate(zip(reqs, token_ids.tolist(), check)):
+            if req.finished_reason is not None:  # aborted while its step ran: its token is dropped
                 if req.req_pool_idx is not None:
                     self.finish(req, req.finished_reason)
                 continue
-            goes_to, reason = self.output.commit(req, host, row)
-            if reason is not None:
-                self.finish(req, reason)
-            else:
-                (self.running if goes_to == "running" else self.resume_queue).append(req)
-                self.emit(req)
+            if slow:
+                if host_lists is None:
+                    host_lists = {name: t.tolist() for name, t in host.items()}
+                goes_to, reason = self.output.commit(req, host_lists, rows[i] if rows is not None else i)
+                if reason is not None:
+                    self.finish(req, reason)
+                    continue
+                (running if goes_to == "running" else self.resume_queue).append(req)
+            else:  # neither finished nor in need of Python checks: OutputProcessor.append_token's plain case
+                req.output_ids.append(tok)
+                req.fill_ids.append(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                appended += 1
+                running.append(req)
+            out = make_output(req)
+            if out is not None:
+                outputs.append(out)
+        self.output.num_generated_tokens += appended
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason

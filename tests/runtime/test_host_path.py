@@ -1,0 +1,116 @@
+"""The scheduler's serving switches for the host path (issue 14): max_running_requests derived from the KV pool when
+unset, and --num-continuous-decode-steps (the waiting queue looked at once per N decode steps, so that the
+overlapped schedule keeps chaining while requests wait). Runs the real Scheduler on a one-layer dummy Llama."""
+
+import json
+
+import pytest
+import torch
+
+from braid.runtime.config import ServerArgs
+from braid.runtime.core import Req
+from braid.runtime.sampling_params import SamplingParams
+from braid.runtime.scheduler.scheduler import Scheduler
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+              "intermediate_size": 64, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
+              "vocab_size": 128, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "eos_token_id": 2}
+
+
+def scheduler(**kw) -> Scheduler:
+    torch.set_num_threads(1)
+    return Scheduler(ServerArgs(model_path="smollm2", load_format="dummy", model_config=json.dumps(TINY_LLAMA),
+                                log_level="warning", **kw))
+
+
+def add(sched: Scheduler, n: int, prompt_len: int, max_new) -> None:
+    """n requests; max_new: one length for all, or a function of the request's number."""
+    for i in range(n):
+        sched.add_request(Req(rid=f"r{i}", input_ids=[3 + (i * 7 + j) % 100 for j in range(prompt_len)],
+                              sampling_params=SamplingParams(max_new_tokens=max_new(i) if callable(max_new) else max_new,
+                                                             temperature=0, ignore_eos=True)))
+
+
+def run_to_end(sched: Scheduler, on_step) -> dict:
+    done = {}
+    while sched.has_work():
+        for out in sched.step():
+            if out.finished:
+                done[out.rid] = out
+        on_step()
+    return done
+
+
+def test_running_requests_cap_from_the_kv_pool():
+    args = ServerArgs(model_path="smollm2")
+    assert args.max_running_requests is None
+    assert args.running_requests_cap(65536) == 256  # every CPU default pool keeps today's cap
+    assert args.running_requests_cap(780_000) == 780_000 // 256  # an H200's pool for an 8B model
+    assert args.running_requests_cap(10**8) == 4096
+    assert ServerArgs(model_path="smollm2", max_running_requests=64).running_requests_cap(10**6) == 64
+    # --max-queued-requests counts beyond a cap the HTTP server knows up front
+    assert ServerArgs(model_path="smollm2", max_queued_requests=10).max_running_requests == 256
+    with pytest.raises(ValueError, match="num_continuous_decode_steps"):
+        ServerArgs(model_path="smollm2", num_continuous_decode_steps=0)
+
+
+def test_derived_cap_admits_past_256_and_ends_clean():
+    sched = scheduler(max_total_tokens=131072)  # 512 requests' worth by the derivation
+    assert sched.get_stats()["max_running_requests"] == 512
+    add(sched, 400, prompt_len=8, max_new=6)
+    peak = [0]
+
+    def watch():
+        peak[0] = max(peak[0], len(sched.running))
+
+    done = run_to_end(sched, watch)
+    assert peak[0] > 256  # the old fixed cap no longer holds admission back
+    assert len(done) == 400 and all(o.completion_tokens == 6 for o in done.values())
+    stats = sched.get_stats()
+    assert stats["num_running_reqs"] == 0 and stats["kv_used_tokens"] == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_continuous_decode_steps_pace_admission(overlap):
+    steps = 4
+    sched = scheduler(max_total_tokens=8192, max_running_requests=4, num_continuous_decode_steps=steps)
+    sched.decode.overlap = overlap  # the chained schedule's bookkeeping runs on CPU too
+    extends = []  # per extend batch formed: (decode passes launched so far, requests decoding beside it)
+    admit = sched._admit
+
+    def recording_admit():
+        batch = admit()
+        if batch:
+            extends.append((sched.decode.num_forward, len(sched.running)))
+        return batch
+
+    sched._admit = recording_admit
+    add(sched, 16, prompt_len=6, max_new=lambda i: 3 + i % 5)
+    done = run_to_end(sched, lambda: None)
+    assert len(done) == 16 and all(o.completion_tokens == 3 + int(rid[1:]) % 5 for rid, o in done.items())
+    # requests end after 3..7 tokens, so a slot frees every step or two while requests wait; yet an extend comes
+    # only `steps` decode passes after the one before, unless nothing was decoding any more
+    assert len(extends) >= 4
+    for (before, _), (at, decoding) in zip(extends, extends[1:]):
+        assert at - before >= steps or decoding == 0, extends
+    if overlap:
+        assert sched.get_stats()["num_decode_overlapped"] >= 8  # chained while requests were waiting
+    stats = sched.get_stats()
+    assert stats["num_running_reqs"] == 0 and stats["kv_used_tokens"] == 0
+
+
+def test_one_decode_step_between_checks_is_the_default():
+    sched = scheduler(max_total_tokens=8192, max_running_requests=4)
+    add(sched, 12, prompt_len=6, max_new=lambda i: 3 + i % 5)
+    kinds = []
+    last = [0, 0]
+
+    def record():
+        s = sched.get_stats()
+        kinds.append("E" * (s["num_forward_extend"] - last[0]) + "D" * (s["num_forward_decode"] - last[1]))
+        last[:] = s["num_forward_extend"], s["num_forward_decode"]
+
+    run_to_end(sched, record)
+    # a request ends, a slot frees, and the next step admits: extends come one decode pass apart
+    assert "DED" in "".join(kinds), kinds
