@@ -1,7 +1,8 @@
 """Kernel launches of a Gemma-2 decode step at batch 1 on the GPU dispatch path (counted under TRITON_INTERPRET=1 by
 benchmarks/gpu/gemma2_decode_launches.py on a tiny config): a layer launches what a Llama layer does (norm, qkv
 GEMV, rotary + KV store, two attention stages, o GEMV, norm, gate_up GEMV with the activation fused, down GEMV),
-the sandwich norms fused in pairs and GELU-tanh inside the GEMV; window layers add nothing per layer."""
+the sandwich norms fused in pairs and GELU-tanh inside the GEMV; window layers add nothing per layer (the hybrid KV
+pool translates a pass's new slots once, which the last test checks for staleness)."""
 
 import collections
 import importlib.util
@@ -30,3 +31,31 @@ def test_gemma2_decode_layer_launches_as_many_kernels_as_a_llama_layer():
         assert "triton._act_and_mul_kernel" not in names and "triton._rmsnorm_kernel" not in names, (i, names)
         assert sum(names.values()) == 9, (i, sorted(names.items()))
     assert sum(per_layer[f"layer {layers - 1}"].values()) == 10  # + the last post-norm fused with the final norm
+
+
+def test_window_slots_of_a_pass_are_translated_once_and_never_stale():
+    """The hybrid pool reuses a pass's translated window slots for every window layer while it is given the same,
+    unchanged out_cache_loc; an in-place change of the slots or of the slot map (a new allocation) retranslates."""
+    import torch
+
+    from braid.runtime.mem_cache.window_pool import HybridKVPool
+
+    pool = HybridKVPool(64, 32, torch.float32, 2, 8, [16, None, 16], "cpu")
+    loc = pool.alloc(5)
+    window_pool = pool.window_pool
+    want = pool.full_to_window[loc].long()
+    translated = pool.translate_batch_slots(loc)
+    assert torch.equal(translated, want) and pool._translated(window_pool, loc) is translated
+    assert pool._translated(pool.full_pool, loc) is loc  # global layers use the full slots themselves
+    assert pool._translated(window_pool, loc.clone()) is not translated  # another tensor: its own gather
+    loc[0] = loc[1]  # changed in place: retranslated
+    assert torch.equal(pool._translated(window_pool, loc), pool.full_to_window[loc].long())
+    loc = pool.alloc(3)
+    pool.translate_batch_slots(loc)
+    pool.alloc(2)  # the slot map changed since
+    got = pool._translated(window_pool, loc)
+    assert got is not pool._batch_window_loc[2] and torch.equal(got, pool.full_to_window[loc].long())
+    static = torch.full((8,), -5, dtype=torch.int64)  # CUDA graphs: a static buffer the captured layers read
+    view = pool.translate_batch_slots(loc, out=static)
+    assert view.data_ptr() == static.data_ptr() and torch.equal(static[:3], pool.full_to_window[loc].long())
+    assert (static[3:] == -5).all() and pool._translated(window_pool, loc) is view
