@@ -216,9 +216,34 @@ def summarize(rows: list[dict], runtime_splits: int) -> int:
         if per:
             print(f"bs={bs}, runtime config, 21 global + 21 window layers by split count: "
                   + ", ".join(f"{s}: {us:.0f} us" for s, us in sorted(per.items())))
+    recommend(ok, runtime_splits)
     print("PASS decode attention timed (Triton" + (", FlashInfer" if any(r["impl"] == "flashinfer" for r in ok)
                                                   else "; FlashInfer not importable") + ")")
     return 0
+
+
+def recommend(ok: list[dict], runtime_splits: int) -> None:
+    """What to change in the runtime: per batch size the (splits, config) pair with the least time over Gemma-2-9B's
+    21 global + 21 window layers, beside the runtime's; a change is worth it from 3% of that attention time."""
+    for bs in sorted({r["batch_size"] for r in ok}):
+        pairs = {}
+        for r in ok:
+            if r["batch_size"] == bs and r["impl"] == "triton":
+                pairs.setdefault((r["splits"], r["config"]), {})[r["layer"]] = r["us"]
+        totals = {pair: 21 * (t["global"] + t["window"]) for pair, t in pairs.items() if len(t) == 2}
+        now = totals.get((runtime_splits, "runtime"))
+        if not totals or now is None:
+            continue
+        (splits, config), best = min(totals.items(), key=lambda kv: kv[1])
+        if best < 0.97 * now:
+            where = ("DEFAULT_NUM_KV_SPLITS_GPU / the backend's split count (triton_backend.py)" if config == "runtime"
+                     else "the split count (triton_backend.py) and the head_dim <= 256 launch configs "
+                          "(decode_attention._decode_launch_configs)")
+            print(f"RECOMMEND bs={bs}: splits {splits} with {config}: {best:.0f} us of attention per step against "
+                  f"{now:.0f} us now ({now - best:.0f} us less); change {where}")
+        else:
+            print(f"KEEP bs={bs}: the runtime's splits {runtime_splits} ({now:.0f} us of attention per step) are within "
+                  f"3% of the sweep's best ({best:.0f} us, splits {splits} {config})")
 
 
 if __name__ == "__main__":
