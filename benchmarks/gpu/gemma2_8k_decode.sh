@@ -22,15 +22,15 @@ else echo "SKIP flashinfer: not importable here (stage its wheel as benchmarks/g
 
 # FlashInfer JIT-compiles its modules on first use: build the four Gemma-2 ones (head_dim 256, which the GPU tests use
 # too) side by side first
-[ "$BACKENDS" != triton ] && timeout 120 python3 benchmarks/gpu/gemma2_8k_decode.py --prebuild-flashinfer 256 2>&1 \
+[ "$BACKENDS" != triton ] && timeout 100 python3 benchmarks/gpu/gemma2_8k_decode.py --prebuild-flashinfer 256 2>&1 \
   | grep -v Warning | tail -4
 
-timeout 90 python3 -m pytest tests/models/test_gemma2_parity.py -q -m gpu -p no:cacheprovider 2>&1 | tail -8 \
+timeout 100 python3 -m pytest tests/models/test_gemma2_parity.py -q -m gpu -p no:cacheprovider 2>&1 | tail -8 \
   | tee "$OUT/gpu_tests.log"
 grep -q " passed" "$OUT/gpu_tests.log" && ! grep -q "failed\|error" "$OUT/gpu_tests.log" \
   && echo "PASS Gemma-2 GPU parity tests" || echo "FAIL Gemma-2 GPU parity tests (see gpu_tests.log)"
 # the fused decode kernels compiled for the H200 (sandwich norms, GELU-tanh GEMV, the split merge at head_dim 256)
-timeout 80 python3 -m pytest tests/kernels/test_gemma_kernels.py -q -p no:cacheprovider 2>&1 | tail -4 \
+timeout 70 python3 -m pytest tests/kernels/test_gemma_kernels.py -q -p no:cacheprovider 2>&1 | tail -4 \
   > "$OUT/kernel_tests.log"
 grep -q " passed" "$OUT/kernel_tests.log" && ! grep -q "failed\|error" "$OUT/kernel_tests.log" \
   && echo "PASS Gemma-2 fused kernel tests" || echo "FAIL Gemma-2 fused kernel tests (see kernel_tests.log)"
