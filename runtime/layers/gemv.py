@@ -64,7 +64,9 @@ def _configs():
     # the best of a 44-config sweep per Llama-3-8B shape on an H200 (benchmarks/gpu/decode_b1.py), and neighbours
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
             for bn, bk, w, st in ((4, 2048, 4, 1), (4, 2048, 4, 3), (2, 1024, 4, 3), (4, 1024, 4, 3),
-                                  (2, 2048, 4, 3), (8, 1024, 4, 1))]
+                                  (2, 2048, 4, 3), (8, 1024, 4, 1),
+                                  # K that 1024 does not divide (Gemma-2-9B's 3584) streams unmasked in 512s
+                                  (8, 512, 4, 3), (16, 512, 4, 3), (16, 512, 8, 3))]
 
 
 @triton.jit
@@ -130,7 +132,9 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL:
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
-_gemv_autotuned = triton.autotune(configs=_configs(), key=["N", "K", "SILU_MUL", "GELU_GATE", "USE_PDL"])(_gemv_kernel)
+_EVEN_K_PER_CONFIG = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
+_gemv_autotuned = triton.autotune(configs=_configs(), key=["N", "K", "SILU_MUL", "GELU_GATE", "USE_PDL"])(
+    _EVEN_K_PER_CONFIG(_gemv_kernel))
 
 
 def _fp8_configs():
@@ -143,7 +147,7 @@ def _fp8_configs():
 
 # EVEN_K per config: Llama-3-8B's down projection (K = 14336) divides by 2048 but not by 4096
 _gemv_fp8_autotuned = triton.autotune(configs=_fp8_configs(), key=["N", "K", "SILU_MUL", "GELU_GATE", "USE_PDL"])(
-    triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_gemv_kernel))
+    _EVEN_K_PER_CONFIG(_gemv_kernel))
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -207,8 +211,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_
         if scaled:
             _gemv_fp8_autotuned[grid](*args, **flags)
         else:
-            even_k = k % 2048 == 0 if not _INTERPRET else k % 64 == 0
-            _gemv_autotuned[grid](*args, **flags, EVEN_K=even_k)
+            _gemv_autotuned[grid](*args, **flags)
     else:
         cfg = dict(config)
         launch = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}
