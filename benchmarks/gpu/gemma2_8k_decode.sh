@@ -22,7 +22,7 @@ else echo "SKIP flashinfer: not importable here (stage its wheel as benchmarks/g
 
 # FlashInfer JIT-compiles its modules on first use: build the four Gemma-2 ones (head_dim 256, which the GPU tests use
 # too) side by side first
-[ "$BACKENDS" != triton ] && timeout 100 python3 benchmarks/gpu/gemma2_8k_decode.py --prebuild-flashinfer 256 2>&1 \
+[ "$BACKENDS" != triton ] && timeout 90 python3 benchmarks/gpu/gemma2_8k_decode.py --prebuild-flashinfer 256 2>&1 \
   | grep -v Warning | tail -4
 
 timeout 100 python3 -m pytest tests/models/test_gemma2_parity.py -q -m gpu -p no:cacheprovider 2>&1 | tail -8 \
@@ -36,7 +36,7 @@ grep -q " passed" "$OUT/kernel_tests.log" && ! grep -q "failed\|error" "$OUT/ker
   && echo "PASS Gemma-2 fused kernel tests" || echo "FAIL Gemma-2 fused kernel tests (see kernel_tests.log)"
 
 for BACKEND in $BACKENDS; do
-  HF=; LIMIT=110; [ "$BACKEND" = triton ] && HF=--hf && LIMIT=150
+  HF=; LIMIT=110; [ "$BACKEND" = triton ] && HF=--hf && LIMIT=170
   timeout $LIMIT python3 benchmarks/gpu/gemma2_8k_decode.py --backend $BACKEND $HF --out "$RESULT" 2>&1 \
     | grep -v Warning | tee "$OUT/run_$BACKEND.log" | grep -v '^{' | tail -5 \
     || echo "FAIL $BACKEND run did not finish (see run_$BACKEND.log)"
