@@ -1,0 +1,86 @@
+# The scheduler's host path in ShareGPT serving (issue 14): the Llama-3-8B-shaped dummy bf16 server
+# (--cuda-graph-max-bs 256), bench_serving ShareGPT lengths (--seed 7, NUM_PROMPTS default 3000, all at once), once per
+# CONFIG (extra launch_server flags), all in one call so the configurations compare on one machine. Default configs:
+#   "--max-running-requests 256"           the fixed cap of 256 (the default before max_running_requests was derived)
+#   ""                                     the defaults: the cap derived from the KV pool (one request per 256 tokens)
+#   "--num-continuous-decode-steps 4"      the derived cap, the waiting queue looked at once per 4 decode steps
+# Per run: the bench_serving figures, then from /get_server_info the scheduler's own clocks over the run, per forward
+# pass: host ms (step() outside the model's forward and device waits), forward-launch ms, device-wait ms, send ms;
+# decode/extend passes, chained (overlapped) decode passes, retractions, the effective max_running_requests; and the
+# idle server's load (0 running, 0 KV tokens used). A table and PASS/FAIL lines (14,500 output tok/s; clean end) last.
+# carry: .whl .gpu/tok
+#   NUM_PROMPTS=3000 bash benchmarks/gpu/serving_host_path.sh ["CONFIG" ...]
+set -o pipefail
+[ $# -gt 0 ] || set -- "--max-running-requests 256" "" "--num-continuous-decode-steps 4"
+source benchmarks/gpu/setup.sh
+trap stop_server EXIT
+BUDGET_S=${BUDGET_S:-540}
+START=$(date +%s)
+: >"$OUT/serving.jsonl"
+: >"$OUT/host.jsonl"
+RUN=0
+for CONFIG in "$@"; do
+  RUN=$((RUN + 1))
+  if [ $(( $(date +%s) - START )) -gt $((BUDGET_S - 150)) ]; then
+    echo "SKIP config '${CONFIG}': under 150 s of the ${BUDGET_S} s budget left"
+    echo '{"skipped": true}' >>"$OUT/host.jsonl"; echo '{"skipped": true}' >>"$OUT/serving.jsonl"
+    continue
+  fi
+  echo "=== server flags: --cuda-graph-max-bs 256 ${CONFIG:-(defaults)}"
+  # shellcheck disable=SC2086
+  if ! start_dummy_server 30000 "$OUT/server_$RUN.log" --cuda-graph-max-bs 256 $CONFIG; then
+    echo '{"failed": "server start"}' >>"$OUT/host.jsonl"; echo '{"failed": true}' >>"$OUT/serving.jsonl"
+    stop_server; continue
+  fi
+  curl -s localhost:30000/get_server_info >"$OUT/before_$RUN.json"
+  timeout 260 python3 -m braid.bench_serving --backend braid --port 30000 --tokenizer .gpu/tok --dataset-name sharegpt \
+    --num-prompts "${NUM_PROMPTS:-3000}" --seed 7 --disable-tqdm --output-file "$OUT/serving_$RUN.jsonl" 2>&1 \
+    | grep -E "Successful|duration|Output token throughput|Request throughput|Mean TPOT|Median TPOT|Mean TTFT" \
+    | tee -a "$OUT/serving.log"
+  tail -1 "$OUT/serving_$RUN.jsonl" >>"$OUT/serving.jsonl" 2>/dev/null || echo '{"failed": true}' >>"$OUT/serving.jsonl"
+  sleep 2
+  curl -s localhost:30000/get_server_info >"$OUT/after_$RUN.json"
+  python3 - "$OUT/before_$RUN.json" "$OUT/after_$RUN.json" >>"$OUT/host.jsonl" <<'PY'
+import json, sys
+b, a = (json.load(open(p)) for p in sys.argv[1:3])
+d = lambda k: (a.get(k) or 0) - (b.get(k) or 0)
+passes = max(d("num_forward_decode") + d("num_forward_extend"), 1)
+host = d("step_time_s_total") - d("forward_time_s_total") - d("device_wait_s_total")
+print(json.dumps({"host_ms": 1e3 * host / passes, "forward_ms": 1e3 * d("forward_time_s_total") / passes,
+                  "wait_ms": 1e3 * d("device_wait_s_total") / passes, "send_ms": 1e3 * d("send_time_s_total") / passes,
+                  "decode": d("num_forward_decode"), "extend": d("num_forward_extend"),
+                  "overlapped": d("num_decode_overlapped"), "retractions": d("num_retractions"),
+                  "max_running": a.get("max_running_requests"), "end_running": a.get("num_running_reqs"),
+                  "end_kv_used": a.get("kv_used_tokens"), "has_clocks": "step_time_s_total" in a}))
+PY
+  tail -1 "$OUT/host.jsonl"
+  stop_server
+done
+python3 - "$OUT/serving.jsonl" "$OUT/host.jsonl" "$@" <<'PY'
+import json, sys
+serving = [json.loads(l) for l in open(sys.argv[1])]
+host = [json.loads(l) for l in open(sys.argv[2])]
+print("per forward pass: host = scheduler step() outside the model's forward and device waits; fwd = launching the "
+      "pass; wait = waiting for its results; send = zmq sends of the outputs")
+print(f"{'server flags':<44}{'out tok/s':>10}{'TPOT':>7}{'TTFT s':>8}{'cap':>6}{'decode':>8}{'extend':>8}{'chained':>8}"
+      f"{'retr':>6}{'host':>7}{'fwd':>7}{'wait':>7}{'send':>7}{'end run/kv':>12}")
+ok = True
+for cfg, s, h in zip(sys.argv[3:], serving, host):
+    name = cfg or "(defaults)"
+    if "output_throughput" not in s or "decode" not in h:
+        print(f"{name:<44} not run ({s}, {h})"); ok = False
+        continue
+    print(f"{name:<44}{s['output_throughput']:>10.0f}{s['mean_tpot_ms']:>7.1f}{s['mean_ttft_ms'] / 1e3:>8.1f}"
+          f"{h['max_running']!s:>6}{h['decode']:>8}{h['extend']:>8}{h['overlapped']:>8}{h['retractions']:>6}"
+          f"{h['host_ms']:>7.2f}{h['forward_ms']:>7.2f}{h['wait_ms']:>7.2f}{h['send_ms']:>7.2f}"
+          f"{str(h['end_running']) + '/' + str(h['end_kv_used']):>12}")
+for cfg, s, h in zip(sys.argv[3:], serving, host):
+    if "output_throughput" not in s or "decode" not in h:
+        continue
+    name = cfg or "(defaults)"
+    target = s["output_throughput"] >= 14500
+    clean = h["end_running"] == 0 and h["end_kv_used"] == 0 and s.get("completed") == s.get("num_prompts")
+    print(f"{'PASS' if target else 'FAIL'} {name}: {s['output_throughput']:.0f} output tok/s (target 14,500)")
+    print(f"{'PASS' if clean else 'FAIL'} {name}: {s.get('completed')}/{s.get('num_prompts')} completed, "
+          f"idle server at {h['end_running']} running / {h['end_kv_used']} KV tokens used")
+PY
