@@ -6,7 +6,8 @@ each timed replayed in a CUDA graph and checked against an fp32 reference:
 2. experts at T = 1, 2, 4, 8, 16: the small-batch GEMVs (autotuned, then a sweep of gate_up / down configs) vs the
    grouped GEMM (default config, with its expert sort); "w TB/s" = bytes of the distinct experts touched (shared
    ones included) / time; the ceiling is ~4.3-4.8 TB/s;
-3. the whole FusedMoE layer (router + experts) at T = 1, 4, 8, and x 26 MoE layers of V2-Lite per decode step.
+3. the whole FusedMoE layer (router + experts) at T = 1, 4, 8, alone and with the add-RMSNorm before it (fused into
+   the router's launch, and launched apart), and x 26 MoE layers of V2-Lite per decode step.
 Prints PASS/FAIL lines for correctness and the best configs.
   python3 benchmarks/gpu/moe_small_batch.py
 """
@@ -21,6 +22,7 @@ from braid.runtime.layers.moe.router import route_hidden, select_experts_torch
 from braid.runtime.layers.moe.router_kernels import route_tokens_small_batch, route_topk_triton
 from braid.runtime.layers.moe.small_batch_kernels import (DOWN_CANDIDATES, GATE_UP_CANDIDATES,
                                                           SMALL_BATCH_MAX_TOKENS, GemvConfig, small_batch_moe)
+from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.loader.config_specs import MoESpec
 
 E, K, S, H, I = 64, 6, 2, 2048, 1408
@@ -127,14 +129,21 @@ def main() -> int:
     layer.w13_weight = torch.nn.Parameter(w13, requires_grad=False)
     layer.w2_weight = torch.nn.Parameter(w2, requires_grad=False)
     layer.gate.weight = torch.nn.Parameter(gate, requires_grad=False)
+    norm = RMSNorm(H).to(dev)
+    norm.weight.data.fill_(1.0)
     layer_rows = []
     for T in (1, 4, 8):
         x = torch.randn(T, H, device=dev, generator=gen).to(dt)
+        residual = torch.randn(T, H, device=dev, generator=gen).to(dt)
         us, out = time_graph(lambda: layer(x))
         ref_w, ref_ids = select_experts_torch(x.float() @ gate.T, spec, S)
         check(f"layer T={T}", rel(out, moe_forward_torch(x.float(), w13.float(), w2.float(), ref_w, ref_ids)))
+        normed_us, (out, _) = time_graph(lambda: layer.forward_after_norm(x, residual, norm))
+        normed, _ = norm(x, residual)
+        check(f"norm + layer T={T}", rel(out, layer(normed)))
+        unfused_us, _ = time_graph(lambda: layer(norm(x, residual)[0]))
         touched = len(torch.unique(route_hidden(x, gate, spec, S)[1]))
-        layer_rows.append((T, touched, us))
+        layer_rows.append((T, touched, us, normed_us, unfused_us))
 
     print(f"\nDeepSeek-V2-Lite MoE (E={E}+{S} shared, top-{K}, H={H}, I={I}, bf16) on {torch.cuda.get_device_name()}")
     print(f"{'T':>4} {'experts':>7} {'small auto us':>13} {'small best us':>13} {'w TB/s':>7} {'grouped us':>10} "
@@ -144,10 +153,11 @@ def main() -> int:
         path = "small" if T <= SMALL_BATCH_MAX_TOKENS else "grouped"
         print(f"{T:4d} {touched:7d} {auto_us:13.1f} {best_us:13.1f} {tbps:7.2f} {grouped_us:10.1f} "
               f"{grouped_us / auto_us:12.2f}x  {gu}; {dn}  (fused_experts takes: {path})")
-    for T, touched, us in layer_rows:
+    for T, touched, us, normed_us, unfused_us in layer_rows:
         tbps = touched * EXPERT_BYTES / (us * 1e-6) / 1e12
-        print(f"FusedMoE layer T={T}: {us:.1f} us ({touched} experts, {tbps:.2f} TB/s); x 26 MoE layers = "
-              f"{26 * us / 1e3:.3f} ms per decode step")
+        print(f"FusedMoE layer T={T}: {us:.1f} us ({touched} experts, {tbps:.2f} TB/s); with the add-RMSNorm in the "
+              f"router {normed_us:.1f} us (norm launched apart: {unfused_us:.1f} us); x 26 MoE layers = "
+              f"{26 * normed_us / 1e3:.3f} ms per decode step")
     small_slower = [T for T, _, auto_us, _, grouped_us in rows if T <= SMALL_BATCH_MAX_TOKENS and auto_us > grouped_us]
     print("PASS every path and config matches the fp32 reference" if failures == 0 else f"FAIL {failures} check(s)")
     print("PASS small-batch GEMVs beat the grouped GEMM wherever fused_experts picks them" if not small_slower

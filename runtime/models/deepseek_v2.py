@@ -23,15 +23,15 @@ from braid.runtime.models.mla import MLA_STACKED_PARAMS, MLAttention
 
 
 class DeepseekV2DecoderLayer(PreNormDecoderLayer):
-    """The pre-norm block; an MoE layer runs the norm on its own (its first matmul is the fp32 router)."""
+    """The pre-norm block; an MoE layer hands its post-attention norm to the MoE, whose fp32 router runs it (one
+    launch with the router at decode sizes)."""
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], fb):
         if isinstance(self.mlp, GatedMLP):
             return super().forward(positions, hidden, residual, fb)
         qkv, residual = norm_linear_act(self.self_attn.qkv_proj, hidden, self.input_layernorm, residual)
         hidden = self.self_attn.attend(positions, qkv, fb)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp.forward_after_norm(hidden, residual, self.post_attention_layernorm)
 
 
 class DeepseekV2ForCausalLM(DecoderForCausalLM):

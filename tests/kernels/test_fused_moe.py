@@ -119,6 +119,33 @@ def test_one_launch_router_matches_gemm_and_torch_router(name, tokens):
         route_tokens_small_batch(torch.zeros(17, 200), gate, spec)
 
 
+def test_one_launch_router_with_the_add_rmsnorm_before_it():
+    """route_tokens_small_batch with residual and norm weight == RMSNorm(hidden + residual) (the CPU reference),
+    then the PyTorch router on the normed rows; the normed rows and the residual sum come back too."""
+    from braid.runtime.layers.moe.router_kernels import route_tokens_small_batch
+    from braid.runtime.layers.norm import RMSNorm
+
+    spec = ROUTER_SPECS["group_e12_renorm"]
+    gen = torch.Generator().manual_seed(7)
+    hidden, residual = (torch.randn(3, 200, generator=gen).to(torch.bfloat16) for _ in range(2))
+    norm = RMSNorm(200, 1e-6)
+    norm.weight.data = torch.rand(200, generator=gen) + 0.5
+    gate = torch.randn(spec.n_routed_experts, 200, generator=gen) * 0.2
+    want_normed, want_residual = norm.forward_native(hidden, residual)
+    weights, ids, normed, residual_out = (t.cpu() for t in route_tokens_small_batch(
+        hidden.to(DEVICE), gate.to(DEVICE), spec, 1, residual=residual.to(DEVICE), norm_weight=norm.weight.to(DEVICE),
+        eps=1e-6))
+    # the routing of the rows the kernel normed (a last-bit difference in them moves the weights by ~1e-2)
+    want_w, want_ids = select_experts_torch(normed.float() @ gate.T, spec, num_shared=1)
+    # fp32 math rounded once to bf16 in both; the last bit may differ (fused multiply-adds; the interpreter's bf16
+    # rounding)
+    torch.testing.assert_close(residual_out, want_residual, atol=1e-2, rtol=2 ** -7)
+    torch.testing.assert_close(normed, want_normed, atol=1e-2, rtol=2 ** -7)
+    assert torch.equal(ids.sort(-1).values, want_ids.sort(-1).values)
+    torch.testing.assert_close(sorted_routing(weights, ids)[0], sorted_routing(want_w, want_ids)[0], rtol=1e-4,
+                               atol=1e-5)
+
+
 def test_norm_topk_prob_renormalizes_before_scaling():
     torch.manual_seed(1)
     logits = torch.randn(9, 8)
@@ -429,22 +456,37 @@ def test_moe_layer_with_shared_experts_matches_torch_gpu(tokens):
     ref = fp32_reference(x, layer.w13_weight, layer.w2_weight, ref_weights, ref_ids)
     torch_err = rel_err(moe_forward_torch(x, layer.w13_weight, layer.w2_weight, ref_weights, ref_ids), ref)
     assert rel_err(out, ref) < max(1e-2, 1.5 * torch_err)
+    # with the add-RMSNorm before it (inside the router's launch up to 16 tokens) == the norm, then the layer
+    from braid.runtime.layers.norm import RMSNorm
+
+    norm = RMSNorm(LITE["hidden"]).cuda()
+    norm.weight.data = torch.rand(LITE["hidden"], device="cuda") + 0.5
+    residual = torch.randn_like(x)
+    fused_out, fused_residual = layer.forward_after_norm(x, residual, norm)
+    normed, want_residual = norm(x, residual)
+    assert torch.equal(fused_residual, want_residual)
+    assert rel_err(fused_out, layer(normed)) < 1e-2
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_small_batch_moe_layers_replay_in_cuda_graph_gpu(tokens):
-    """Three MoE layers in a row in one CUDA graph (PDL launches; the routers share one arrival counter, which each
-    launch's last program resets): every replay with new inputs equals the eager pass."""
+    """Three MoE layers in a row in one CUDA graph (PDL launches; the routers, each with the add-RMSNorm before it,
+    share one arrival counter, which each launch's last program resets): every replay with new inputs equals the
+    eager pass."""
+    from braid.runtime.layers.norm import RMSNorm
+
     layers = [v2_lite_moe_layer(seed) for seed in range(3)]
+    norm = RMSNorm(LITE["hidden"]).cuda()
+    norm.weight.data.fill_(1.0)
     static_x = torch.zeros(tokens, LITE["hidden"], device="cuda", dtype=torch.bfloat16)
 
     def step():
-        h = static_x
+        h, residual = static_x, static_x
         for layer in layers:
-            h = layer(h) + h
-        return h
+            h, residual = layer.forward_after_norm(h, residual, norm)
+        return h + residual
 
     step()
     torch.cuda.synchronize()

@@ -22,7 +22,7 @@ from torch import nn
 
 from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.moe.experts import SUPPORTED_ACTIVATIONS, fused_experts
-from braid.runtime.layers.moe.router import check_routing_supported, route_hidden
+from braid.runtime.layers.moe.router import check_routing_supported, norm_and_route, route_hidden
 from braid.runtime.loader.config_specs import MoESpec
 
 EXPERT_WEIGHT_NAME = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
@@ -145,6 +145,17 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [T, H] -> [T, H]; weights and ids [T, top_k + num_shared]
         topk_weights, topk_ids = route_hidden(hidden, self.gate.weight, self.spec, self.num_shared)
+        return self._experts(hidden, topk_weights, topk_ids)
+
+    def forward_after_norm(self, hidden: torch.Tensor, residual: torch.Tensor,
+                           norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(normed), residual_out) for normed, residual_out = norm(hidden, residual), the pre-MoE RMSNorm with
+        its residual add: at decode sizes on CUDA the norm runs inside the router's launch."""
+        topk_weights, topk_ids, normed, residual = norm_and_route(hidden, residual, norm, self.gate.weight,
+                                                                  self.spec, self.num_shared)
+        return self._experts(normed, topk_weights, topk_ids), residual
+
+    def _experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
         if self.tp_size > 1:
             out = ps.all_reduce(out)

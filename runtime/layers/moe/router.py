@@ -44,15 +44,31 @@ def select_experts(router_logits: torch.Tensor, spec: MoESpec,
 def route_hidden(hidden: torch.Tensor, gate_weight: torch.Tensor, spec: MoESpec,
                  num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole router from the layer input: select_experts(hidden.float() @ gate_weight.T, spec, num_shared).
-    hidden [T, H], gate_weight [E, H] fp32. On CUDA, up to SMALL_BATCH_ROUTER_MAX_TOKENS tokens (decode) take one
-    launch for the matmul and the selection together."""
+    hidden [T, H], gate_weight [E, H] fp32. On CUDA, up to 16 tokens (decode; router_kernels) take one launch for
+    the matmul and the selection together."""
     if hidden.is_cuda:
-        from braid.runtime.layers.moe.router_kernels import SMALL_BATCH_ROUTER_MAX_TOKENS, route_tokens_small_batch
+        from braid.runtime.layers.moe.router_kernels import route_tokens_small_batch, small_batch_router_applies
 
-        if hidden.shape[0] <= SMALL_BATCH_ROUTER_MAX_TOKENS:
+        if small_batch_router_applies(hidden):
             check_routing_supported(spec)
             return route_tokens_small_batch(hidden, gate_weight, spec, num_shared)
     return select_experts(F.linear(hidden.float(), gate_weight.float()), spec, num_shared)
+
+
+def norm_and_route(hidden: torch.Tensor, residual: torch.Tensor, norm, gate_weight: torch.Tensor, spec: MoESpec,
+                   num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """normed, residual_out = norm(hidden, residual) (an RMSNorm with the residual add), then
+    route_hidden(normed, ...) -> (weights, ids, normed, residual_out). On CUDA at decode sizes the norm runs inside
+    the router's one launch."""
+    if hidden.is_cuda and not norm.add_unit_offset and residual.dtype == hidden.dtype:
+        from braid.runtime.layers.moe.router_kernels import route_tokens_small_batch, small_batch_router_applies
+
+        if small_batch_router_applies(hidden):
+            check_routing_supported(spec)
+            return route_tokens_small_batch(hidden, gate_weight, spec, num_shared, residual=residual,
+                                            norm_weight=norm.weight, eps=norm.eps)
+    normed, residual = norm(hidden, residual)
+    return (*route_hidden(normed, gate_weight, spec, num_shared), normed, residual)
 
 
 def select_experts_torch(router_logits: torch.Tensor, spec: MoESpec,

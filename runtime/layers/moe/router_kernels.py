@@ -5,18 +5,19 @@ sizes cost more than the work), the shared experts appended as always-chosen slo
 Two entry points:
 - `route_topk_triton(logits)`: logits computed before (any T). Each program routes BLOCK_T tokens with all E scores
   in registers; the k experts are taken by repeated arg-max (the lowest expert id wins a tie).
-- `route_tokens_small_batch(hidden, gate_weight)`: for a few tokens (decode), the router matmul itself too, so the
-  whole router is one launch instead of three (hidden.float(), the fp32 GEMM, the routing). Programs (expert block,
-  token) each write BLOCK_E fp32 logits to a scratch row and count themselves on a global counter; the program that
-  arrives last routes every token (the "last block" reduction: its acquire on the counter orders it after the
-  others' logit stores) and resets the counter for the next launch. No host sync, CUDA-graph capturable.
+- `route_tokens_small_batch(hidden, gate_weight)`: for a few tokens (decode), the router matmul itself too, and
+  optionally the add-RMSNorm before the MoE, so the whole router is one launch instead of four (the norm,
+  hidden.float(), the fp32 GEMM, the routing). Programs (expert block, token) each hold the token's whole row and
+  write BLOCK_E fp32 logits to a scratch row, then count themselves on a global counter; the program that arrives
+  last routes every token (the "last block" reduction: its acquire on the counter orders it after the others'
+  logit stores) and resets the counter for the next launch. No host sync, CUDA-graph capturable.
 
 Runs on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
 
 from __future__ import annotations
 
-import os
+from typing import Optional
 
 import torch
 import triton
@@ -26,12 +27,12 @@ from braid.runtime.layers import pdl
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 from braid.runtime.loader.config_specs import MoESpec
 
-__all__ = ["route_topk_triton", "route_tokens_small_batch", "SMALL_BATCH_ROUTER_MAX_TOKENS"]
+__all__ = ["route_topk_triton", "route_tokens_small_batch", "small_batch_router_applies"]
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-# up to this many tokens route through route_tokens_small_batch (its last program routes them all alone)
+# up to this many tokens route through route_tokens_small_batch (its last program routes them all alone), of hidden
+# sizes up to SMALL_BATCH_ROUTER_MAX_HIDDEN (each program holds a whole row)
 SMALL_BATCH_ROUTER_MAX_TOKENS = 16
+SMALL_BATCH_ROUTER_MAX_HIDDEN = 8192
 
 
 @triton.jit
@@ -102,32 +103,41 @@ def _route_topk_kernel(logits_ptr, weights_ptr, ids_ptr, num_tokens, logits_stri
 
 
 @triton.jit
-def _router_small_batch_kernel(x_ptr, gate_ptr, logits_ptr, counter_ptr, weights_ptr, ids_ptr, num_tokens,
-                               hidden_size, x_stride, scaling,
+def _router_small_batch_kernel(x_ptr, res_ptr, norm_w_ptr, normed_ptr, res_out_ptr, gate_ptr, logits_ptr, counter_ptr,
+                               weights_ptr, ids_ptr, num_tokens, hidden_size, x_stride, res_stride, normed_stride,
+                               res_out_stride, eps, scaling,
                                NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr,
                                SLOTS_POW2: tl.constexpr, NUM_SHARED: tl.constexpr, GROUP_LIMITED: tl.constexpr,
                                NUM_GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, GROUP_SIZE: tl.constexpr,
                                TOPK_GROUPS: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr,
-                               BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-    # program (e, t): logits[t, e * BLOCK_E + i] = x[t] . gate[e * BLOCK_E + i] in fp32 (x upcast as hidden.float())
+                               BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ADD_NORM: tl.constexpr,
+                               USE_PDL: tl.constexpr):
+    # program (e, t): logits[t, e * BLOCK_E + i] = x[t] . gate[e * BLOCK_E + i] in fp32, x read whole (one tile).
+    # ADD_NORM: x = rmsnorm(x + residual) first, rounded as norm_kernels.fused_add_rmsnorm rounds it (the sum, then
+    # the normed row, to x's dtype); programs e == 0 also write both rows out for the experts and the next layer
     let_next_kernel_launch(USE_PDL)
     pid_e = tl.program_id(0)
-    token = tl.program_id(1)
+    token = tl.program_id(1).to(tl.int64)
     experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     expert_valid = experts < NUM_EXPERTS
-    cols = tl.arange(0, BLOCK_K)
-    gate_rows = gate_ptr + experts.to(tl.int64)[:, None] * hidden_size
-    # the first gate chunk: no kernel of the step writes the gate weight, so it loads before the wait
-    w = tl.load(gate_rows + cols[None, :], mask=expert_valid[:, None] & (cols < hidden_size)[None, :], other=0.0)
+    cols = tl.arange(0, BLOCK_H)
+    col_valid = cols < hidden_size
+    # the program's whole gate tile: no kernel of the step writes the gate weight, so it loads before the wait
+    w = tl.load(gate_ptr + experts.to(tl.int64)[:, None] * hidden_size + cols[None, :],
+                mask=expert_valid[:, None] & col_valid[None, :], other=0.0)
     wait_for_previous_kernel(USE_PDL)
-    x_row = x_ptr + token.to(tl.int64) * x_stride
-    acc = w * tl.load(x_row + cols, mask=cols < hidden_size, other=0.0).to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, hidden_size, BLOCK_K):
-        kk = k0 + cols
-        k_valid = kk < hidden_size
-        w = tl.load(gate_rows + kk[None, :], mask=expert_valid[:, None] & k_valid[None, :], other=0.0)
-        acc += w * tl.load(x_row + kk, mask=k_valid, other=0.0).to(tl.float32)[None, :]
-    tl.store(logits_ptr + token * EXPERTS_POW2 + experts, tl.sum(acc, axis=1), mask=expert_valid)
+    x = tl.load(x_ptr + token * x_stride + cols, mask=col_valid, other=0.0)
+    if ADD_NORM:
+        summed = (x.to(tl.float32) + tl.load(res_ptr + token * res_stride + cols, mask=col_valid,
+                                             other=0.0).to(tl.float32)).to(x.dtype)
+        sf = summed.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sf * sf, axis=0) / hidden_size + eps)
+        x = (sf * rstd * tl.load(norm_w_ptr + cols, mask=col_valid, other=0.0).to(tl.float32)).to(summed.dtype)
+        if pid_e == 0:
+            tl.store(res_out_ptr + token * res_out_stride + cols, summed, mask=col_valid)
+            tl.store(normed_ptr + token * normed_stride + cols, x, mask=col_valid)
+    logits = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
+    tl.store(logits_ptr + token * EXPERTS_POW2 + experts, logits, mask=expert_valid)
     # every thread's store is issued before the release below (CTA barrier, then one gpu-scope acq_rel atomic)
     tl.debug_barrier()
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
@@ -195,31 +205,54 @@ def _arrival_counter(device: torch.device) -> torch.Tensor:
     return counter
 
 
-def route_tokens_small_batch(hidden: torch.Tensor, gate_weight: torch.Tensor, spec: MoESpec,
-                             num_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden [T, H] (any float dtype, read as fp32), gate_weight [E, H] fp32, T <= SMALL_BATCH_ROUTER_MAX_TOKENS ->
-    route_topk_triton(hidden.float() @ gate_weight.T) in one launch."""
+def small_batch_router_applies(hidden: torch.Tensor) -> bool:
+    """Whether route_tokens_small_batch takes this input: up to SMALL_BATCH_ROUTER_MAX_TOKENS rows of at most
+    SMALL_BATCH_ROUTER_MAX_HIDDEN (each program holds a whole row)."""
+    return hidden.dim() == 2 and hidden.shape[0] <= SMALL_BATCH_ROUTER_MAX_TOKENS \
+        and hidden.shape[1] <= SMALL_BATCH_ROUTER_MAX_HIDDEN
+
+
+def route_tokens_small_batch(hidden: torch.Tensor, gate_weight: torch.Tensor, spec: MoESpec, num_shared: int = 0,
+                             residual: Optional[torch.Tensor] = None, norm_weight: Optional[torch.Tensor] = None,
+                             eps: float = 1e-6):
+    """hidden [T, H] (any float dtype, read as fp32), gate_weight [E, H] fp32 (small_batch_router_applies) ->
+    route_topk_triton(hidden.float() @ gate_weight.T) = (weights, ids) in one launch.
+
+    With residual and norm_weight, the router's input is RMSNorm(hidden + residual) (fused_add_rmsnorm's rounding)
+    -> (weights, ids, normed [T, H], hidden + residual [T, H]), still one launch."""
     num_tokens, hidden_size = hidden.shape
     num_experts = spec.n_routed_experts
-    if num_tokens > SMALL_BATCH_ROUTER_MAX_TOKENS:
-        raise ValueError(f"route_tokens_small_batch routes up to {SMALL_BATCH_ROUTER_MAX_TOKENS} tokens, got "
-                         f"{num_tokens}")
+    if not small_batch_router_applies(hidden):
+        raise ValueError(f"route_tokens_small_batch routes up to {SMALL_BATCH_ROUTER_MAX_TOKENS} tokens of hidden "
+                         f"size <= {SMALL_BATCH_ROUTER_MAX_HIDDEN}, got {tuple(hidden.shape)}")
     if gate_weight.shape != (num_experts, hidden_size) or gate_weight.dtype != torch.float32 \
             or not gate_weight.is_contiguous():
         raise ValueError(f"gate weight must be contiguous fp32 [{num_experts}, {hidden_size}], got "
                          f"{tuple(gate_weight.shape)} {gate_weight.dtype}")
+    add_norm = residual is not None
+    if add_norm and (norm_weight is None or residual.shape != hidden.shape or residual.dtype != hidden.dtype
+                     or norm_weight.shape != (hidden_size,)):
+        raise ValueError(f"the fused add-RMSNorm needs residual {tuple(hidden.shape)} {hidden.dtype} and a norm "
+                         f"weight [{hidden_size}]")
     weights, ids = _route_outputs(num_tokens, spec.num_experts_per_tok + num_shared, hidden.device)
-    if num_tokens == 0:
-        return weights, ids
     hidden = _unit_column_stride(hidden)
-    constants = _routing_constants(spec, num_shared)
-    experts_pow2 = constants["EXPERTS_POW2"]
-    logits = torch.empty(num_tokens, experts_pow2, dtype=torch.float32, device=hidden.device)
-    # about 32 programs per token: each streams BLOCK_E rows of the fp32 gate weight
-    block_e = max(1, min(16, triton.next_power_of_2(triton.cdiv(num_experts, 32))))
-    block_k = min(64 if _INTERPRET else 1024, triton.next_power_of_2(hidden_size))
-    _router_small_batch_kernel[(triton.cdiv(num_experts, block_e), num_tokens)](
-        hidden, gate_weight, logits, _arrival_counter(hidden.device), weights, ids, num_tokens, hidden_size,
-        hidden.stride(0), float(spec.routed_scaling_factor), **constants, BLOCK_T=_block_t(experts_pow2),
-        BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4, **pdl.launch_options(hidden.device))
-    return weights, ids
+    normed = residual_out = hidden
+    if add_norm:
+        residual = _unit_column_stride(residual)
+        normed, residual_out = torch.empty_like(hidden), torch.empty_like(hidden)
+    if num_tokens:
+        constants = _routing_constants(spec, num_shared)
+        experts_pow2 = constants["EXPERTS_POW2"]
+        logits = torch.empty(num_tokens, experts_pow2, dtype=torch.float32, device=hidden.device)
+        block_h = triton.next_power_of_2(hidden_size)
+        # gate tiles of <= 4096 fp32 (BLOCK_E rows of the whole hidden size): 32 programs per token at V2-Lite's
+        # E 64, H 2048
+        block_e = max(1, min(triton.next_power_of_2(num_experts), 4096 // block_h))
+        _router_small_batch_kernel[(triton.cdiv(num_experts, block_e), num_tokens)](
+            hidden, residual if add_norm else hidden, norm_weight if add_norm else gate_weight, normed, residual_out,
+            gate_weight, logits, _arrival_counter(hidden.device), weights, ids, num_tokens, hidden_size,
+            hidden.stride(0), residual.stride(0) if add_norm else 0, normed.stride(0), residual_out.stride(0),
+            float(eps), float(spec.routed_scaling_factor), **constants, BLOCK_T=_block_t(experts_pow2),
+            BLOCK_E=block_e, BLOCK_H=block_h, ADD_NORM=add_norm, num_warps=4 if block_h <= 4096 else 8,
+            **pdl.launch_options(hidden.device))
+    return (weights, ids, normed, residual_out) if add_norm else (weights, ids)
