@@ -8,13 +8,21 @@
 # pass: host ms (step() outside the model's forward and device waits), forward-launch ms, device-wait ms, send ms;
 # decode/extend passes, chained (overlapped) decode passes, retractions, the effective max_running_requests; and the
 # idle server's load (0 running, 0 KV tokens used). A table and PASS/FAIL lines (14,500 output tok/s; clean end) last.
-# carry: .whl .gpu/tok
+# DATASET=random1k runs the random 1000 x 1024 / 256 (range 0.5) workload of bench_serving_random_1k.sh instead
+# (the one that must not get slower). carry: .whl .gpu/tok
 #   NUM_PROMPTS=3000 bash benchmarks/gpu/serving_host_path.sh ["CONFIG" ...]
+#   DATASET=random1k bash benchmarks/gpu/serving_host_path.sh "--max-running-requests 256" ""
 set -o pipefail
 [ $# -gt 0 ] || set -- "--max-running-requests 256" "" "--num-continuous-decode-steps 4"
 source benchmarks/gpu/setup.sh
 trap stop_server EXIT
 BUDGET_S=${BUDGET_S:-540}
+if [ "${DATASET:-sharegpt}" = random1k ]; then
+  DATA_FLAGS="--dataset-name random --num-prompts 1000 --random-input-len 1024 --random-output-len 256 --random-range-ratio 0.5"
+else
+  DATA_FLAGS="--dataset-name sharegpt --num-prompts ${NUM_PROMPTS:-3000}"
+fi
+echo "workload: $DATA_FLAGS --seed 7 (all at once)"
 START=$(date +%s)
 : >"$OUT/serving.jsonl"
 : >"$OUT/host.jsonl"
@@ -33,8 +41,9 @@ for CONFIG in "$@"; do
     stop_server; continue
   fi
   curl -s localhost:30000/get_server_info >"$OUT/before_$RUN.json"
-  timeout 260 python3 -m braid.bench_serving --backend braid --port 30000 --tokenizer .gpu/tok --dataset-name sharegpt \
-    --num-prompts "${NUM_PROMPTS:-3000}" --seed 7 --disable-tqdm --output-file "$OUT/serving_$RUN.jsonl" 2>&1 \
+  # shellcheck disable=SC2086
+  timeout 260 python3 -m braid.bench_serving --backend braid --port 30000 --tokenizer .gpu/tok $DATA_FLAGS \
+    --seed 7 --disable-tqdm --output-file "$OUT/serving_$RUN.jsonl" 2>&1 \
     | grep -E "Successful|duration|Output token throughput|Request throughput|Mean TPOT|Median TPOT|Mean TTFT" \
     | tee -a "$OUT/serving.log"
   tail -1 "$OUT/serving_$RUN.jsonl" >>"$OUT/serving.jsonl" 2>/dev/null || echo '{"failed": true}' >>"$OUT/serving.jsonl"
@@ -56,8 +65,9 @@ PY
   tail -1 "$OUT/host.jsonl"
   stop_server
 done
-python3 - "$OUT/serving.jsonl" "$OUT/host.jsonl" "$@" <<'PY'
+python3 - "$OUT/serving.jsonl" "$OUT/host.jsonl" "${DATASET:-sharegpt}" "$@" <<'PY'
 import json, sys
+dataset = sys.argv.pop(3)
 serving = [json.loads(l) for l in open(sys.argv[1])]
 host = [json.loads(l) for l in open(sys.argv[2])]
 print("per forward pass: host = scheduler step() outside the model's forward and device waits; fwd = launching the "
@@ -78,9 +88,17 @@ for cfg, s, h in zip(sys.argv[3:], serving, host):
     if "output_throughput" not in s or "decode" not in h:
         continue
     name = cfg or "(defaults)"
-    target = s["output_throughput"] >= 14500
+    if dataset != "sharegpt":  # random1k: the fixed cap of 256 (the first config) is the floor
+        base = serving[0].get("output_throughput") if serving else None
+        target = base is not None and s["output_throughput"] >= 0.97 * base
+        print(f"{'PASS' if target else 'FAIL'} {name}: {s['output_throughput']:.0f} output tok/s "
+              f"(not slower than the first config's {base or 0:.0f}, 3% call noise allowed)")
+        target = None
+    else:
+        target = s["output_throughput"] >= 14500
     clean = h["end_running"] == 0 and h["end_kv_used"] == 0 and s.get("completed") == s.get("num_prompts")
-    print(f"{'PASS' if target else 'FAIL'} {name}: {s['output_throughput']:.0f} output tok/s (target 14,500)")
+    if target is not None:
+        print(f"{'PASS' if target else 'FAIL'} {name}: {s['output_throughput']:.0f} output tok/s (target 14,500)")
     print(f"{'PASS' if clean else 'FAIL'} {name}: {s.get('completed')}/{s.get('num_prompts')} completed, "
           f"idle server at {h['end_running']} running / {h['end_kv_used']} KV tokens used")
 PY

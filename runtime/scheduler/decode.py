@@ -55,8 +55,12 @@ class DecodeRunner:
         self.num_retractions = 0
 
     def reserved_tokens(self, running: list[Req]) -> int:
-        ratio = self.new_token_ratio
-        return sum(int((r.sampling_params.max_new_tokens - len(r.output_ids)) * ratio) for r in running)
+        """KV tokens kept free for the running requests' decoding (new_token_ratio of what each may still add)."""
+        if not running:
+            return 0
+        slots = torch.tensor([r.req_pool_idx for r in running], dtype=torch.int64)
+        out_lens = torch.tensor([len(r.output_ids) for r in running], dtype=torch.float64)
+        return self.finish_table.reserved_tokens(slots, out_lens, self.new_token_ratio)
 
     # ---- one step ----
     def forward(self, reqs: list[Req], input_ids: Optional[torch.Tensor],

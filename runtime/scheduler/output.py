@@ -30,6 +30,7 @@ class FinishTable:
         self.out_limit = torch.zeros(num_slots, dtype=torch.int64)
         self.eos_from = torch.zeros(num_slots, dtype=torch.int64)
         self.min_new = torch.zeros(num_slots, dtype=torch.int64)
+        self.max_new = torch.zeros(num_slots, dtype=torch.float64)  # max_new_tokens, for the decode reservation
         self.stop_ids = torch.full((num_slots, self.STOP_IDS_PER_ROW), -1, dtype=torch.int64)
         self.slow = torch.ones(num_slots, dtype=torch.bool)
         # sampling that needs the host's view of the previous step (grammar masks, penalties, logprobs)
@@ -41,6 +42,7 @@ class FinishTable:
         self.out_limit[slot] = min(sp.max_new_tokens, self.context_len - len(req.input_ids))
         self.eos_from[slot] = _NEVER if sp.ignore_eos else sp.min_new_tokens
         self.min_new[slot] = sp.min_new_tokens
+        self.max_new[slot] = sp.max_new_tokens
         self.stop_ids[slot] = -1
         self.stop_ids[slot, :min(len(stop_ids), self.STOP_IDS_PER_ROW)] = torch.tensor(
             stop_ids[:self.STOP_IDS_PER_ROW], dtype=torch.int64)
@@ -56,6 +58,11 @@ class FinishTable:
         hit |= torch.isin(token_ids, self.eos) & (out_lens >= self.eos_from[slots])
         hit |= (self.stop_ids[slots] == token_ids.unsqueeze(1)).any(dim=1)
         return hit
+
+    def reserved_tokens(self, slots: torch.Tensor, out_lens: torch.Tensor, ratio: float) -> int:
+        """The KV tokens admission keeps free for these requests' decoding: `ratio` of each one's remaining
+        max_new_tokens, rounded down per request."""
+        return int(((self.max_new[slots] - out_lens) * ratio).floor().sum())
 
     def ends_by_length(self, slots: torch.Tensor, out_lens: torch.Tensor) -> torch.Tensor:
         """[B] bool: outputs of out_lens tokens are at the length limit (max_new_tokens or the context)."""

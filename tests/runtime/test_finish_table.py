@@ -114,3 +114,21 @@ def test_slot_reuse_takes_the_new_requests_limits():
     table.set(second)
     assert table.candidates(torch.tensor([0]), torch.tensor([11]), torch.tensor([3])).tolist() == [False]
     assert table.can_overlap(torch.tensor([0]), torch.tensor([1]))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_reservation_equals_the_per_request_sum(seed):
+    rng = random.Random(seed)
+    table = FinishTable(128, EOS, 8192)
+    reqs = []
+    for slot in range(rng.randint(1, 120)):
+        max_new = rng.randint(1, 3000)
+        r = Req(rid=str(slot), input_ids=[1], sampling_params=SamplingParams(max_new_tokens=max_new))
+        r.req_pool_idx, r.output_ids = slot, [0] * rng.randint(0, max_new)
+        table.set(r)
+        reqs.append(r)
+    for ratio in (0.7, 0.1, 0.699, 1.0, rng.random()):
+        want = sum(int((r.sampling_params.max_new_tokens - len(r.output_ids)) * ratio) for r in reqs)
+        got = table.reserved_tokens(torch.tensor([r.req_pool_idx for r in reqs]),
+                                    torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.float64), ratio)
+        assert got == want
