@@ -79,3 +79,19 @@ def test_random_is_a_seeded_permutation_that_every_rank_draws_alike():
     assert any(d != queue for d in draws) and len({tuple(r.rid for r in d) for d in draws}) > 1
     assert draws != [other_seed._order(queue)[0] for _ in range(4)]
     assert queue == sorted(queue, key=lambda r: int(r.rid))  # the scheduler's list is not shuffled in place
+
+
+def test_an_engine_serves_a_shared_prefix_batch_alike_under_dfs_weight_and_random():
+    """Both orders reach every request of a batch whose prompts share prefixes, with the same greedy texts."""
+    from braid.runtime import Engine
+
+    system = "You are a careful assistant. Answer in one short sentence. "
+    prompts = [system + q for q in ("What is the capital of France?", "What is the capital of Spain?",
+                                    "Name a color.")] + ["Count to five:", system + "Name a fruit."]
+    texts = {}
+    for policy in ("dfs-weight", "random"):
+        with Engine(model_path="smollm2", max_total_tokens=1024, schedule_policy=policy, log_level="warning") as engine:
+            out = engine.generate(prompts, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        assert [o["meta_info"]["completion_tokens"] for o in out] == [6] * len(prompts)
+        texts[policy] = [o["text"] for o in out]
+    assert texts["dfs-weight"] == texts["random"]

@@ -76,3 +76,16 @@ def test_impossible_parallelism_fails_at_start_in_one_line():
         r = launch(*flags, timeout=60)
         assert r.returncode == 2 and message in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and "usage:" not in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_sglang_flags_are_answered_before_anything_loads():
+    r = launch("--port", str(free_port()), "--is-embedding", "--schedule-policy", "dfs-weight", timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "usage:" not in r.stderr, r.stderr
+    assert r.stderr.splitlines() == ["braid.launch_server: error: --is-embedding (an SGLang flag) is not supported: "
+                                     "braid serves generation models only (no /encode, no /v1/embeddings); /generate "
+                                     "with return_logprob and logprob_start_len=0 scores a prompt"]
+    r = launch("--port", str(free_port()), "--enable-metrics", "--tensor-parallel-size", "1",
+               "--model-path", "/no/such/model", timeout=60)
+    notice, refusal = r.stderr.splitlines()
+    assert "INFO --enable-metrics (an SGLang flag) has no effect: GET /metrics (Prometheus) is always served" in notice
+    assert r.returncode == 1 and refusal.startswith("braid: model path not found")
