@@ -28,10 +28,10 @@ from braid.runtime.loader.config_specs import MoESpec
 E, K, S, H, I = 64, 6, 2, 2048, 1408
 dev, dt = "cuda", torch.bfloat16
 EXPERT_BYTES = 3 * H * I * 2
-EXTRA_GATE_UP = [GemvConfig(*c) for c in ((4, 512, 4, 3), (8, 2048, 8, 1), (16, 256, 4, 3), (2, 1024, 4, 3),
-                                          (1, 2048, 4, 1), (4, 2048, 8, 2))]
-EXTRA_DOWN = [GemvConfig(*c) for c in ((4, 1024, 4, 2), (4, 256, 4, 3), (16, 128, 4, 3), (1, 512, 4, 3),
-                                       (8, 128, 4, 4), (2, 2048, 4, 1))]
+EXTRA_GATE_UP = [GemvConfig(*c) for c in ((2, 2048, 4, 1), (8, 1024, 8, 2), (4, 512, 4, 3), (8, 2048, 8, 1),
+                                          (16, 256, 4, 3), (2, 1024, 4, 3), (1, 2048, 4, 1), (4, 2048, 8, 2))]
+EXTRA_DOWN = [GemvConfig(*c) for c in ((8, 256, 4, 3), (8, 512, 8, 3), (4, 1024, 4, 2), (4, 256, 4, 3),
+                                       (16, 128, 4, 3), (1, 512, 4, 3), (8, 128, 4, 4), (2, 2048, 4, 1))]
 failures = 0
 
 
