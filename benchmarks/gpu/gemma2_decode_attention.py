@@ -24,6 +24,7 @@ import torch
 BANDWIDTH = 4.28e12
 HEADS, KV_HEADS, HEAD_DIM, CAP = 16, 8, 256, 50.0
 # stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice (decode_attention._decode_launch_configs)
+BEFORE_SPLITS = 16  # the runtime's split count for every batch size before decode_kv_splits
 CONFIGS = [None, (64, 4, 2), (64, 4, 3), (64, 8, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3), (16, 4, 4),
            (128, 8, 2)]
 
@@ -139,16 +140,13 @@ def main() -> int:
     p.add_argument("--table", default=None, help="print the summary of this JSON-lines file and exit")
     args = p.parse_args()
     if args.table:
-        from braid.runtime.layers.attention.triton_backend import DEFAULT_NUM_KV_SPLITS_GPU
-
         with open(args.table) as f:
-            return summarize([json.loads(line) for line in f if line.strip()], DEFAULT_NUM_KV_SPLITS_GPU)
-    from braid.runtime.layers.attention.triton_backend import DEFAULT_NUM_KV_SPLITS_GPU
-
+            return summarize([json.loads(line) for line in f if line.strip()])
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    print(f"{torch.cuda.get_device_name(device)}, {sms} SMs; the runtime's split count: {DEFAULT_NUM_KV_SPLITS_GPU}",
-          flush=True)
+    backend = runtime_backend(device)
+    print(f"{torch.cuda.get_device_name(device)}, {sms} SMs; the runtime's split counts: "
+          + ", ".join(f"bs={bs}: {backend.decode_kv_splits(bs)}" for bs in args.batch_sizes), flush=True)
     t0 = time.time()
     rows = []
 
@@ -165,26 +163,37 @@ def main() -> int:
             for kind, window in (("global", -1), ("window", args.window)):
                 keys = min(args.context, args.window) if window > 0 else args.context
                 base = {"batch_size": bs, "layer": kind, "keys": keys,
-                        "kv_bytes": bs * keys * KV_HEADS * HEAD_DIM * 2 * 2}
+                        "kv_bytes": bs * keys * KV_HEADS * HEAD_DIM * 2 * 2,
+                        "runtime_splits": backend.decode_kv_splits(bs)}
                 if impl == "flashinfer":
                     time_flashinfer(base, ks, vs, req_to_token, args, window, record)
                     continue
-                for splits in args.splits:
+                for splits in sorted(set(args.splits) | {base["runtime_splits"], BEFORE_SPLITS}):
                     for config in CONFIGS:
                         if time.time() - t0 > args.budget_s:
                             break
                         time_triton(base, ks, vs, req_to_token, args, window, splits, config, record)
             del ks, vs
             torch.cuda.empty_cache()
-    return summarize(rows, DEFAULT_NUM_KV_SPLITS_GPU)
+    return summarize(rows)
 
 
-def summarize(rows: list[dict], runtime_splits: int) -> int:
+def runtime_backend(device):
+    """A TritonAttnBackend of Gemma-2-9B's heads: its decode_kv_splits(bs) is the runtime's split count."""
+    from types import SimpleNamespace
+
+    from braid.runtime.layers.attention.triton_backend import TritonAttnBackend
+
+    config = SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM)
+    return TritonAttnBackend(SimpleNamespace(device=device, model_config=config))
+
+
+def summarize(rows: list[dict]) -> int:
     ok = [r for r in rows if "us" in r]
     if not ok:
         print("FAIL: no decode attention timing")
         return 1
-    print(f"\n{'bs':>3} {'layer':>6} {'keys':>5}  {'runtime (splits %d)' % runtime_splits:>26}  "
+    print(f"\n{'bs':>3} {'layer':>6} {'keys':>5}  {'before (splits %d)' % BEFORE_SPLITS:>26}  {'runtime':>36}  "
           f"{'best Triton':>48}  {'flashinfer':>16}")
     saving_us = {}
     for bs in sorted({r["batch_size"] for r in ok}):
@@ -192,12 +201,16 @@ def summarize(rows: list[dict], runtime_splits: int) -> int:
             mine = [r for r in ok if r["batch_size"] == bs and r["layer"] == kind and r["impl"] == "triton"]
             if not mine:
                 continue
+            runtime_splits = mine[0]["runtime_splits"]
             current = [r for r in mine if r["splits"] == runtime_splits and r["config"] == "runtime"]
+            before = [r for r in mine if r["splits"] == BEFORE_SPLITS and r["config"] == "runtime"]
             best = min(mine, key=lambda r: r["us"])
             fi = [r for r in ok if r["batch_size"] == bs and r["layer"] == kind and r["impl"] == "flashinfer"]
             cur = current[0] if current else None
             print(f"{bs:>3} {kind:>6} {mine[0]['keys']:>5}  "
-                  + (f"{cur['us']:8.1f} us {cur['tb_s']:5.2f} TB/s" if cur else f"{'-':>26}") + "  "
+                  + (f"{before[0]['us']:8.1f} us {before[0]['tb_s']:5.2f} TB/s" if before else f"{'-':>26}") + "  "
+                  + (f"{cur['us']:8.1f} us {cur['tb_s']:5.2f} TB/s splits {runtime_splits:>2}" if cur
+                     else f"{'-':>36}") + "  "
                   + f"{best['us']:8.1f} us {best['tb_s']:5.2f} TB/s splits {best['splits']:>2} {best['config']:>24}"
                   + "  " + (f"{fi[0]['us']:6.1f} us {fi[0]['tb_s']:4.2f}" if fi else "-"))
             if cur:
@@ -216,13 +229,13 @@ def summarize(rows: list[dict], runtime_splits: int) -> int:
         if per:
             print(f"bs={bs}, runtime config, 21 global + 21 window layers by split count: "
                   + ", ".join(f"{s}: {us:.0f} us" for s, us in sorted(per.items())))
-    recommend(ok, runtime_splits)
+    recommend(ok)
     print("PASS decode attention timed (Triton" + (", FlashInfer" if any(r["impl"] == "flashinfer" for r in ok)
                                                   else "; FlashInfer not importable") + ")")
     return 0
 
 
-def recommend(ok: list[dict], runtime_splits: int) -> None:
+def recommend(ok: list[dict]) -> None:
     """What to change in the runtime: per batch size the (splits, config) pair with the least time over Gemma-2-9B's
     21 global + 21 window layers, beside the runtime's; a change is worth it from 3% of that attention time."""
     for bs in sorted({r["batch_size"] for r in ok}):
@@ -231,12 +244,17 @@ def recommend(ok: list[dict], runtime_splits: int) -> None:
             if r["batch_size"] == bs and r["impl"] == "triton":
                 pairs.setdefault((r["splits"], r["config"]), {})[r["layer"]] = r["us"]
         totals = {pair: 21 * (t["global"] + t["window"]) for pair, t in pairs.items() if len(t) == 2}
+        runtime_splits = next(r["runtime_splits"] for r in ok if r["batch_size"] == bs)
         now = totals.get((runtime_splits, "runtime"))
+        before = totals.get((BEFORE_SPLITS, "runtime"))
         if not totals or now is None:
             continue
+        if before is not None:
+            print(f"bs={bs}: attention per step (21 global + 21 window layers) {before:.0f} us with {BEFORE_SPLITS} "
+                  f"splits (before), {now:.0f} us with the runtime's {runtime_splits}")
         (splits, config), best = min(totals.items(), key=lambda kv: kv[1])
         if best < 0.97 * now:
-            where = ("DEFAULT_NUM_KV_SPLITS_GPU / the backend's split count (triton_backend.py)" if config == "runtime"
+            where = ("the split rule (triton_backend.decode_kv_splits)" if config == "runtime"
                      else "the split count (triton_backend.py) and the head_dim <= 256 launch configs "
                           "(decode_attention._decode_launch_configs)")
             print(f"RECOMMEND bs={bs}: splits {splits} with {config}: {best:.0f} us of attention per step against "

@@ -150,3 +150,25 @@ def test_soft_capped_fp32_is_lm_heads_cap(dtype):
     assert (got - want).abs().max() < 1e-4 and got.abs().max() <= 30.0 and want.abs().max() > 29.0
     with pytest.raises(FusedKernelInputError, match="soft-cap"):
         soft_capped_fp32(logits, 0.0)
+
+
+def test_triton_backend_splits_small_decode_batches_further():
+    """Gemma-2-9B's heads (16 query, 8 KV) on a 132-SM GPU: 48 splits at batch 1, 24 at 2, the default 16 from 3 on;
+    a split count given explicitly holds for every batch; the CUDA-graph scratch of each batch size is a view at the
+    start of one buffer, [bs, H, splits(bs), Dv + 1]."""
+    from types import SimpleNamespace
+
+    from braid.runtime.layers.attention.triton_backend import TritonAttnBackend
+
+    config = SimpleNamespace(num_attention_heads=16, num_key_value_heads=8, head_dim=256)
+    backend = TritonAttnBackend(SimpleNamespace(device="cpu", model_config=config))
+    assert [backend.decode_kv_splits(bs) for bs in (1, 2, 3, 8)] == [4, 4, 4, 4]  # CPU: the interpreter's count
+    backend.sm_count, backend.num_kv_splits = 132, 16  # as on an H200
+    assert [backend.decode_kv_splits(bs) for bs in (1, 2, 3, 8, 64)] == [48, 24, 16, 16, 16]
+    backend.init_cuda_graph_state(8)
+    views = {bs: backend._graph_scratch_view(bs) for bs in (1, 2, 8)}
+    assert views[1].shape == (1, 16, 48, 257) and views[2].shape == (2, 16, 24, 257) and views[8].shape[2] == 16
+    assert len({v.data_ptr() for v in views.values()} | {backend.cuda_graph_attn_logits.data_ptr()}) == 1
+    fixed = TritonAttnBackend(SimpleNamespace(device="cpu", model_config=config), num_kv_splits=16)
+    fixed.sm_count = 132
+    assert fixed.decode_kv_splits(1) == 16

@@ -9,7 +9,8 @@ scratch is sized from it, and a layer wider than these numbers grows the scratch
   model_runner.model_config.head_dim          (default hidden_size // num_attention_heads)
   model_runner.model_config.v_head_dim        (default head_dim)
   model_runner.model_config.attention_arch == "mla": one latent KV head, Dv = .kv_lora_rank
-  model_runner.server_args.triton_attention_num_kv_splits   (optional; else the constructor's value)
+  model_runner.server_args.triton_attention_num_kv_splits   (optional; else the constructor's value; else the
+                                              split count per decode batch size: decode_kv_splits)
 The KV pool and the req_to_token table are taken from each ForwardBatch (fb.token_to_kv_pool,
 fb.req_to_token_pool.req_to_token); the pool must offer set_kv(layer_id, loc, k, v) with
 k: [T, Hkv, D], v: [T, Hkv, Dv], get_key_buffer / get_value_buffer(layer_id) -> [S, Hkv, D|Dv] (read only)
@@ -21,6 +22,7 @@ logit_cap (0 = off), sliding_window (-1 = off; W > 0 means a query at position p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -36,13 +38,20 @@ __all__ = ["TritonAttnBackend", "TritonAttnMetadata"]
 
 DEFAULT_NUM_KV_SPLITS_GPU = 16
 DEFAULT_NUM_KV_SPLITS_CPU = 4  # the interpreter runs programs one by one
+# Small decode batches split the keys further, so that stage 1 has about this many programs per SM. On an H200 with
+# 16 splits, Gemma-2-9B's decode step grew from 4K to 8K context as if the added KV streamed at 2.75 TB/s at batch 1
+# (128 programs: one per SM) and at 4.5 TB/s at batch 8 (1024); 8 KV heads at batch 1 now take 48 splits
+# (benchmarks/gpu/gemma2_decode_attention.py times the kernel by split count).
+DECODE_PROGRAMS_PER_SM = 2.5
+MAX_NUM_KV_SPLITS_GPU = 64
+QUERY_HEADS_PER_PROGRAM = 16  # decode_attention's _BLOCK_H: one stage-1 program per 16 query heads of a KV head
 
 
 @dataclass
 class TritonAttnMetadata:
     max_len_extend: int = 0  # EXTEND: longest new-token run in the batch (sizes the kernel grid)
     extend_start_loc: Optional[torch.Tensor] = None  # EXTEND: [B] offset of each request's rows
-    attn_logits: Optional[torch.Tensor] = None  # DECODE: fp32 scratch [B, H, num_kv_splits, Dv + 1]
+    attn_logits: Optional[torch.Tensor] = None  # DECODE: fp32 scratch [B, H, splits, Dv + 1] (decode_kv_splits(B))
     in_cuda_graph: bool = False  # scratch is the static graph buffer; it must not be reallocated
     # hybrid KV pool (mem_cache/window_pool.py): window layers read [B, L] rows of window slots, indexed 0..B-1
     window_req_to_token: Optional[torch.Tensor] = None
@@ -72,16 +81,30 @@ class TritonAttnBackend(AttentionBackend):
             splits = DEFAULT_NUM_KV_SPLITS_GPU if self.device.type == "cuda" else DEFAULT_NUM_KV_SPLITS_CPU
         if int(splits) < 1:
             raise ValueError(f"num_kv_splits must be >= 1, got {splits}")
-        self.num_kv_splits = int(splits)
-        self.cuda_graph_attn_logits: Optional[torch.Tensor] = None
+        self.num_kv_splits = int(splits)  # the least split count: decode_kv_splits raises it for small batches
+        self.fixed_num_kv_splits = bool(num_kv_splits or getattr(server_args, "triton_attention_num_kv_splits", None))
+        self.sm_count = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                         if self.device.type == "cuda" else 0)
+        self.cuda_graph_attn_logits: Optional[torch.Tensor] = None  # the max batch's view of _graph_scratch
+        self._graph_scratch: Optional[torch.Tensor] = None
         self.cuda_graph_window_rows: Optional[torch.Tensor] = None  # [max_bs, C] int32 (hybrid KV pool)
         self.cuda_graph_row_ids: Optional[torch.Tensor] = None  # [max_bs] int64: 0..max_bs-1
         self.cuda_graph_window_loc: Optional[torch.Tensor] = None  # [max_bs] int64: new tokens' window slots
 
     # ------------------------------------------------------------------ metadata
 
+    def decode_kv_splits(self, bs: int) -> int:
+        """Split count of a decode batch of bs requests (fixed per CUDA graph, as the scratch's dim 2): the default,
+        or more when bs x KV heads gives stage 1 fewer than DECODE_PROGRAMS_PER_SM programs per SM (up to
+        MAX_NUM_KV_SPLITS_GPU, a multiple of 8). A split count given explicitly is used for every batch."""
+        if self.fixed_num_kv_splits or not self.sm_count:
+            return self.num_kv_splits
+        head_blocks = math.ceil(max(1, self.num_heads // self.num_kv_heads) / QUERY_HEADS_PER_PROGRAM)
+        wanted = math.ceil(DECODE_PROGRAMS_PER_SM * self.sm_count / (max(1, bs) * self.num_kv_heads * head_blocks))
+        return max(self.num_kv_splits, min(MAX_NUM_KV_SPLITS_GPU, math.ceil(wanted / 8) * 8))
+
     def _decode_scratch(self, bs: int, num_heads: int, v_head_dim: int) -> torch.Tensor:
-        return torch.empty((bs, num_heads, self.num_kv_splits, v_head_dim + 1), dtype=torch.float32,
+        return torch.empty((bs, num_heads, self.decode_kv_splits(bs), v_head_dim + 1), dtype=torch.float32,
                            device=self.device)
 
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
@@ -187,14 +210,22 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(
             q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
             req_to_token, req_indices, fb.seq_lens,
-            scratch, self.num_kv_splits, layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id),
+            scratch, scratch.shape[2], layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id),
         )
         return o.view(-1, h * dv)
 
     # ------------------------------------------------------------------ CUDA graphs (decode)
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
-        self.cuda_graph_attn_logits = self._decode_scratch(max_bs, self.num_heads, self.v_head_dim)
+        # one static buffer; batch size b views its first b * splits(b) rows as [b, H, splits(b), Dv + 1]
+        rows = max(b * self.decode_kv_splits(b) for b in range(1, max_bs + 1))
+        self._graph_scratch = torch.empty(rows * self.num_heads * (self.v_head_dim + 1), dtype=torch.float32,
+                                          device=self.device)
+        self.cuda_graph_attn_logits = self._graph_scratch_view(max_bs)
+
+    def _graph_scratch_view(self, bs: int) -> torch.Tensor:
+        shape = (bs, self.num_heads, self.decode_kv_splits(bs), self.v_head_dim + 1)
+        return self._graph_scratch[:math.prod(shape)].view(shape)
 
     def _graph_metadata(self, bs: int, fb: "ForwardBatch") -> None:
         if self.cuda_graph_attn_logits is None:
@@ -202,7 +233,7 @@ class TritonAttnBackend(AttentionBackend):
         if bs > self.cuda_graph_attn_logits.shape[0]:
             raise ValueError(f"batch {bs} exceeds the CUDA-graph capacity {self.cuda_graph_attn_logits.shape[0]}")
         # a view of the static buffer: the same address at capture and at every replay
-        fb.attn_metadata = md = TritonAttnMetadata(attn_logits=self.cuda_graph_attn_logits[:bs], in_cuda_graph=True)
+        fb.attn_metadata = md = TritonAttnMetadata(attn_logits=self._graph_scratch_view(bs), in_cuda_graph=True)
         pool = fb.token_to_kv_pool
         if hasattr(pool, "window_rows"):
             # hybrid KV pool: whole rows translated into a static buffer before each replay (a gather, no sync)
