@@ -6,7 +6,7 @@ prefix) is tracked per stop with a Knuth-Morris-Pratt automaton fed only the new
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from braid.runtime.sampling_params import SamplingParams
 
@@ -39,6 +39,22 @@ def _common_prefix_length(a: str, b: str) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def backend_decode(tokenizer) -> Optional[Callable[..., str]]:
+    """The `tokenizers` decode under a transformers fast tokenizer, when calling it directly gives the same text as
+    `tokenizer.decode` (no clean-up of tokenization spaces, decode and _decode not overridden): it skips the wrapper's
+    argument conversion, which costs more than the decode of a token or two."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not (isinstance(tokenizer, TokenizersBackend) and cls.decode is PreTrainedTokenizerBase.decode
+            and cls._decode is TokenizersBackend._decode and not tokenizer.clean_up_tokenization_spaces):
+        return None
+    return tokenizer._tokenizer.decode
 
 
 class _StopPrefixTracker:
@@ -76,6 +92,7 @@ class IncrementalDetokenizer:
         # passed to decode only when turned off: on (the default) is what tokenizers do without the argument
         self._decode_options = ({} if sampling_params.spaces_between_special_tokens
                                 else {"spaces_between_special_tokens": False})
+        self._backend_decode = backend_decode(tokenizer)
         self.stops = list(sampling_params.stop or [])
         self.no_stop_trim = sampling_params.no_stop_trim
         self.ids: list[int] = []
@@ -90,6 +107,8 @@ class IncrementalDetokenizer:
         self.chars_searched = 0  # characters passed to stop searches so far (the per-update cost, for tests)
 
     def _decode(self, ids) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens, **self._decode_options)
 
     def _advance(self) -> None:
@@ -146,7 +165,9 @@ class IncrementalDetokenizer:
         return text[: len(text) - hold]
 
     def update(self, offset: int, new_ids: list[int]) -> str:
-        self.ids = self.ids[:offset] + list(new_ids)
+        if offset < len(self.ids):
+            del self.ids[offset:]
+        self.ids.extend(new_ids)
         if offset < self.read_offset:
             # jump-forward retokenized ids that were already decoded: decode again from the start
             previous, self.decoded, self.prefix_offset, self.read_offset = self.decoded, "", 0, 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hmac
 import logging
 import os
@@ -20,7 +21,7 @@ from braid.runtime.server.openai_api import OpenAIServing, template_messages
 from braid.runtime.core import Req
 from braid.runtime.server.protocol import (SSE_DONE, ChatCompletionRequest, GenerateRequest, api_error_event, json_bytes,
                                           parse_generate, parse_openai, sse_event)
-from braid.runtime.server.request_handle import RequestHandle, merge_updates
+from braid.runtime.server.request_handle import RequestHandle, drain, merge_steps
 from braid.runtime.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("braid.server")
@@ -121,11 +122,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     handles: list[RequestHandle] = []
     try:
         for r in prepared:
-            handles.append(await tm.submit(r))
+            handles.append(await tm.submit(r, snapshot_ids=req.stream))
         if req.stream:
             return await _stream_generate(request, handles, token_text)
-        async for _ in merge_updates(handles):
-            pass
+        await drain(handles)
         results = [c.native_result(h.rid, token_text) for h in handles for c in h.choices]
         return json_response(results if (req.is_batch or len(results) > 1) else results[0])
     finally:
@@ -134,21 +134,28 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream_generate(request: web.Request, handles: list[RequestHandle], token_text) -> web.StreamResponse:
-    updates = merge_updates(handles)
-    first = await anext(updates, None)
+    steps = merge_steps(handles)
+    first = await anext(steps, None)
     resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
 
-    async def emit(p: int, u) -> None:
-        chunk = u.choice.native_result(handles[p].rid, token_text, u)
-        chunk["index"] = p * handles[p].n + u.index
-        await resp.write(sse_event(chunk))
+    def events(p: int, step: list) -> bytes:
+        """One step's chunks of handle p, written together."""
+        handle = handles[p]
+        parts = []
+        for u in step:
+            chunk = u.choice.native_result(handle.rid, token_text, u)
+            chunk["index"] = p * handle.n + u.index
+            parts.append(sse_event(chunk))
+        return b"".join(parts)
 
     try:
         if first is not None:
-            await emit(*first)
-        async for p, u in updates:
-            await emit(p, u)
+            await resp.write(events(*first))
+        async for p, step in steps:
+            data = events(p, step)
+            if data:
+                await resp.write(data)
     except APIError as e:
         await resp.write(api_error_event(e))
     await resp.write(SSE_DONE)
@@ -171,13 +178,8 @@ async def health_generate(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     tm.check_accepting()
     handle = await tm.submit(await tm.prepare("Hi", {"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}))
-
-    async def drain() -> None:
-        async for _ in handle.updates():
-            pass
-
     try:
-        await asyncio.wait_for(drain(), 60)
+        await asyncio.wait_for(drain([handle]), 60)
     except asyncio.TimeoutError:
         return error_response(unavailable("health generation timed out"))
     finally:
@@ -412,6 +414,9 @@ async def serve(server_args) -> int:
             await asyncio.gather(start, return_exceptions=True)
             return 0
         start.result()
+        # what start-up built (modules, tokenizer) lives as long as the process: out of the collector's way, so
+        # full collections, which the per-step output objects trigger, walk only the requests' objects
+        gc.freeze()
         runner = web.AppRunner(create_app(tm), handler_cancellation=True, shutdown_timeout=5.0,
                                access_log=logging.getLogger("aiohttp.access") if server_args.log_requests else None)
         await runner.setup()

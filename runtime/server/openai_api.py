@@ -27,8 +27,9 @@ from braid.runtime.server.protocol import (
     parse_openai,
     requested_n,
     sse_event,
+    TextChunkTemplate,
 )
-from braid.runtime.server.request_handle import RequestHandle, merge_updates
+from braid.runtime.server.request_handle import RequestHandle, drain, merge_steps
 from braid.runtime.server.tokenizer_manager import TokenizerManager
 from braid.runtime.server.tools import (ToolPlan, ToolStream, history_for_template, parse_auto, parse_constrained,
                                         plan_tools, template_knows_tools)
@@ -106,6 +107,11 @@ def _rename_constraint(err: APIError, req, source: Optional[str] = None) -> None
     source = source or constraint_param(req)
     if err.param in ("regex", "json_schema") and source is not None:
         err.param = source
+
+
+async def _write(resp: web.StreamResponse, data: bytes) -> None:
+    if data:  # a step whose text is all held back (a possible stop string) sends nothing
+        await resp.write(data)
 
 
 def _json_response(body: dict) -> web.Response:
@@ -242,14 +248,12 @@ class OpenAIServing:
                                          prompt_chars_checked=True, stream=req.stream,
                                          add_special_tokens=bool(req.add_special_tokens),
                                          max_new_tokens_fills_context=True, **lps.prepare_options(), **media)
-        handle = await self.tm.submit(prepared)
-        handle.returned_n = n
+        handle = await self.tm.submit(prepared, returned_n=n)
         try:
             rid = f"chatcmpl-{handle.rid}"
             if req.stream:
                 return await self._stream_chat(request, handle, rid, model, req, lps, plan, source)
-            async for _ in handle.updates():
-                pass
+            await drain([handle])
             choices = []
             for index, c in self._ranked(handle.choices, n):
                 message: dict = {"role": "assistant", "content": c.text}
@@ -287,10 +291,13 @@ class OpenAIServing:
 
     async def _stream_chat(self, request, handle: RequestHandle, rid: str, model: str, req: ChatCompletionRequest,
                            lps: LogprobPlan, plan: Optional[ToolPlan], source: Optional[str]) -> web.StreamResponse:
-        updates = handle.updates()
-        first = await anext(updates, None)  # a rejected request is still answered with its status code
+        steps = handle.steps()
+        first = await anext(steps, None)  # a rejected request is still answered with its status code
         resp = await self._open_stream(request)
         created = int(handle.created)
+        include_usage, continuous_usage = req.include_usage, req.continuous_usage
+        text_only = TextChunkTemplate(rid, "chat.completion.chunk", created, model, chat=True,
+                                      usage_null=include_usage and not continuous_usage)
         tool_streams: dict[int, ToolStream] = {}
 
         def chunk(index: int, delta: dict, logprobs=None, finish=None, matched=None) -> dict:
@@ -298,19 +305,19 @@ class OpenAIServing:
             if finish is not None:
                 choice["matched_stop"] = matched
             c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-            if req.include_usage:
-                c["usage"] = self._usage([handle]) if req.continuous_usage else None
+            if include_usage:
+                c["usage"] = self._usage([handle]) if continuous_usage else None
             return c
 
         started: set[int] = set()
 
-        async def emit(u) -> None:
+        def events(u, parts: list) -> None:
             if u.index not in started:
                 started.add(u.index)
                 first_chunk = chunk(u.index, {"role": "assistant", "content": ""})
                 if req.prompt_logprobs is not None and len(started) == 1:
                     first_chunk["prompt_logprobs"] = self._prompt_logprobs(u.choice, req.prompt_logprobs)
-                await resp.write(sse_event(first_chunk))
+                parts.append(sse_event(first_chunk))
             lp = None
             if lps.output and u.new_token_logprobs:
                 lp = {"content": self._chat_logprobs(u.new_token_logprobs, u.new_top_logprobs, lps.top_n)}
@@ -318,6 +325,9 @@ class OpenAIServing:
                 ts = tool_streams.setdefault(u.index, ToolStream(plan))
                 deltas = ts.feed(u.delta, u.finished)
             else:
+                if u.delta and lp is None and not u.finished and not continuous_usage:
+                    parts.append(text_only.chunk(u.index, u.delta))
+                    return
                 ts, deltas = None, [{"content": u.delta}] if u.delta else []
             if not deltas and (lp is not None or u.finished):
                 deltas = [{}]
@@ -327,19 +337,25 @@ class OpenAIServing:
                 finish = "tool_calls"
             for j, delta in enumerate(deltas):
                 last = j == len(deltas) - 1
-                await resp.write(sse_event(chunk(u.index, delta, lp if j == 0 else None, finish if last else None,
-                                                 matched_stop(reason))))
+                parts.append(sse_event(chunk(u.index, delta, lp if j == 0 else None, finish if last else None,
+                                             matched_stop(reason))))
+
+        def step_events(step: list) -> bytes:
+            parts: list[bytes] = []
+            for u in step:
+                events(u, parts)
+            return b"".join(parts)
 
         try:
-            if first is not None:
-                await emit(first)
-            async for u in updates:
-                await emit(u)
+            for step in ([first] if first is not None else []):
+                await _write(resp, step_events(step))
+            async for step in steps:
+                await _write(resp, step_events(step))
         except APIError as e:
             _rename_constraint(e, req, source)
             await resp.write(api_error_event(e))
         else:
-            if req.include_usage:
+            if include_usage:
                 await resp.write(sse_event({"id": rid, "object": "chat.completion.chunk", "created": created,
                                             "model": model, "choices": [], "usage": self._usage([handle])}))
         await resp.write(SSE_DONE)
@@ -381,13 +397,11 @@ class OpenAIServing:
         handles: list[RequestHandle] = []
         try:
             for prepared, _ in prompts:
-                handles.append(await self.tm.submit(prepared))
-                handles[-1].returned_n = n
+                handles.append(await self.tm.submit(prepared, returned_n=n))
             rid = f"cmpl-{handles[0].rid}"
             if req.stream:
                 return await self._stream_completion(request, handles, prompts, rid, model, req, lps, n)
-            async for _ in merge_updates(handles):
-                pass
+            await drain(handles)
             choices = []
             for p, (h, (_, prompt_text)) in enumerate(zip(handles, prompts)):
                 for index, c in self._ranked(h.choices, n):
@@ -419,18 +433,25 @@ class OpenAIServing:
 
     async def _stream_completion(self, request, handles, prompts, rid, model, req: CompletionRequest,
                                  lps: LogprobPlan, n: int) -> web.StreamResponse:
-        updates = merge_updates(handles)
-        first = await anext(updates, None)
+        steps = merge_steps(handles)
+        first = await anext(steps, None)
         resp = await self._open_stream(request)
         created = int(handles[0].created)
+        include_usage, continuous_usage = req.include_usage, req.continuous_usage
+        text_only = TextChunkTemplate(rid, "text_completion", created, model, chat=False,
+                                      usage_null=include_usage and not continuous_usage)
         started: set[int] = set()
         offsets: dict[int, int] = {}
 
-        async def emit(p: int, u) -> None:
+        def events(p: int, u, parts: list) -> None:
             index = p * n + u.index
             text = u.delta
-            token_lps, top_lps = list(u.new_token_logprobs), list(u.new_top_logprobs)
             first_chunk = index not in started
+            if not first_chunk and not lps.output and not u.finished and not continuous_usage:
+                if text:
+                    parts.append(text_only.chunk(index, text))
+                return
+            token_lps, top_lps = list(u.new_token_logprobs), list(u.new_top_logprobs)
             if first_chunk:
                 started.add(index)
                 if req.echo:
@@ -451,20 +472,26 @@ class OpenAIServing:
                 if first_chunk and req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._prompt_logprobs(u.choice, req.prompt_logprobs)
                 c = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
-                if req.include_usage:
-                    c["usage"] = self._usage(handles) if req.continuous_usage else None
-                await resp.write(sse_event(c))
+                if include_usage:
+                    c["usage"] = self._usage(handles) if continuous_usage else None
+                parts.append(sse_event(c))
+
+        def step_events(p: int, step: list) -> bytes:
+            parts: list[bytes] = []
+            for u in step:
+                events(p, u, parts)
+            return b"".join(parts)
 
         try:
             if first is not None:
-                await emit(*first)
-            async for p, u in updates:
-                await emit(p, u)
+                await _write(resp, step_events(*first))
+            async for p, step in steps:
+                await _write(resp, step_events(p, step))
         except APIError as e:
             _rename_constraint(e, req)
             await resp.write(api_error_event(e))
         else:
-            if req.include_usage:
+            if include_usage:
                 await resp.write(sse_event({"id": rid, "object": "text_completion", "created": created, "model": model,
                                             "choices": [], "usage": self._usage(handles)}))
         await resp.write(SSE_DONE)

@@ -21,17 +21,24 @@ def _top_pairs(entries: Optional[list]) -> list:
     return [None if pos is None else [tuple(y) for y in pos] for pos in entries or []]
 
 
-@dataclass
+@dataclass(slots=True)
 class ChoiceUpdate:
-    """One output applied to one choice: `delta` is the new text; the `new_*` lists are its logprobs."""
+    """One output applied to one choice: `delta` is the new text; the `new_*` lists are its logprobs. The rest is the
+    choice as of this update (the server applies outputs on its detokenizer thread, which may run ahead of the
+    handler writing this update): its text, the counts, and its output ids when the accumulator keeps snapshots."""
 
     choice: "OutputAccumulator"
     delta: str
     new_token_logprobs: list
     new_top_logprobs: list
     finished: bool
-    text: str  # the choice's text after this update (the choice keeps changing after)
-    output_ids: list[int]  # the choice's output ids after this update
+    text: str
+    output_ids: Optional[list[int]]  # None unless the accumulator was made with snapshot_ids
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    completion_tokens_wo_jump_forward: int
+    num_token_logprobs: int  # len(choice.output_token_logprobs) then (those lists only ever grow)
 
     @property
     def index(self) -> int:
@@ -42,8 +49,9 @@ class OutputAccumulator:
     """Everything received so far for one choice (one of the n outputs of a request)."""
 
     def __init__(self, index: int, tokenizer: Any, sampling_params: SamplingParams, prompt_tokens: int,
-                 return_logprob: bool = False):
+                 return_logprob: bool = False, snapshot_ids: bool = False):
         self.index = index
+        self.snapshot_ids = snapshot_ids  # updates carry a copy of output_ids (the native stream sends them all)
         self.detokenizer = IncrementalDetokenizer(tokenizer, sampling_params)
         self.return_logprob = return_logprob
         self.output_ids: list[int] = []
@@ -89,7 +97,10 @@ class OutputAccumulator:
             delta += self.detokenizer.finish()
             self.finished = True
         self.text += delta
-        return ChoiceUpdate(self, delta, new_lp, new_top, self.finished, self.text, list(self.output_ids))
+        return ChoiceUpdate(self, delta, new_lp, new_top, self.finished, self.text,
+                            list(self.output_ids) if self.snapshot_ids else None, self.prompt_tokens,
+                            self.completion_tokens, self.cached_tokens, self.completion_tokens_wo_jump_forward,
+                            len(self.output_token_logprobs))
 
     def abort(self, message: Optional[str] = None) -> Optional[ChoiceUpdate]:
         """Finish the choice with finish_reason abort, keeping what it produced."""
@@ -99,24 +110,29 @@ class OutputAccumulator:
         return self.add(_Abort(self.index, len(self.output_ids), reason, self.prompt_tokens, self.completion_tokens,
                                self.cached_tokens, self.completion_tokens_wo_jump_forward))
 
-    def meta_info(self, rid: str, token_text: Optional[Callable[[int], str]] = None) -> dict:
-        """The native API's meta_info; with `token_text`, logprob entries carry the token's text third."""
-        meta = {"id": rid, "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "cached_tokens": self.cached_tokens,
-                "completion_tokens_wo_jump_forward": self.completion_tokens_wo_jump_forward,
-                "finish_reason": self.finish_reason}
+    def meta_info(self, rid: str, token_text: Optional[Callable[[int], str]] = None,
+                  update: Optional[ChoiceUpdate] = None) -> dict:
+        """The native API's meta_info (as of `update` when given); with `token_text`, logprob entries carry the
+        token's text third."""
+        now = self if update is None else update
+        meta = {"id": rid, "prompt_tokens": now.prompt_tokens, "completion_tokens": now.completion_tokens,
+                "cached_tokens": now.cached_tokens,
+                "completion_tokens_wo_jump_forward": now.completion_tokens_wo_jump_forward,
+                "finish_reason": self.finish_reason if update is None or update.finished else None}
         if self.return_logprob:
+            n = len(self.output_token_logprobs) if update is None else update.num_token_logprobs
             meta["input_token_logprobs"] = _entries(self.input_token_logprobs, token_text)
             meta["input_top_logprobs"] = _top_entries(self.input_top_logprobs, token_text)
-            meta["output_token_logprobs"] = _entries(self.output_token_logprobs, token_text)
-            meta["output_top_logprobs"] = _top_entries(self.output_top_logprobs, token_text)
+            meta["output_token_logprobs"] = _entries(self.output_token_logprobs[:n], token_text)
+            meta["output_top_logprobs"] = _top_entries(self.output_top_logprobs[:n], token_text)
         return meta
 
     def native_result(self, rid: str, token_text: Optional[Callable[[int], str]] = None,
                       update: Optional[ChoiceUpdate] = None) -> dict:
-        """The native API's result object; with `update`, the text and ids as of that update."""
+        """The native API's result object; with `update` (from an accumulator made with snapshot_ids), the text,
+        ids and counts as of that update."""
         text, ids = (self.text, list(self.output_ids)) if update is None else (update.text, update.output_ids)
-        return {"text": text, "output_ids": ids, "meta_info": self.meta_info(rid, token_text)}
+        return {"text": text, "output_ids": ids, "meta_info": self.meta_info(rid, token_text, update)}
 
 
 @dataclass

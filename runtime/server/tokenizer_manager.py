@@ -112,11 +112,16 @@ class TokenizerManager:
         self._preparing = 0  # prepare() calls under way: they count against --max-queued-requests too
         threads = server_args.tokenizer_threads or min(4, os.cpu_count() or 1)
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="braid-tokenize")
+        # one thread applies every scheduler step's outputs to the requests' choices (detokenization, stop strings)
+        # in arrival order, one task per step for all requests, so none of it runs on the event loop
+        self._detokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="braid-detokenize")
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # ---- start / stop -------------------------------------------------------------------------
     async def start(self, timeout_s: float = 900.0) -> None:
         from braid.runtime.loader.tokenizer import get_tokenizer
 
+        self._loop = asyncio.get_running_loop()
         self._ipc_dir = tempfile.mkdtemp(prefix="braid-ipc-")
         to_addr = f"ipc://{os.path.join(self._ipc_dir, 'to_scheduler')}"
         from_addr = f"ipc://{os.path.join(self._ipc_dir, 'from_scheduler')}"
@@ -193,6 +198,7 @@ class TokenizerManager:
 
     async def close(self) -> None:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._detokenize_pool.shutdown(wait=False, cancel_futures=True)
         for t in self._tasks:
             t.cancel()
         self._tasks = []
@@ -304,13 +310,15 @@ class TokenizerManager:
         if in_flight >= self.server_args.max_running_requests + queued_limit:
             raise too_many_requests(queued_limit)
 
-    async def submit(self, req: Req) -> RequestHandle:
-        """Send a prepared request to the scheduler."""
+    async def submit(self, req: Req, snapshot_ids: bool = False, returned_n: Optional[int] = None) -> RequestHandle:
+        """Send a prepared request to the scheduler. `snapshot_ids`: each update carries the choice's output ids
+        (the native stream sends them all); `returned_n`: the choices the client gets (best_of ranks n of them)."""
         self.check_accepting()
         if req.rid in self.handles:
             raise bad_request(f"a request with rid {req.rid!r} is already running", param="rid")
         handle = RequestHandle(req, self.tokenizer, self.metrics, self.server_args.request_timeout_s,
-                               request_abort=self._abort_in_scheduler)
+                               request_abort=self._abort_in_scheduler, run_in_order=self._run_in_order,
+                               snapshot_ids=snapshot_ids, returned_n=returned_n)
         self.handles[req.rid] = handle
         self._idle.clear()
         try:
@@ -397,15 +405,12 @@ class TokenizerManager:
                 logger.exception("undecodable message from the scheduler")
                 continue
             if isinstance(msg, M.OutputBatch):
-                for out in msg.outputs:
-                    handle = self.handles.get(out.rid)
-                    if handle is not None:
-                        handle.queue.put_nowait(out)
+                self._apply_step(msg.outputs)
             elif isinstance(msg, M.ReqError):
                 handle = self.handles.get(msg.rid)
                 if handle is not None:
                     err = bad_request(msg.message, param=msg.param) if msg.user_error else internal(msg.message)
-                    handle.queue.put_nowait(err)
+                    handle.deliver(err)
             elif isinstance(msg, (M.FlushCacheResult, M.Stats)):
                 fut = self._pending.get(msg.req_id)
                 if fut is not None and not fut.done():
@@ -413,6 +418,40 @@ class TokenizerManager:
             elif isinstance(msg, M.Fatal):
                 self._on_dead(f"scheduler crashed: {msg.message.strip().splitlines()[-1]}")
                 logger.error("scheduler crashed:\n%s", msg.message)
+
+    def _apply_step(self, outputs: list[M.Output]) -> None:
+        """One scheduler step: its outputs grouped by request, applied on the detokenizer thread in one task."""
+        by_handle: dict[RequestHandle, list[M.Output]] = {}
+        handles = self.handles
+        for out in outputs:
+            handle = handles.get(out.rid)
+            if handle is not None:
+                group = by_handle.get(handle)
+                if group is None:
+                    by_handle[handle] = [out]
+                else:
+                    group.append(out)
+        if by_handle:
+            self._submit_in_order(_apply_grouped, by_handle)
+
+    def _run_in_order(self, handle: RequestHandle, fn) -> None:
+        self._submit_in_order(lambda: [(handle, _guarded(fn))])
+
+    def _submit_in_order(self, fn, *args) -> None:
+        """Run fn(*args) -> [(handle, [item, ...])] on the detokenizer thread after everything submitted before;
+        deliver the items on the event loop in that same order."""
+        try:
+            future = self._detokenize_pool.submit(fn, *args)
+        except RuntimeError:  # closed: the server is going away
+            return
+        future.add_done_callback(self._delivered_from_thread)
+
+    def _delivered_from_thread(self, future: concurrent.futures.Future) -> None:
+        if future.cancelled():
+            return
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_deliver_all, future)
 
     async def _watch_process(self) -> None:
         while self.proc.poll() is None:
@@ -427,8 +466,27 @@ class TokenizerManager:
         self.dead_event.set()
         logger.error(reason)
         for handle in list(self.handles.values()):
-            handle.queue.put_nowait(internal(reason))
+            handle.deliver(internal(reason))
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(unavailable(reason))
 
+
+def _apply_grouped(by_handle: dict) -> list:
+    """On the detokenizer thread: [(handle, items to deliver)] for one step's outputs."""
+    return [(handle, _guarded(handle.apply_outputs, outs)) for handle, outs in by_handle.items()]
+
+
+def _guarded(fn, *args) -> list:
+    """fn's items to deliver; a bug in it ends that request with a 500 instead of leaving it waiting."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        logger.exception("applying scheduler outputs failed")
+        return [internal(f"applying the scheduler's outputs failed: {type(e).__name__}: {e}")]
+
+
+def _deliver_all(future: concurrent.futures.Future) -> None:
+    for handle, items in future.result():
+        for item in items:
+            handle.deliver(item)

@@ -62,11 +62,13 @@ def test_stop_string_split_across_a_multi_token_update():
 
 
 def test_jump_forward_rewrites_recent_ids():
-    acc = OutputAccumulator(0, CharTokenizer(), SamplingParams(), prompt_tokens=3)
-    acc.add(out(0, ids('{"a')))
+    acc = OutputAccumulator(0, CharTokenizer(), SamplingParams(), prompt_tokens=3, snapshot_ids=True)
+    first = acc.add(out(0, ids('{"a')))
     update = acc.add(out(1, ids('"ab": 1}'), finished=True, reason={"type": "stop", "matched": None}))
     assert acc.output_ids == ids('{"ab": 1}') and acc.text == '{"ab": 1}' and update.finished
-    assert update.output_ids == acc.output_ids
+    assert update.output_ids == acc.output_ids and first.output_ids == ids('{"a')  # each a snapshot
+    plain = OutputAccumulator(0, CharTokenizer(), SamplingParams(), prompt_tokens=3)
+    assert plain.add(out(0, ids("ab"))).output_ids is None  # no copy of the ids per update unless asked
 
 
 def test_logprobs_append_and_meta_info():
@@ -81,6 +83,21 @@ def test_logprobs_append_and_meta_info():
     assert meta["output_top_logprobs"] == [[[-0.5, 97, "a"]], None, None]
     assert meta["input_token_logprobs"] == [[None, 1, "\x01"], [-1.0, 2, "\x02"]]
     assert acc.native_result("r")["meta_info"]["output_token_logprobs"][0] == [-0.5, 97]
+
+
+def test_native_result_as_of_an_earlier_update():
+    """The server applies outputs ahead of the handler writing them: a chunk shows the choice as of its update."""
+    acc = OutputAccumulator(0, CharTokenizer(), SamplingParams(), prompt_tokens=3, return_logprob=True,
+                            snapshot_ids=True)
+    first = acc.add(out(0, ids("ab"), completion=2, output_token_logprobs=[(-0.5, 97), (-0.25, 98)],
+                        output_top_logprobs=[None, None]))
+    acc.add(out(2, ids("c"), finished=True, reason={"type": "length", "matched": None}, completion=3,
+                output_token_logprobs=[(-0.125, 99)], output_top_logprobs=[None]))
+    then = acc.native_result("r", update=first)
+    assert then["text"] == "ab" and then["output_ids"] == ids("ab")
+    assert then["meta_info"]["completion_tokens"] == 2 and then["meta_info"]["finish_reason"] is None
+    assert then["meta_info"]["output_token_logprobs"] == [[-0.5, 97], [-0.25, 98]]
+    assert acc.native_result("r")["meta_info"]["finish_reason"] == {"type": "length", "matched": None}
 
 
 def test_abort_keeps_the_output_and_later_outputs_are_ignored():
