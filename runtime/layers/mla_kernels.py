@@ -29,7 +29,10 @@ from braid.runtime.layers.kernel_inputs import FusedKernelInputError
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 from braid.runtime.layers.rotary_kernels import rotary_pairs
 
-__all__ = ["mla_decode_prepare"]
+__all__ = ["mla_decode_prepare", "latent_to_head_values", "latent_values_gemv", "LATENT_GEMV_MAX_TOKENS"]
+
+# up to this many tokens latent_to_head_values streams w_vc as a GEMV (more take the batched matmul)
+LATENT_GEMV_MAX_TOKENS = 8
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -140,3 +143,55 @@ def mla_decode_prepare(positions: torch.Tensor, loc: torch.Tensor, cos_sin_cache
         num_warps=4, **pdl.launch_options(q_nope.device),
     )
     return q_full
+
+
+@triton.jit
+def _latent_to_values_kernel(attn_ptr, w_vc_ptr, out_ptr, num_tokens, attn_stride, attn_head_stride, out_stride,
+                             R: tl.constexpr, V: tl.constexpr, BLOCK_C: tl.constexpr, R_POW2: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+    # out[t, h * V + c] = attn[t, h, :R] . w_vc[h, c, :R] for BLOCK_C value channels c of head h, every token
+    let_next_kernel_launch(USE_PDL)
+    head = tl.program_id(0)
+    channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    channel_mask = channels < V
+    r = tl.arange(0, R_POW2)
+    r_mask = r < R
+    # the program's w_vc rows: no kernel of the step writes them, so they load before the wait
+    w = tl.load(w_vc_ptr + head * V * R + channels[:, None] * R + r[None, :],
+                mask=channel_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
+    wait_for_previous_kernel(USE_PDL)
+    for t in range(num_tokens):  # int32 offsets: t * stride < 2^31
+        a = tl.load(attn_ptr + t * attn_stride + head * attn_head_stride + r, mask=r_mask, other=0.0)
+        values = tl.sum(w * a.to(tl.float32)[None, :], axis=1)
+        tl.store(out_ptr + t * out_stride + head * V + channels, values.to(out_ptr.dtype.element_ty),
+                 mask=channel_mask)
+
+
+def latent_to_head_values(attn: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
+    """attn [T, H, R] (the attention output over the latent), w_vc [H, V, R] -> [T, H * V]: each head's value output
+    attn[t, h] @ w_vc[h].T, the o_proj input. Up to LATENT_GEMV_MAX_TOKENS tokens on CUDA one PDL launch that
+    streams w_vc once (programs of BLOCK_C channels of one head, every token), else a batched matmul."""
+    tokens, heads, rank = attn.shape
+    if w_vc.dim() != 3 or w_vc.shape[0] != heads or w_vc.shape[2] != rank or w_vc.dtype != attn.dtype:
+        raise FusedKernelInputError(f"w_vc must be [{heads}, V, {rank}] {attn.dtype}, got {tuple(w_vc.shape)} "
+                                    f"{w_vc.dtype}")
+    values = w_vc.shape[1]
+    if not attn.is_cuda or tokens > LATENT_GEMV_MAX_TOKENS:
+        return torch.bmm(attn.transpose(0, 1), w_vc.transpose(1, 2)).transpose(0, 1).reshape(tokens, heads * values)
+    return latent_values_gemv(attn, w_vc)
+
+
+def latent_values_gemv(attn: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
+    """latent_to_head_values' one launch (any T; CPU tensors under the interpreter)."""
+    tokens, heads, rank = attn.shape
+    values = w_vc.shape[1]
+    if attn.stride(2) != 1 or not w_vc.is_contiguous():
+        raise FusedKernelInputError("attn needs unit stride along R and w_vc must be contiguous")
+    out = torch.empty(tokens, heads * values, dtype=attn.dtype, device=attn.device)
+    if tokens == 0:
+        return out
+    block_c = 4
+    _latent_to_values_kernel[(heads, triton.cdiv(values, block_c))](
+        attn, w_vc, out, tokens, attn.stride(0), attn.stride(1), out.stride(0), R=rank, V=values, BLOCK_C=block_c,
+        R_POW2=triton.next_power_of_2(rank), num_warps=4, **pdl.launch_options(attn.device))
+    return out

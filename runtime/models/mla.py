@@ -15,6 +15,7 @@ from torch import nn
 
 from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from braid.runtime.layers.mla_kernels import latent_to_head_values
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.radix_attention import RadixAttention
 from braid.runtime.layers.rotary import RotaryEmbedding
@@ -65,7 +66,7 @@ class MLAttention(nn.Module):
                                         shard_range=(head_first * self.v_head_dim, self.num_heads * self.v_head_dim))
         self.rotary_emb = rotary
         self.w_kc = None  # [H, nope, R]: q_nope -> the latent query
-        self.w_vc = None  # [H, R, v]: latent output -> the head's value output
+        self.w_vc = None  # [H, v, R]: latent output -> the head's value output (rows of R: a GEMV streams them)
         if absorbed:
             self.attn = RadixAttention(layer_id, self.num_heads, self.kv_lora_rank + self.rope_dim, 1,
                                        scaling=spec.scaling, v_head_dim=self.kv_lora_rank)
@@ -82,7 +83,7 @@ class MLAttention(nn.Module):
             raise ValueError("weights missing from the checkpoint: self_attn.kv_b_proj.weight")
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_kc = w[:, : self.nope_dim].contiguous()  # [H, nope, R]
-        self.w_vc = w[:, self.nope_dim:].transpose(1, 2).contiguous()  # [H, R, v]
+        self.w_vc = w[:, self.nope_dim:].contiguous()  # [H, v, R]
         self.kv_b_proj = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb) -> torch.Tensor:
@@ -121,8 +122,7 @@ class MLAttention(nn.Module):
     def _absorbed_output(self, out: torch.Tensor) -> torch.Tensor:
         # out: [T, H * R], attention over the latent -> each head's value output via w_vc -> o_proj -> [T, hidden]
         T, H = out.shape[0], self.num_heads
-        out = torch.bmm(out.view(T, H, self.kv_lora_rank).transpose(0, 1), self.w_vc)  # [H, T, v]
-        return self.o_proj(out.transpose(0, 1).reshape(T, H * self.v_head_dim))
+        return self.o_proj(latent_to_head_values(out.view(T, H, self.kv_lora_rank), self.w_vc))  # via [T, H * v]
 
 
 @torch.compiler.disable

@@ -74,3 +74,18 @@ def test_fp8_cache_takes_the_unfused_path(monkeypatch):
     pool = MLAKVPool(SLOTS, torch.bfloat16, R, P, layer_num=1, device=DEVICE, kv_cache_dtype="fp8_e5m2")
     assert not pool._decode_store_in_one_launch
     assert MLAKVPool(SLOTS, torch.bfloat16, R, P, layer_num=1, device=DEVICE)._decode_store_in_one_launch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_values_gemv_matches_the_batched_matmul(dtype):
+    """The decode path's w_vc GEMV (attention output over the latent -> each head's value channels, [T, H * V])
+    == the batched matmul it replaces; R 80 and V 18 are not multiples of the blocks."""
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    attn = torch.randn(3, H, R + 7, device=DEVICE, generator=g).to(dtype)[..., :R]  # strided rows, as a view
+    w_vc = (torch.randn(H, 18, R, device=DEVICE, generator=g) / R ** 0.5).to(dtype)
+    out = mla_kernels.latent_values_gemv(attn, w_vc)
+    want = torch.einsum("thr,hvr->thv", attn.float(), w_vc.float()).reshape(3, H * 18)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=2 ** -7)
+    assert out.shape == (3, H * 18) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), want, **tol)
+    torch.testing.assert_close(mla_kernels.latent_to_head_values(attn, w_vc).float(), want, **tol)
