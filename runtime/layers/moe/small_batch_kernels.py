@@ -159,7 +159,7 @@ def _launch(kernel, autotuned, programs: int, rows: int, k: int, config: Optiona
 def small_batch_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, activation: str = "silu", gate_up_config: Optional[GemvConfig] = None,
                     down_config: Optional[GemvConfig] = None) -> torch.Tensor:
-    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, S] fp32, topk_ids [T, S] int32 -> [T, H] in
+    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, S], topk_ids [T, S] (int) -> [T, H] in
     hidden's dtype: sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
     Two launches; configs given skip the autotuner (benchmarks sweep them)."""
     check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids, activation)
@@ -169,11 +169,11 @@ def small_batch_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     out = torch.empty_like(hidden)
     if num_tokens == 0:
         return out
-    if topk_weights.dtype != torch.float32 or topk_ids.dtype != torch.int32:
-        raise ValueError(f"topk_weights must be fp32 and topk_ids int32, got {topk_weights.dtype}, {topk_ids.dtype}")
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError("the expert weights need unit stride along their last dim")
-    hidden, topk_weights, topk_ids = hidden.contiguous(), topk_weights.contiguous(), topk_ids.contiguous()
+    hidden = hidden.contiguous()
+    topk_weights = topk_weights.to(torch.float32).contiguous()
+    topk_ids = topk_ids.to(torch.int32).contiguous()
     act = torch.empty(num_tokens * slots, inter, dtype=hidden.dtype, device=hidden.device)  # [T*S, I]
     _launch(_silu_mul_gemv_kernel, _silu_mul_gemv_autotuned, num_tokens * slots, inter, hidden_size, gate_up_config,
             (hidden, w13, topk_ids, act, num_tokens, inter, hidden_size, hidden.stride(0), w13.stride(0),
