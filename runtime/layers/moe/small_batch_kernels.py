@@ -34,7 +34,7 @@ __all__ = ["SMALL_BATCH_MAX_TOKENS", "GemvConfig", "small_batch_moe"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
-# up to this many tokens fused_experts takes these kernels on CUDA (benchmarks/gpu/fused_moe_vs_torch.sh times both
+# up to this many tokens fused_experts takes these kernels on CUDA (benchmarks/gpu/moe_small_batch.sh times both
 # paths at T = 1 .. 16 at DeepSeek-V2-Lite shapes)
 SMALL_BATCH_MAX_TOKENS = 8
 
@@ -53,9 +53,9 @@ class GemvConfig:
 
 
 # autotuned per (shape, T) on first use, which the CUDA-graph runner's warm-up passes do before capture; the
-# candidates are the dense GEMV's best shapes (4 rows x 1-2K columns per program) and neighbours. The GPU script
-# (benchmarks/gpu/fused_moe_vs_torch.sh) sweeps more at DeepSeek-V2-Lite shapes (H 2048, I 1408).
-# Three each: every candidate compiles at start-up on the (slow) host.
+# candidates are the dense GEMV's best shapes (4 rows x 1-2K columns per program) and neighbours, three each (every
+# candidate compiles at start-up on the slow host). benchmarks/gpu/moe_small_batch.sh sweeps more at
+# DeepSeek-V2-Lite shapes (H 2048, I 1408).
 GATE_UP_CANDIDATES = (GemvConfig(4, 1024, 4, 3), GemvConfig(4, 2048, 4, 1), GemvConfig(8, 512, 4, 3))
 DOWN_CANDIDATES = (GemvConfig(4, 512, 4, 3), GemvConfig(4, 128, 4, 4), GemvConfig(2, 512, 4, 3))
 _INTERPRET_CONFIG = GemvConfig(4, 32, 1, 1)
