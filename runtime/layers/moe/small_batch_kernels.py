@@ -57,7 +57,8 @@ class GemvConfig:
 # candidate compiles at start-up on the slow host). benchmarks/gpu/moe_small_batch.sh sweeps more at
 # DeepSeek-V2-Lite shapes (H 2048, I 1408).
 GATE_UP_CANDIDATES = (GemvConfig(4, 1024, 4, 3), GemvConfig(4, 2048, 4, 1), GemvConfig(8, 512, 4, 3))
-DOWN_CANDIDATES = (GemvConfig(4, 512, 4, 3), GemvConfig(4, 128, 4, 4), GemvConfig(2, 512, 4, 3))
+# the down kernel has H / BLOCK_N programs per token (512 at BLOCK_N 4): fewer rows per program keep more SMs busy
+DOWN_CANDIDATES = (GemvConfig(4, 512, 4, 3), GemvConfig(2, 512, 4, 3), GemvConfig(1, 512, 2, 4))
 _INTERPRET_CONFIG = GemvConfig(4, 32, 1, 1)
 
 
