@@ -26,6 +26,9 @@ import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
+from typing import Union
+
+import msgspec
 
 WORKER_START_TIMEOUT_S = 120.0
 WORKER_MEMORY_LIMIT_BYTES = 8 << 30  # address space of a compile child; past it the child dies, the request fails
@@ -95,9 +98,41 @@ def _preview(regex: str, limit: int = 80) -> str:
     return repr(regex if len(regex) <= limit else regex[:limit] + "...")
 
 
-# The child loads this folder as a stand-alone package: no `braid` import (fast start, no torch). Regexes go
-# to the child as UTF-8 bytes (no pickle of request data); the child answers with an outlines-core Index.
+# The child loads this folder as a stand-alone package: no `braid` import (fast start, no torch). Nothing on the
+# pipe is pickled: the parent sends the vocabulary once in outlines-core's own binary form, then each regex as UTF-8
+# bytes (an empty frame asks the child to exit); the child answers with msgpack-encoded `_WorkerReply` frames, a
+# compiled Index again in outlines-core's binary form.
 WORKER_NICENESS = 10
+
+
+class _WorkerReady(msgspec.Struct, tag=True):
+    pass
+
+
+class _Compiled(msgspec.Struct, tag=True):
+    index: bytes  # outlines_core.Index in its binary form (Index.from_binary)
+
+
+class _CompileFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+_WorkerReply = Union[_WorkerReady, _Compiled, _CompileFailed]
+_reply_encoder = msgspec.msgpack.Encoder()
+_reply_decoder = msgspec.msgpack.Decoder(_WorkerReply)
+
+
+def outlines_binary(obj) -> bytes:
+    """An outlines-core Vocabulary or Index as the bytes its `from_binary` reads back (the library exposes this
+    form only as the argument of its `__reduce__`, which names `from_binary` as the constructor)."""
+    constructor, args = obj.__reduce__()
+    if getattr(constructor, "__name__", None) != "from_binary" or not isinstance(args[0], bytes):
+        raise TypeError(f"{type(obj).__name__} has no binary form this version of braid knows")
+    return args[0]
+
+
+def _reply(conn: Connection, reply: msgspec.Struct) -> None:
+    conn.send_bytes(_reply_encoder.encode(reply))
 _WORKER_BOOT = (
     "import sys, types; pkg = types.ModuleType('_grammar_worker'); pkg.__path__ = [sys.argv[1]]; "
     "sys.modules['_grammar_worker'] = pkg; from _grammar_worker.fsm import worker_main; worker_main(int(sys.argv[2]))"
@@ -111,8 +146,10 @@ def worker_main(fd: int) -> None:
     os.nice(WORKER_NICENESS)  # a compile that runs to its timeout must not take CPU from the scheduler and HTTP loop
     parent_pid = os.getppid()
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    vocabulary = conn.recv()
-    conn.send(("ready",))
+    from outlines_core import Vocabulary
+
+    vocabulary = Vocabulary.from_binary(conn.recv_bytes())
+    _reply(conn, _WorkerReady())
     while True:
         try:
             data = conn.recv_bytes()
@@ -122,14 +159,14 @@ def worker_main(fd: int) -> None:
             return
         regex = data.decode("utf-8")
         try:
-            index = build_index(regex, vocabulary)
+            index = outlines_binary(build_index(regex, vocabulary))
         except GrammarError as exc:
-            conn.send(("error", str(exc)))
+            _reply(conn, _CompileFailed(str(exc)))
             continue
         except Exception as exc:  # noqa: BLE001 - reported to the waiting request, the worker lives on
-            conn.send(("error", f"cannot compile regex {_preview(regex)}: {_first_line(exc)}"))
+            _reply(conn, _CompileFailed(f"cannot compile regex {_preview(regex)}: {_first_line(exc)}"))
             continue
-        conn.send(("index", index))
+        _reply(conn, _Compiled(index))
 
 
 def _limit_memory(limit: int) -> None:
@@ -152,8 +189,8 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 class _Worker:
     """One child process and its end of the pipe; driven by exactly one pool thread."""
 
-    def __init__(self, vocabulary_payload):
-        self._payload = vocabulary_payload
+    def __init__(self, vocabulary_payload: bytes):
+        self._payload = vocabulary_payload  # outlines_binary(vocabulary)
         self.proc: subprocess.Popen | None = None
         self.conn: Connection | None = None
 
@@ -173,11 +210,13 @@ class _Worker:
         )
         child.close()
         self.conn = parent
-        parent.send(self._payload)
+        parent.send_bytes(self._payload)
         if not parent.poll(WORKER_START_TIMEOUT_S):
             self.stop()
             raise GrammarError("the grammar compile worker did not start")
-        parent.recv()
+        if not isinstance(_reply_decoder.decode(parent.recv_bytes()), _WorkerReady):
+            self.stop()
+            raise GrammarError("the grammar compile worker answered its start-up with something else")
 
     def kill(self) -> None:
         """Safe from any thread: the owning thread sees EOF on its pipe and cleans up."""
@@ -253,7 +292,7 @@ class CompilePool:
         # Every key present from the start, so a reader copying it never sees the dict change size.
         self.stats = collections.Counter(dict.fromkeys(
             ("compiles", "timeouts", "errors", "rejected", "restarts", "spares_started"), 0))
-        self._vocabulary = vocabulary
+        self._vocabulary = outlines_binary(vocabulary)
         self._cond = threading.Condition()
         self._pending: collections.deque[_Job] = collections.deque()
         self._slots: list[_Slot] = []
@@ -414,9 +453,13 @@ class CompilePool:
             raise GrammarTimeoutError(
                 f"compiling regex {_preview(regex)} took longer than {self.timeout_s:g}s (the grammar is too complex)"
             )
-        if reply[0] == "error":
-            raise GrammarError(reply[1])
-        return reply[1]
+        if isinstance(reply, _CompileFailed):
+            raise GrammarError(reply.message)
+        if not isinstance(reply, _Compiled):
+            raise GrammarError(f"the grammar compile worker sent {type(reply).__name__} instead of a compiled grammar")
+        from outlines_core import Index
+
+        return Index.from_binary(reply.index)
 
     @staticmethod
     def _receive(worker: _Worker, deadline: float):
@@ -424,7 +467,7 @@ class CompilePool:
         conn = worker.conn
         try:
             if conn.poll(max(0.0, deadline - time.monotonic())):
-                return conn.recv()
+                return _reply_decoder.decode(conn.recv_bytes())
         except (EOFError, OSError):
             worker.stop()
             raise GrammarError("the grammar compile worker died (out of memory?)") from None
