@@ -34,6 +34,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from byte_tokenizer import byte_tokenizer  # noqa: E402
 from host_step_overhead import TINY_LLAMA  # noqa: E402
 
+SAMPLE_HZ = 100
 # where a scheduler sample is: the innermost of these functions on its stack decides
 PHASES = [
     ("model forward", {"ModelRunner.forward"}),
@@ -155,11 +156,14 @@ def run_one(max_running: int, args, config: Path, tok_dir: Path, workdir: Path) 
              "--output-file", str(out_file), *shlex.split(args.bench_flags)],
             stdout=open(workdir / f"bench_{tag}.log", "w"), stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.time() + 300  # the client builds its prompts first: wait for the load to arrive
+        while _server_info(port).get("num_running_reqs", 0) == 0 and time.time() < deadline and bench.poll() is None:
+            time.sleep(0.5)
         time.sleep(args.profile_after_s)
         before, t0 = _server_info(port), time.time()
         raw = workdir / f"scheduler_{tag}.txt"
         if args.profile_s > 0 and shutil.which("py-spy"):
-            subprocess.run(["py-spy", "record", "-r", "100", "-d", str(args.profile_s), "-f", "raw", "-o", str(raw),
+            subprocess.run(["py-spy", "record", "-r", str(SAMPLE_HZ), "-d", str(args.profile_s), "-f", "raw", "-o", str(raw),
                             "-p", str(_scheduler_pid(proc.pid)), "--nonblocking"], capture_output=True)
         else:
             time.sleep(max(args.profile_s, 10))
@@ -192,10 +196,12 @@ def run_one(max_running: int, args, config: Path, tok_dir: Path, workdir: Path) 
                    send_ms_per_step=1e3 * (delta("send_time_s_total") or 0.0) / max(steps, 1))
     if raw.exists():
         row["samples"], row["phases"], row["top"] = summarize_profile(raw)
-        # the same from the samples (for trees without the clocks): the loop outside the model's forward pass
+        # the same from the samples (for trees without the clocks): the loop outside the model's forward pass, in
+        # sampled seconds (SAMPLE_HZ a second) per pass, so that idle time in the window counts nowhere
         outside = sum(share for phase, share in row["phases"].items()
                       if phase not in ("model forward", "wait for the device", "idle / start-up / other threads"))
-        row["profile_host_ms_per_step"] = 1e3 * window * outside / max(steps, 1)
+        row["profile_ms_per_pass"] = 1e3 * row["samples"] / SAMPLE_HZ / max(steps, 1)
+        row["profile_host_ms_per_step"] = row["profile_ms_per_pass"] * outside
     return row
 
 
