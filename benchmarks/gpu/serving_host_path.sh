@@ -59,7 +59,7 @@ print(json.dumps({"host_ms": 1e3 * host / passes, "forward_ms": 1e3 * d("forward
                   "wait_ms": 1e3 * d("device_wait_s_total") / passes, "send_ms": 1e3 * d("send_time_s_total") / passes,
                   "decode": d("num_forward_decode"), "extend": d("num_forward_extend"),
                   "overlapped": d("num_decode_overlapped"), "retractions": d("num_retractions"),
-                  "max_running": a.get("max_running_requests"), "end_running": a.get("num_running_reqs"),
+                  "max_running": a.get("effective_max_running_requests"), "end_running": a.get("num_running_reqs"),
                   "end_kv_used": a.get("kv_used_tokens"), "has_clocks": "step_time_s_total" in a}))
 PY
   tail -1 "$OUT/host.jsonl"

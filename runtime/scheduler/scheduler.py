@@ -168,7 +168,7 @@ class Scheduler:
             kv_cached_tokens=self.tree_cache.evictable_size(), kv_used_tokens=kv_used,
             **self._window_kv_stats(),
             cache_hit_rate=(s["num_cached_tokens_total"] / s["num_prompt_tokens_total"]) if s["num_prompt_tokens_total"] else 0.0,
-            new_token_ratio=self.decode.new_token_ratio, max_running_requests=self.max_running_requests,
+            new_token_ratio=self.decode.new_token_ratio, effective_max_running_requests=self.max_running_requests,
             **self.timing.stats(),
         )
         return s

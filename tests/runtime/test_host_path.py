@@ -57,7 +57,7 @@ def test_running_requests_cap_from_the_kv_pool():
 
 def test_derived_cap_admits_past_256_and_ends_clean():
     sched = scheduler(max_total_tokens=131072)  # 512 requests' worth by the derivation
-    assert sched.get_stats()["max_running_requests"] == 512
+    assert sched.get_stats()["effective_max_running_requests"] == 512
     add(sched, 400, prompt_len=8, max_new=6)
     peak = [0]
 
