@@ -8,7 +8,7 @@ from braid.runtime import Engine
 def test_prompt_and_output_logprobs_match_hf(hf_smollm2, smollm2_tok):
     prompt = "The quick brown fox jumps over the lazy dog because"
     ids = smollm2_tok.encode(prompt)
-    with Engine(model_path="smollm2", log_level="warning") as engine:
+    with Engine(model_path="smollm2", log_level="warning", max_total_tokens=2048) as engine:
         res = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 8}, return_logprob=True,
                               logprob_start_len=0, top_logprobs_num=5)
     meta = res["meta_info"]
@@ -36,7 +36,7 @@ def test_prompt_and_output_logprobs_match_hf(hf_smollm2, smollm2_tok):
 def test_logprob_start_len_skips_prefix(smollm2_tok):
     prompt = "One two three four five six seven eight"
     n = len(smollm2_tok.encode(prompt))
-    with Engine(model_path="smollm2", log_level="warning") as engine:
+    with Engine(model_path="smollm2", log_level="warning", max_total_tokens=2048) as engine:
         engine.generate(prompt, {"max_new_tokens": 0})  # now cached: start_len must still be honoured
         res = engine.generate(prompt, {"max_new_tokens": 0}, return_logprob=True, logprob_start_len=3)
         assert res["output_ids"] == [] and res["meta_info"]["finish_reason"]["type"] == "length"

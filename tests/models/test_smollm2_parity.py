@@ -16,7 +16,7 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_parity_with_hf(name, hf_greedy, smollm2_tok, parity_prompts, new_tokens):
-    with Engine(model_path="smollm2", **CONFIGS[name]) as engine:
+    with Engine(model_path="smollm2", **{"max_total_tokens": 2048, **CONFIGS[name]}) as engine:
         sp = {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
         results = engine.generate(parity_prompts, sp)
         for prompt, res, ref in zip(parity_prompts, results, hf_greedy):

@@ -67,7 +67,8 @@ def test_json_outputs_always_validate(engine, name):
 def test_jump_forward_halves_decode_steps():
     counts = {}
     for disable in (False, True):
-        with Engine(model_path="smollm2", log_level="warning", disable_jump_forward=disable) as e:
+        with Engine(model_path="smollm2", log_level="warning", disable_jump_forward=disable,
+                    max_total_tokens=4096) as e:
             res = e.generate(["Record: "] * 4, {"temperature": 1.0, "max_new_tokens": 200, "seed": 2,
                                                 "json_schema": json.dumps(FIXED_KEYS)})
             for r in res:
@@ -92,7 +93,7 @@ def test_bad_grammars_are_rejected(engine):
 
 
 def test_grammar_timeout_ends_only_that_request():
-    with Engine(model_path="smollm2", log_level="warning", grammar_timeout_s=1.0) as e:
+    with Engine(model_path="smollm2", log_level="warning", grammar_timeout_s=1.0, max_total_tokens=4096) as e:
         import threading
 
         results = {}
