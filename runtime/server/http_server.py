@@ -252,7 +252,7 @@ async def detokenize(request: web.Request) -> web.Response:
         raise bad_request("tokens must be a list of token ids", param="tokens")
     if any(not 0 <= t < tm.vocab_size for t in ids):
         raise bad_request(f"tokens holds an id outside the vocabulary [0, {tm.vocab_size})", param="tokens")
-    text = tm.tokenizer.decode(ids)
+    text = await tm.detokenize(ids)
     return json_response({"prompt": text, "text": text})
 
 

@@ -383,7 +383,7 @@ class OpenAIServing:
                                              rid=req.rid if len(prompts) == 1 else None, stream=req.stream,
                                              add_special_tokens=add_special, max_new_tokens_fills_context=True,
                                              **lps.prepare_options())
-            out.append((prepared, p if isinstance(p, str) else self.tm.tokenizer.decode(p)))
+            out.append((prepared, p if isinstance(p, str) else await self.tm.detokenize(p)))
         return out
 
     async def completions(self, request: web.Request, body: Any) -> web.StreamResponse:

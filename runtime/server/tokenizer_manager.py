@@ -112,8 +112,9 @@ class TokenizerManager:
         self._preparing = 0  # prepare() calls under way: they count against --max-queued-requests too
         threads = server_args.tokenizer_threads or min(4, os.cpu_count() or 1)
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="braid-tokenize")
-        # one thread applies every scheduler step's outputs to the requests' choices (detokenization, stop strings)
-        # in arrival order, one task per step for all requests, so none of it runs on the event loop
+        # one thread decodes the scheduler's messages and applies each step's outputs to the requests' choices
+        # (detokenization, stop strings) in arrival order, one task per step for all requests: none of that runs
+        # on the event loop, which only writes the results
         self._detokenize_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="braid-detokenize")
         self._loop: Optional[asyncio.AbstractEventLoop] = None
 
@@ -261,6 +262,11 @@ class TokenizerManager:
         encode = functools.partial(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
         return list(await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, encode))
 
+    async def detokenize(self, ids: list[int], **options: Any) -> str:
+        """tokenizer.decode on a tokenizer thread (a long id list takes milliseconds)."""
+        decode = functools.partial(self.tokenizer.decode, ids, **options)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, decode)
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -397,33 +403,24 @@ class TokenizerManager:
 
     # ---- receiving --------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
+        """Every scheduler message goes to the detokenizer thread, which decodes it and applies a step's outputs;
+        the event loop only delivers the results (and answers the other messages, in arrival order)."""
         while True:
             data = await self._recv.recv(copy=False)
-            try:
-                msg = M.decode_from_scheduler(data.bytes)
-            except Exception:
-                logger.exception("undecodable message from the scheduler")
-                continue
-            if isinstance(msg, M.OutputBatch):
-                self._apply_step(msg.outputs)
-            elif isinstance(msg, M.ReqError):
-                handle = self.handles.get(msg.rid)
-                if handle is not None:
-                    err = bad_request(msg.message, param=msg.param) if msg.user_error else internal(msg.message)
-                    handle.deliver(err)
-            elif isinstance(msg, (M.FlushCacheResult, M.Stats)):
-                fut = self._pending.get(msg.req_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-            elif isinstance(msg, M.Fatal):
-                self._on_dead(f"scheduler crashed: {msg.message.strip().splitlines()[-1]}")
-                logger.error("scheduler crashed:\n%s", msg.message)
+            self._submit_in_order(self._receive, data.bytes)
 
-    def _apply_step(self, outputs: list[M.Output]) -> None:
-        """One scheduler step: its outputs grouped by request, applied on the detokenizer thread in one task."""
+    def _receive(self, data: bytes) -> list:
+        """On the detokenizer thread: [(handle, items to deliver)] for an OutputBatch, [(None, message)] else."""
+        try:
+            msg = M.decode_from_scheduler(data)
+        except Exception:
+            logger.exception("undecodable message from the scheduler")
+            return []
+        if not isinstance(msg, M.OutputBatch):
+            return [(None, msg)]
         by_handle: dict[RequestHandle, list[M.Output]] = {}
         handles = self.handles
-        for out in outputs:
+        for out in msg.outputs:
             handle = handles.get(out.rid)
             if handle is not None:
                 group = by_handle.get(handle)
@@ -431,15 +428,28 @@ class TokenizerManager:
                     by_handle[handle] = [out]
                 else:
                     group.append(out)
-        if by_handle:
-            self._submit_in_order(_apply_grouped, by_handle)
+        return [(handle, _guarded(handle.apply_outputs, outs)) for handle, outs in by_handle.items()]
+
+    def _on_message(self, msg) -> None:
+        """A scheduler message other than outputs, on the event loop."""
+        if isinstance(msg, M.ReqError):
+            handle = self.handles.get(msg.rid)
+            if handle is not None:
+                handle.deliver(bad_request(msg.message, param=msg.param) if msg.user_error else internal(msg.message))
+        elif isinstance(msg, (M.FlushCacheResult, M.Stats)):
+            fut = self._pending.get(msg.req_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, M.Fatal):
+            self._on_dead(f"scheduler crashed: {msg.message.strip().splitlines()[-1]}")
+            logger.error("scheduler crashed:\n%s", msg.message)
 
     def _run_in_order(self, handle: RequestHandle, fn) -> None:
         self._submit_in_order(lambda: [(handle, _guarded(fn))])
 
     def _submit_in_order(self, fn, *args) -> None:
-        """Run fn(*args) -> [(handle, [item, ...])] on the detokenizer thread after everything submitted before;
-        deliver the items on the event loop in that same order."""
+        """Run fn(*args) -> [(handle, [item, ...]) or (None, message)] on the detokenizer thread after everything
+        submitted before; deliver the items (handle the messages) on the event loop in that same order."""
         try:
             future = self._detokenize_pool.submit(fn, *args)
         except RuntimeError:  # closed: the server is going away
@@ -451,7 +461,15 @@ class TokenizerManager:
             return
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(_deliver_all, future)
+            loop.call_soon_threadsafe(self._deliver_all, future)
+
+    def _deliver_all(self, future: concurrent.futures.Future) -> None:
+        for handle, items in future.result():
+            if handle is None:
+                self._on_message(items)
+                continue
+            for item in items:
+                handle.deliver(item)
 
     async def _watch_process(self) -> None:
         while self.proc.poll() is None:
@@ -472,11 +490,6 @@ class TokenizerManager:
                 fut.set_exception(unavailable(reason))
 
 
-def _apply_grouped(by_handle: dict) -> list:
-    """On the detokenizer thread: [(handle, items to deliver)] for one step's outputs."""
-    return [(handle, _guarded(handle.apply_outputs, outs)) for handle, outs in by_handle.items()]
-
-
 def _guarded(fn, *args) -> list:
     """fn's items to deliver; a bug in it ends that request with a 500 instead of leaving it waiting."""
     try:
@@ -484,9 +497,3 @@ def _guarded(fn, *args) -> list:
     except Exception as e:  # noqa: BLE001
         logger.exception("applying scheduler outputs failed")
         return [internal(f"applying the scheduler's outputs failed: {type(e).__name__}: {e}")]
-
-
-def _deliver_all(future: concurrent.futures.Future) -> None:
-    for handle, items in future.result():
-        for item in items:
-            handle.deliver(item)
