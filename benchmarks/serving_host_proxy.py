@@ -232,7 +232,7 @@ def main() -> None:
         for f, inc, slf in row.get("top", [])[:25]:
             print(f"  {100 * inc:5.1f}% {100 * slf:5.1f}%  {f[:100]}")
     print("\nper forward pass in the sampled window: ms/step = wall / passes; host = the scheduler's step outside the "
-          "model's forward and device waits (its own clocks), send = the zmq sends; py-spy host = the same from the "
+          "model's forward and device waits (its own clocks), send = building, encoding and sending the output batch; py-spy host = the same from the "
           "samples")
     print(f"{'max run':>8}{'done':>6}{'out tok/s':>11}{'TPOT ms':>9}{'decode':>8}{'extend':>8}{'ms/step':>9}"
           f"{'batch':>7}{'fwd ms':>8}{'host ms':>9}{'send ms':>9}{'py-spy host':>13}{'end run':>8}{'end kv':>8}")

@@ -71,7 +71,7 @@ dataset = sys.argv.pop(3)
 serving = [json.loads(l) for l in open(sys.argv[1])]
 host = [json.loads(l) for l in open(sys.argv[2])]
 print("per forward pass: host = scheduler step() outside the model's forward and device waits; fwd = launching the "
-      "pass; wait = waiting for its results; send = zmq sends of the outputs")
+      "pass; wait = waiting for its results; send = building, encoding and sending the output batch")
 print(f"{'server flags':<44}{'out tok/s':>10}{'TPOT':>7}{'TTFT s':>8}{'cap':>6}{'decode':>8}{'extend':>8}{'chained':>8}"
       f"{'retr':>6}{'host':>7}{'fwd':>7}{'wait':>7}{'send':>7}{'end run/kv':>12}")
 ok = True

@@ -44,7 +44,6 @@ class DecodeRunner:
         self.tree_cache = tree_cache
         self.req_to_token_pool = runner.req_to_token_pool
         self.device = device
-        self.context_len = runner.context_len
         self.vocab_size = runner.vocab_size
         # the share of each running request's remaining max_new_tokens that admission keeps free for decoding
         self.init_new_token_ratio = min(1.0, _INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness)
@@ -92,11 +91,10 @@ class DecodeRunner:
         return out, slots
 
     # ---- overlap ----
-    def can_overlap(self, reqs: list[Req], tokens_in_flight: int, slots: Optional[torch.Tensor] = None) -> bool:
+    def can_overlap(self, reqs: list[Req], tokens_in_flight: int) -> bool:
         """True when sampling these requests needs nothing the host learns from the step before
-        (each has `tokens_in_flight` sampled tokens not yet in output_ids); slots: their req_pool_idx if known."""
-        if slots is None:
-            slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        (each has `tokens_in_flight` sampled tokens not yet in output_ids)."""
+        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
         out_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64) + tokens_in_flight
         return self.finish_table.can_overlap(slots, out_lens)
 

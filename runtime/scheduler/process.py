@@ -128,7 +128,6 @@ class SchedulerLoop:
         self.poller.register(recv_sock, zmq.POLLIN)
         self.running = True
         self.stats_log = ServingStatsLog(log_stats_interval_s)
-        self.send_s = 0.0  # seconds in zmq sends (the output batch of each step), for the stats
 
     def run(self) -> None:
         from braid.runtime.scheduler.scheduler import run_scheduler_loop
@@ -139,9 +138,7 @@ class SchedulerLoop:
         data = M.encode(msg)
         # zero-copy sends hand each frame to pyzmq's garbage-collector thread: slower than a copy below ~64 KiB,
         # which a step's output batch usually is
-        start = time.perf_counter()
         self.send_sock.send(data, copy=len(data) < _ZERO_COPY_MIN_BYTES)
-        self.send_s += time.perf_counter() - start
 
     # ---- SchedulerIO ----
     def receive(self, scheduler, block: bool) -> bool:
@@ -180,7 +177,7 @@ class SchedulerLoop:
         elif isinstance(msg, M.FlushCacheReq):
             self.send(M.FlushCacheResult(msg.req_id, bool(self.scheduler.flush_cache())))
         elif isinstance(msg, M.GetStatsReq):
-            self.send(M.Stats(msg.req_id, _plain_stats({**self.scheduler.get_stats(), "send_time_s_total": self.send_s})))
+            self.send(M.Stats(msg.req_id, _plain_stats(self.scheduler.get_stats())))
         elif isinstance(msg, M.ShutdownReq):
             self.running = False
 

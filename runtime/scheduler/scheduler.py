@@ -44,25 +44,31 @@ GRAMMAR_WAIT_POLL_S = 0.002
 
 
 def run_scheduler_loop(scheduler, io: SchedulerIO) -> None:
+    timing = getattr(scheduler, "timing", None)  # HostTiming (stand-in schedulers in tests have none)
     while io.receive(scheduler, block=not scheduler.has_work()):
         if scheduler.has_work():
             if scheduler.only_waits_for_grammars():
                 time.sleep(GRAMMAR_WAIT_POLL_S)  # compiles run in worker processes; spinning would starve the host
             outputs = scheduler.step()
             if outputs:
+                start = time.perf_counter()
                 io.send_outputs(outputs)
+                if timing is not None:
+                    timing.send_s += time.perf_counter() - start
 
 
 class HostTiming:
     """Where the scheduler's wall time goes, in seconds summed over its life: inside `step()`, inside
-    `ModelRunner.forward` (on CUDA: launching the pass), and waiting for a pass's results to reach the host. The rest
-    of a step is the host's own work (admission, batch building, commits, reports)."""
+    `ModelRunner.forward` (on CUDA: launching the pass), waiting for a pass's results to reach the host, and handing
+    a step's outputs to the I/O (the server process: building, encoding and sending the output batch). The rest of a
+    step is the host's own work (admission, batch building, commits, reports)."""
 
     def __init__(self):
         self.steps = 0
         self.step_s = 0.0
         self.forward_s = 0.0
         self.device_wait_s = 0.0
+        self.send_s = 0.0
 
     def forward(self, runner, fb):
         start = time.perf_counter()
@@ -78,7 +84,7 @@ class HostTiming:
 
     def stats(self) -> dict:
         return dict(num_steps=self.steps, step_time_s_total=self.step_s, forward_time_s_total=self.forward_s,
-                    device_wait_s_total=self.device_wait_s)
+                    device_wait_s_total=self.device_wait_s, send_time_s_total=self.send_s)
 
 
 class Scheduler:
@@ -281,6 +287,7 @@ class Scheduler:
             max(0, min(p + n, len(r.input_ids)) - p)
             for r, p, n in zip(batch, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu))
         output = self.timing.forward(self.runner, fb)
+        self.timing.wait(output)
         host = output.host()
         for req, n in zip(batch, fb.extend_seq_lens_cpu):
             req.kv_committed_len += n
