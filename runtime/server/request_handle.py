@@ -1,8 +1,8 @@
 """The server's side of one submitted request: its choices' accumulators, latency metrics, local aborts.
 
-`TokenizerManager.submit()` returns a `RequestHandle`; the HTTP handler iterates `handle.updates()` (one
-`ChoiceUpdate` per scheduler output, several tokens each when the scheduler streams at an interval) and
-calls `TokenizerManager.release(handle)` when it is done.
+`TokenizerManager.submit()` returns a `RequestHandle`; the HTTP handler iterates `handle.steps()` (per scheduler
+step, a list of `ChoiceUpdate`s, several tokens each when the scheduler streams at an interval) or
+`handle.updates()` (the same updates one by one) and calls `TokenizerManager.release(handle)` when it is done.
 """
 
 from __future__ import annotations

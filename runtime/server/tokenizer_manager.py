@@ -459,9 +459,10 @@ class TokenizerManager:
     def _delivered_from_thread(self, future: concurrent.futures.Future) -> None:
         if future.cancelled():
             return
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._deliver_all, future)
+        try:
+            self._loop.call_soon_threadsafe(self._deliver_all, future)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
 
     def _deliver_all(self, future: concurrent.futures.Future) -> None:
         for handle, items in future.result():
