@@ -35,6 +35,45 @@ FIXED_KEYS = {"type": "object", "properties": {k: {"type": "boolean"} for k in
               "required": ["alpha_value", "beta_value", "gamma_value", "delta_value", "epsilon_value", "zeta_value"]}
 
 
+# engines of their own, before the module's large engine exists (so two are never alive at once)
+def test_jump_forward_halves_decode_steps():
+    counts = {}
+    for disable in (False, True):
+        with Engine(model_path="smollm2", log_level="warning", disable_jump_forward=disable,
+                    max_total_tokens=4096) as e:
+            res = e.generate(["Record: "] * 4, {"temperature": 1.0, "max_new_tokens": 200, "seed": 2,
+                                                "json_schema": json.dumps(FIXED_KEYS)})
+            for r in res:
+                jsonschema.validate(json.loads(r["text"]), FIXED_KEYS)
+            stats = e.get_stats()
+            counts[disable] = dict(steps=stats["num_forward_decode"] + stats["num_forward_extend"],
+                                   sampled=sum(r["meta_info"]["completion_tokens_wo_jump_forward"] for r in res),
+                                   tokens=sum(r["meta_info"]["completion_tokens"] for r in res))
+    print("jump-forward on:", counts[False], "off:", counts[True])
+    assert counts[True]["sampled"] == counts[True]["tokens"]
+    assert counts[False]["sampled"] <= 0.5 * counts[True]["sampled"]
+    assert counts[False]["steps"] <= 0.5 * counts[True]["steps"]
+
+
+def test_grammar_timeout_ends_only_that_request():
+    with Engine(model_path="smollm2", log_level="warning", grammar_timeout_s=1.0, max_total_tokens=4096) as e:
+        import threading
+
+        results = {}
+
+        def slow():
+            results["slow"] = e.generate("x", {"max_new_tokens": 8, "regex": "(a|b)*a(a|b){24}"})
+
+        t = threading.Thread(target=slow)
+        t.start()
+        fast = e.generate("Count: 1, 2,", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        t.join(timeout=60)
+        assert fast["meta_info"]["completion_tokens"] == 6
+        assert results["slow"]["meta_info"]["finish_reason"]["type"] == "abort"
+        assert "grammar" in results["slow"]["meta_info"]["finish_reason"]["message"]
+        assert e.get_stats()["kv_used_tokens"] == 0
+
+
 @pytest.fixture(scope="module")
 def engine():
     with Engine(model_path="smollm2", log_level="warning", max_total_tokens=32768, max_running_requests=256) as e:
@@ -64,25 +103,6 @@ def test_json_outputs_always_validate(engine, name):
         jsonschema.validate(json.loads(r["text"]), schema)
 
 
-def test_jump_forward_halves_decode_steps():
-    counts = {}
-    for disable in (False, True):
-        with Engine(model_path="smollm2", log_level="warning", disable_jump_forward=disable,
-                    max_total_tokens=4096) as e:
-            res = e.generate(["Record: "] * 4, {"temperature": 1.0, "max_new_tokens": 200, "seed": 2,
-                                                "json_schema": json.dumps(FIXED_KEYS)})
-            for r in res:
-                jsonschema.validate(json.loads(r["text"]), FIXED_KEYS)
-            stats = e.get_stats()
-            counts[disable] = dict(steps=stats["num_forward_decode"] + stats["num_forward_extend"],
-                                   sampled=sum(r["meta_info"]["completion_tokens_wo_jump_forward"] for r in res),
-                                   tokens=sum(r["meta_info"]["completion_tokens"] for r in res))
-    print("jump-forward on:", counts[False], "off:", counts[True])
-    assert counts[True]["sampled"] == counts[True]["tokens"]
-    assert counts[False]["sampled"] <= 0.5 * counts[True]["sampled"]
-    assert counts[False]["steps"] <= 0.5 * counts[True]["steps"]
-
-
 def test_bad_grammars_are_rejected(engine):
     for sp in ({"regex": "[.*"}, {"regex": ""}, {"json_schema": "{not json"},
                {"json_schema": json.dumps({"type": "nonsense"})}, {"regex": "a+", "json_schema": "{}"}):
@@ -90,22 +110,3 @@ def test_bad_grammars_are_rejected(engine):
             engine.generate("x", {"max_new_tokens": 4, **sp})
     ok = engine.generate("x", {"max_new_tokens": 3, "regex": "[0-9]{3}", "temperature": 0})
     assert re.fullmatch("[0-9]{3}", ok["text"])
-
-
-def test_grammar_timeout_ends_only_that_request():
-    with Engine(model_path="smollm2", log_level="warning", grammar_timeout_s=1.0, max_total_tokens=4096) as e:
-        import threading
-
-        results = {}
-
-        def slow():
-            results["slow"] = e.generate("x", {"max_new_tokens": 8, "regex": "(a|b)*a(a|b){24}"})
-
-        t = threading.Thread(target=slow)
-        t.start()
-        fast = e.generate("Count: 1, 2,", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
-        t.join(timeout=60)
-        assert fast["meta_info"]["completion_tokens"] == 6
-        assert results["slow"]["meta_info"]["finish_reason"]["type"] == "abort"
-        assert "grammar" in results["slow"]["meta_info"]["finish_reason"]["message"]
-        assert e.get_stats()["kv_used_tokens"] == 0
