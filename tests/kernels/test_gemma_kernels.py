@@ -164,10 +164,10 @@ def test_triton_backend_splits_small_decode_batches_further():
     backend = TritonAttnBackend(SimpleNamespace(device="cpu", model_config=config))
     assert [backend.decode_kv_splits(bs) for bs in (1, 2, 3, 8)] == [4, 4, 4, 4]  # CPU: the interpreter's count
     backend.sm_count, backend.num_kv_splits = 132, 16  # as on an H200
-    assert [backend.decode_kv_splits(bs) for bs in (1, 2, 3, 8, 64)] == [48, 24, 16, 16, 16]
+    assert [backend.decode_kv_splits(bs) for bs in (1, 2, 3, 8, 64)] == [32, 16, 16, 16, 16]
     backend.init_cuda_graph_state(8)
     views = {bs: backend._graph_scratch_view(bs) for bs in (1, 2, 8)}
-    assert views[1].shape == (1, 16, 48, 257) and views[2].shape == (2, 16, 24, 257) and views[8].shape[2] == 16
+    assert views[1].shape == (1, 16, 32, 257) and views[2].shape == (2, 16, 16, 257) and views[8].shape[2] == 16
     assert len({v.data_ptr() for v in views.values()} | {backend.cuda_graph_attn_logits.data_ptr()}) == 1
     fixed = TritonAttnBackend(SimpleNamespace(device="cpu", model_config=config), num_kv_splits=16)
     fixed.sm_count = 132

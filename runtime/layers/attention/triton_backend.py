@@ -40,9 +40,10 @@ DEFAULT_NUM_KV_SPLITS_GPU = 16
 DEFAULT_NUM_KV_SPLITS_CPU = 4  # the interpreter runs programs one by one
 # Small decode batches split the keys further, so that stage 1 has about this many programs per SM. On an H200 with
 # 16 splits, Gemma-2-9B's decode step grew from 4K to 8K context as if the added KV streamed at 2.75 TB/s at batch 1
-# (128 programs: one per SM) and at 4.5 TB/s at batch 8 (1024); 8 KV heads at batch 1 now take 48 splits
-# (benchmarks/gpu/gemma2_decode_attention.py times the kernel by split count).
-DECODE_PROGRAMS_PER_SM = 2.5
+# (128 programs: one per SM) and at 4.5 TB/s at batch 8 (1024). benchmarks/gpu/gemma2_decode_attention.py timed 42 of
+# its layers at batch 1 by split count (2026-12-04): 16: 1030 us, 24: 966, 32: 865, 48: 944, 64: 1033; so 8 KV heads
+# take 32 splits at batch 1 and 16 from batch 2.
+DECODE_PROGRAMS_PER_SM = 1.9
 MAX_NUM_KV_SPLITS_GPU = 64
 QUERY_HEADS_PER_PROGRAM = 16  # decode_attention's _BLOCK_H: one stage-1 program per 16 query heads of a KV head
 
