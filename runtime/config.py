@@ -93,6 +93,9 @@ class ServerArgs:
     # ---- kernels ----
     attention_backend: Optional[str] = _opt(None, "torch, triton or flashinfer (default: triton on GPU, torch on CPU)",
                                             ["torch", "triton", "flashinfer"])
+    triton_attention_num_kv_splits: Optional[int] = _opt(
+        None, "key splits of the Triton decode attention for every batch (default: 32 at batch 1 for 8 KV heads on "
+        "an H200, at least 16, chosen per batch size; 4 on CPU)")
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
     cuda_graph_max_bs: int = _opt(160, "largest decode batch captured in a CUDA graph")
     enable_torch_compile: bool = _opt(False, "torch.compile the model's non-attention parts")
@@ -205,6 +208,8 @@ class ServerArgs:
             raise ValueError("max_running_requests must be >= 1")
         if self.num_continuous_decode_steps < 1:
             raise ValueError("num_continuous_decode_steps must be >= 1")
+        if self.triton_attention_num_kv_splits is not None and not 1 <= self.triton_attention_num_kv_splits <= 64:
+            raise ValueError("triton_attention_num_kv_splits must be between 1 and 64")
         if self.tp_size < 1 or self.dp_size < 1:
             raise ValueError("tp_size and dp_size must be >= 1")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

@@ -172,3 +172,18 @@ def test_triton_backend_splits_small_decode_batches_further():
     fixed = TritonAttnBackend(SimpleNamespace(device="cpu", model_config=config), num_kv_splits=16)
     fixed.sm_count = 132
     assert fixed.decode_kv_splits(1) == 16
+
+
+def test_split_count_given_as_a_server_arg_is_used_for_every_batch():
+    from types import SimpleNamespace
+
+    from braid.runtime.config import ServerArgs
+    from braid.runtime.layers.attention.triton_backend import TritonAttnBackend
+
+    with pytest.raises(ValueError, match="triton_attention_num_kv_splits"):
+        ServerArgs(model_path="smollm2", triton_attention_num_kv_splits=0)
+    args = ServerArgs(model_path="smollm2", triton_attention_num_kv_splits=24)
+    config = SimpleNamespace(num_attention_heads=16, num_key_value_heads=8, head_dim=256)
+    backend = TritonAttnBackend(SimpleNamespace(device="cpu", model_config=config, server_args=args))
+    backend.sm_count = 132
+    assert [backend.decode_kv_splits(bs) for bs in (1, 2, 64)] == [24, 24, 24]
