@@ -80,6 +80,7 @@ class Req:
     is_internal: bool = False  # the shared-prompt prefill of an n > 1 request: never reported
     # images/videos: pixels, placeholder ranges in input_ids, content hashes (runtime/multimodal/inputs.py)
     mm_inputs: Any = None
+    client: str = ""  # the HTTP client's address (per-client grammar compile cap); "" in process
 
     # ---- filled by the scheduler ----
     output_ids: list[int] = field(default_factory=list)

@@ -257,6 +257,16 @@ class GrammarBackend:
     def validate(self, kind: str, spec) -> None:
         self._to_regex(kind, spec)
 
+    def would_compile(self, kind: str, spec) -> bool:
+        """Whether submitting (kind, spec) now starts a compile (no cached or in-flight entry serves it)."""
+        try:
+            key = self._cache_key(kind, spec)
+        except GrammarError:
+            return False
+        with self._lock:
+            return key not in self._cache or key in self._timed_out_at and \
+                time.monotonic() - self._timed_out_at[key] >= self.timeout_retry_after_s
+
     def submit(self, kind: str, spec) -> concurrent.futures.Future:
         """Future of a `CompiledGrammar`; the same (kind, spec) gives the same future (and object)."""
         outer: concurrent.futures.Future = concurrent.futures.Future()

@@ -215,7 +215,7 @@ def req_from_message(msg):
 
     req = Req(rid=msg.rid, input_ids=list(msg.input_ids), sampling_params=SamplingParams.from_dict(msg.sampling_params),
               return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-              top_logprobs_num=msg.top_logprobs_num, stream=msg.stream)
+              top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, client=msg.client)
     if msg.media is not None:
         from braid.runtime.multimodal.inputs import inputs_from_wire
 

@@ -92,6 +92,7 @@ class RequestIntake:
         """Validate (raises RequestError / SamplingParamsError / GrammarError); the requests ready to wait for
         admission now (the others wait for their grammar)."""
         validate_request(req, self.vocab_size, self.context_len, self.kv_pool_size, lambda: self.grammar_backend)
+        self.check_client_compiles(req)
         self.num_requests += 1
         if req.sampling_params.n == 1:
             return self.enqueue([req])
@@ -100,6 +101,20 @@ class RequestIntake:
             return self.enqueue(children)
         self.pending_children[id(parent)] = children
         return self.enqueue([parent])
+
+    def check_client_compiles(self, req: Req) -> None:
+        """GrammarBusyError when `req` would start a compile while its HTTP client already has
+        --grammar-max-queued-per-client requests waiting for theirs (one client cannot fill the compile pool)."""
+        cap, sp = self.server_args.grammar_max_queued_per_client, req.sampling_params
+        if not cap or not req.client or (sp.regex is None and sp.json_schema is None):
+            return
+        kind, spec = ("regex", sp.regex) if sp.regex is not None else ("json", sp.json_schema)
+        waiting = len({id(fut) for queued, fut in self.grammar_queue if queued.client == req.client and not fut.done()})
+        if waiting >= cap and self.grammar_backend.would_compile(kind, spec):
+            from braid.runtime.constrained.fsm import GrammarBusyError
+
+            raise GrammarBusyError(f"this client already has {waiting} requests waiting for their grammar to compile "
+                                   f"(the limit, --grammar-max-queued-per-client); try again later")
 
     def enqueue(self, reqs: list[Req]) -> list[Req]:
         ready = []

@@ -187,7 +187,8 @@ class SchedulerLoop:
         try:
             self.scheduler.add_request(req_from_message(msg))
         except ValueError as e:
-            self.send(M.ReqError(msg.rid, str(e), getattr(e, "param", None) or _grammar_param(e, msg), True))
+            self.send(M.ReqError(msg.rid, str(e), getattr(e, "param", None) or _grammar_param(e, msg), True,
+                                 retry_later=type(e).__name__ == "GrammarBusyError"))
         except Exception as e:
             logger.exception("add_request failed for %s", msg.rid)
             self.send(M.ReqError(msg.rid, f"{type(e).__name__}: {e}", None, False))
@@ -195,7 +196,7 @@ class SchedulerLoop:
 
 def _grammar_param(e: ValueError, msg: M.GenerateReq) -> Optional[str]:
     """A grammar error names no field; it is the regex or the schema the request carried."""
-    if type(e).__name__ not in ("GrammarError", "GrammarTimeoutError"):
+    if type(e).__name__ not in ("GrammarError", "GrammarTimeoutError", "GrammarBusyError"):
         return None
     if msg.sampling_params.get("regex") is not None:
         return "regex"

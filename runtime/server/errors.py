@@ -56,6 +56,10 @@ def too_many_requests(limit: int, retry_after_s: int = 1) -> APIError:
                     code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
 
 
+def retry_later(message: str, param: Optional[str] = None, retry_after_s: int = 1) -> APIError:
+    return APIError(message, 429, param=param, code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
+
+
 def unauthorized() -> APIError:
     return APIError("Invalid or missing API key (expected 'Authorization: Bearer <key>')", 401, code="invalid_api_key")
 

@@ -122,7 +122,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     handles: list[RequestHandle] = []
     try:
         for r in prepared:
-            handles.append(await tm.submit(r, snapshot_ids=req.stream))
+            handles.append(await tm.submit(r, snapshot_ids=req.stream, client=request.remote))
         if req.stream:
             return await _stream_generate(request, handles, token_text)
         await drain(handles)

@@ -39,13 +39,15 @@ class GenerateReq(msgspec.Struct, tag=True):
     top_logprobs_num: int = 0
     stream: bool = False
     media: Optional[list[MediaItem]] = None
+    client: str = ""
 
 
 def generate_req(req: Any) -> GenerateReq:
     """The wire form of a prepared `Req`."""
     return GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling_params=req.sampling_params.to_dict(),
                        return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                       top_logprobs_num=req.top_logprobs_num, stream=req.stream, media=_media_items(req.mm_inputs))
+                       top_logprobs_num=req.top_logprobs_num, stream=req.stream, media=_media_items(req.mm_inputs),
+                       client=req.client)
 
 
 def _media_items(mm: Any) -> Optional[list[MediaItem]]:
@@ -111,12 +113,14 @@ class OutputBatch(msgspec.Struct, tag=True):
 
 
 class ReqError(msgspec.Struct, tag=True):
-    """add_request rejected the request; `user_error` says whether it was the client's fault (400)."""
+    """add_request rejected the request; `user_error` says whether it was the client's fault (400), `retry_later`
+    that it may succeed later (429)."""
 
     rid: str
     message: str
     param: Optional[str] = None
     user_error: bool = True
+    retry_later: bool = False
 
 
 class FlushCacheResult(msgspec.Struct, tag=True):

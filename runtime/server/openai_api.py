@@ -248,7 +248,7 @@ class OpenAIServing:
                                          prompt_chars_checked=True, stream=req.stream,
                                          add_special_tokens=bool(req.add_special_tokens),
                                          max_new_tokens_fills_context=True, **lps.prepare_options(), **media)
-        handle = await self.tm.submit(prepared, returned_n=n)
+        handle = await self.tm.submit(prepared, returned_n=n, client=request.remote)
         try:
             rid = f"chatcmpl-{handle.rid}"
             if req.stream:
@@ -397,7 +397,7 @@ class OpenAIServing:
         handles: list[RequestHandle] = []
         try:
             for prepared, _ in prompts:
-                handles.append(await self.tm.submit(prepared, returned_n=n))
+                handles.append(await self.tm.submit(prepared, returned_n=n, client=request.remote))
             rid = f"cmpl-{handles[0].rid}"
             if req.stream:
                 return await self._stream_completion(request, handles, prompts, rid, model, req, lps, n)

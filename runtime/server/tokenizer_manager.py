@@ -31,7 +31,7 @@ from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.server import messages as M
 from braid.runtime.scheduler import process as scheduler_process
-from braid.runtime.server.errors import APIError, bad_request, internal, too_many_requests, unavailable
+from braid.runtime.server.errors import APIError, bad_request, internal, retry_later, too_many_requests, unavailable
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.prepare import RequestError, ServedModel, prepare_request
 from braid.runtime.server.request_handle import RequestHandle
@@ -316,10 +316,13 @@ class TokenizerManager:
         if in_flight >= self.server_args.max_running_requests + queued_limit:
             raise too_many_requests(queued_limit)
 
-    async def submit(self, req: Req, snapshot_ids: bool = False, returned_n: Optional[int] = None) -> RequestHandle:
+    async def submit(self, req: Req, snapshot_ids: bool = False, returned_n: Optional[int] = None,
+                     client: str = "") -> RequestHandle:
         """Send a prepared request to the scheduler. `snapshot_ids`: each update carries the choice's output ids
-        (the native stream sends them all); `returned_n`: the choices the client gets (best_of ranks n of them)."""
+        (the native stream sends them all); `returned_n`: the choices the client gets (best_of ranks n of them);
+        `client`: the peer's address (the scheduler caps grammar compiles per client)."""
         self.check_accepting()
+        req.client = client or ""
         if req.rid in self.handles:
             raise bad_request(f"a request with rid {req.rid!r} is already running", param="rid")
         handle = RequestHandle(req, self.tokenizer, self.metrics, self.server_args.request_timeout_s,
@@ -435,7 +438,11 @@ class TokenizerManager:
         if isinstance(msg, M.ReqError):
             handle = self.handles.get(msg.rid)
             if handle is not None:
-                handle.deliver(bad_request(msg.message, param=msg.param) if msg.user_error else internal(msg.message))
+                if msg.retry_later:
+                    handle.deliver(retry_later(msg.message, param=msg.param))
+                else:
+                    handle.deliver(bad_request(msg.message, param=msg.param) if msg.user_error
+                                   else internal(msg.message))
         elif isinstance(msg, (M.FlushCacheResult, M.Stats)):
             fut = self._pending.get(msg.req_id)
             if fut is not None and not fut.done():

@@ -36,12 +36,15 @@ def start_server(*flags: str, env: dict | None = None, api_key: str = API_KEY) -
 MAX_PROMPT_CHARS = 3_000_000
 MAX_BODY_BYTES = 4 << 20
 MAX_RUNNING, MAX_QUEUED = 2, 1
+GRAMMAR_TIMEOUT_S = 4
 
 
 @pytest.fixture(scope="session")
 def front_server():
-    """Sized small: prompts of up to 3M characters, 4 MiB bodies, 2 running + 1 queued requests."""
+    """Sized small: prompts of up to 3M characters, 4 MiB bodies, 2 running + 1 queued requests, one grammar compile
+    per client."""
     srv = start_server("--max-prompt-chars", str(MAX_PROMPT_CHARS), "--max-body-bytes", str(MAX_BODY_BYTES),
-                       "--max-running-requests", str(MAX_RUNNING), "--max-queued-requests", str(MAX_QUEUED))
+                       "--max-running-requests", str(MAX_RUNNING), "--max-queued-requests", str(MAX_QUEUED),
+                       "--grammar-max-queued-per-client", "1", "--grammar-timeout-s", str(GRAMMAR_TIMEOUT_S))
     yield srv
     srv.stop()

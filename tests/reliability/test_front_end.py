@@ -1,13 +1,15 @@
 """The HTTP front end under big prompts, bad numbers, deep JSON and too many requests: 4xx, never 5xx, and
 /health answers while a big prompt tokenizes."""
 
+import http.client
+import json
 import random
 import threading
 import time
 
 import pytest
 import requests
-from conftest import MAX_BODY_BYTES, MAX_PROMPT_CHARS, MAX_QUEUED, MAX_RUNNING
+from conftest import GRAMMAR_TIMEOUT_S, MAX_BODY_BYTES, MAX_PROMPT_CHARS, MAX_QUEUED, MAX_RUNNING
 
 from braid.runtime.config import ServerArgs
 from braid.runtime.server.http_server import resolve_api_key
@@ -134,7 +136,6 @@ def test_response_format_on_completions_constrains_the_output(front_server):
         "prompt": "Answer in JSON:", "max_tokens": 16, "temperature": 0,
         "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}})
     assert resp.status_code == 200, resp.text
-    import json
     assert json.loads(resp.json()["choices"][0]["text"])["answer"] in ("yes", "no")
 
 
@@ -177,3 +178,52 @@ def test_beyond_max_queued_requests_is_a_429_with_retry_after(front_server):
     assert stats["num_server_requests"] == 0 and stats["kv_used_tokens"] == 0
     ok = front_server.post("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}})
     assert ok.status_code == 200, ok.text
+
+
+def _post_from(server, source_ip: str, path: str, body: dict) -> tuple[int, dict, dict]:
+    """POST from a given loopback source address (another client to the server): status, headers, JSON body."""
+    host, port = server.base_url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120, source_address=(source_ip, 0))
+    try:
+        conn.request("POST", path, body=json.dumps(body), headers={**server.headers, "Content-Type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_grammar_compiles_are_capped_per_client(front_server):
+    """--grammar-max-queued-per-client 1: while one pathological regex compiles, the same client's next new grammar
+    is a 429 at once; a request sharing that compile is not counted; another client's regex is served at once."""
+    slow_regex, other_slow_regex = "(a|b)*a(a|b){24}", "(a|b)*b(a|b){25}"
+
+    def regex_body(regex: str) -> dict:
+        return {"text": "Say maybe:", "sampling_params": {"max_new_tokens": 4, "regex": regex, "temperature": 0}}
+
+    results = {}
+
+    def post(name: str, regex: str) -> None:
+        results[name] = _post_from(front_server, "127.0.0.1", "/generate", regex_body(regex))
+
+    first = threading.Thread(target=post, args=("first", slow_regex))
+    first.start()
+    time.sleep(0.5)  # the first compile is running
+    sharing = threading.Thread(target=post, args=("sharing", slow_regex))
+    sharing.start()
+    started = time.time()
+    status, headers, body = _post_from(front_server, "127.0.0.1", "/generate", regex_body(other_slow_regex))
+    assert status == 429, body
+    assert time.time() - started < 2, "the capped request must fail at once, not after a compile"
+    assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["param"] == "regex"
+    assert "--grammar-max-queued-per-client" in body["error"]["message"] and int(headers["Retry-After"]) >= 1
+    started = time.time()
+    status, _, body = _post_from(front_server, "127.0.0.2", "/generate", regex_body("(maybe|perhaps)"))
+    assert status == 200, body
+    assert body["text"] in ("maybe", "perhaps") and time.time() - started < GRAMMAR_TIMEOUT_S
+    first.join(timeout=GRAMMAR_TIMEOUT_S * 10)
+    sharing.join(timeout=GRAMMAR_TIMEOUT_S * 10)
+    for name in ("first", "sharing"):  # both end with the compile timeout, a 400 naming the regex
+        status, _, body = results[name]
+        assert status == 400 and body["error"]["param"] == "regex", (name, body)
+    stats = front_server.idle_stats()
+    assert stats["num_server_requests"] == 0 and stats["kv_used_tokens"] == 0
