@@ -97,7 +97,8 @@ class ServerArgs:
         None, "key splits of the Triton decode attention for every batch (default: 32 at batch 1 for 8 KV heads on "
         "an H200, at least 16, chosen per batch size; 4 on CPU)")
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
-    cuda_graph_max_bs: int = _opt(160, "largest decode batch captured in a CUDA graph")
+    cuda_graph_max_bs: int = _opt(256, "largest decode batch captured in a CUDA graph (256: every batch the "
+                                       "default admission cap allows)")
     enable_torch_compile: bool = _opt(False, "torch.compile the model's non-attention parts")
     torch_compile_max_bs: int = _opt(32, "largest batch compiled", aliases=("--max-torch-compile-bs",))
     disable_pdl: bool = _opt(False, "launch the decode path's Triton kernels without programmatic dependent launch "

@@ -46,7 +46,7 @@ def test_running_requests_cap_from_the_kv_pool():
     args = ServerArgs(model_path="smollm2")
     assert args.max_running_requests is None
     assert args.running_requests_cap(65536) == 256  # every CPU default pool keeps today's cap
-    assert args.running_requests_cap(780_000) == 256  # default graphs (160): eager batches past 256 lose on the H200
+    assert args.running_requests_cap(780_000) == 256  # default graphs (256): eager batches past them lose on the H200
     wide_graphs = ServerArgs(model_path="smollm2", cuda_graph_max_bs=512)
     assert wide_graphs.running_requests_cap(780_000) == 512
     assert wide_graphs.running_requests_cap(100_000) == 100_000 // 256  # the pool's share when it is smaller
