@@ -13,7 +13,7 @@ import time
 from collections import deque
 from typing import Optional, Protocol
 
-from braid.runtime.config import ServerArgs
+from braid.runtime.config import DEFAULT_CUDA_CONTINUOUS_DECODE_STEPS, ServerArgs
 import torch
 
 from braid.runtime.core import FinishReason, ForwardOutput, Req, ReqOutput
@@ -95,6 +95,8 @@ class Scheduler:
         self.device = self.runner.device
         self.context_len = self.runner.context_len
         self.max_running_requests = self.runner.max_running_requests  # the cap, derived from the KV pool if unset
+        self.continuous_decode_steps = server_args.num_continuous_decode_steps or (
+            DEFAULT_CUDA_CONTINUOUS_DECODE_STEPS if self.device.type == "cuda" else 1)
         self.vocab_size = self.runner.vocab_size
         self.model_config = self.runner.model_config
         self.req_to_token_pool = self.runner.req_to_token_pool
@@ -175,6 +177,7 @@ class Scheduler:
             **self._window_kv_stats(),
             cache_hit_rate=(s["num_cached_tokens_total"] / s["num_prompt_tokens_total"]) if s["num_prompt_tokens_total"] else 0.0,
             new_token_ratio=self.decode.new_token_ratio, effective_max_running_requests=self.max_running_requests,
+            effective_num_continuous_decode_steps=self.continuous_decode_steps,
             **self.timing.stats(),
         )
         return s
@@ -241,7 +244,7 @@ class Scheduler:
     def _admit(self) -> list[Req]:
         if not self.waiting and not self.resume_queue:
             return []
-        self.decode_steps_before_admit = self.server_args.num_continuous_decode_steps
+        self.decode_steps_before_admit = self.continuous_decode_steps
         if not self.resume_queue and len(self.running) >= self.max_running_requests:
             return []  # full: not even the decode reservation needs adding up
         batch, admitted = self.prefill.plan(self.waiting, self.resume_queue, len(self.running),

@@ -78,6 +78,7 @@ def test_derived_cap_admits_past_256_and_ends_clean():
 def test_continuous_decode_steps_pace_admission(overlap):
     steps = 4
     sched = scheduler(max_total_tokens=8192, max_running_requests=4, num_continuous_decode_steps=steps)
+    assert sched.get_stats()["effective_num_continuous_decode_steps"] == steps
     sched.decode.overlap = overlap  # the chained schedule's bookkeeping runs on CPU too
     extends = []  # per extend batch formed: (decode passes launched so far, requests decoding beside it)
     admit = sched._admit
@@ -103,8 +104,10 @@ def test_continuous_decode_steps_pace_admission(overlap):
     assert stats["num_running_reqs"] == 0 and stats["kv_used_tokens"] == 0
 
 
-def test_one_decode_step_between_checks_is_the_default():
+def test_one_decode_step_between_checks_is_the_cpu_default():
     sched = scheduler(max_total_tokens=8192, max_running_requests=4)
+    assert sched.server_args.num_continuous_decode_steps is None
+    assert sched.get_stats()["effective_num_continuous_decode_steps"] == 1  # 4 on CUDA
     add(sched, 12, prompt_len=6, max_new=lambda i: 3 + i % 5)
     kinds = []
     last = [0, 0]
