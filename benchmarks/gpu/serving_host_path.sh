@@ -1,9 +1,9 @@
 # The scheduler's host path in ShareGPT serving (issue 14): the Llama-3-8B-shaped dummy bf16 server
 # (--cuda-graph-max-bs 256), bench_serving ShareGPT lengths (--seed 7, NUM_PROMPTS default 3000, all at once), once per
 # CONFIG (extra launch_server flags), all in one call so the configurations compare on one machine. Default configs:
-#   "--max-running-requests 256"           the fixed cap of 256 (the default before max_running_requests was derived)
-#   ""                                     the defaults: the cap derived from the KV pool (one request per 256 tokens)
-#   "--num-continuous-decode-steps 4"      the derived cap, the waiting queue looked at once per 4 decode steps
+#   "--num-continuous-decode-steps 1"      the waiting queue looked at every decode step (the default before c2dd4a8)
+#   ""                                     the defaults: cap 256, graphs to 256, the queue looked at once per 4 steps
+#   "--max-running-requests 512 --cuda-graph-max-bs 512"   twice the running requests, graphed
 # Per run: the bench_serving figures, then from /get_server_info the scheduler's own clocks over the run, per forward
 # pass: host ms (step() outside the model's forward and device waits), forward-launch ms, device-wait ms, send ms;
 # decode/extend passes, chained (overlapped) decode passes, retractions, the effective max_running_requests; and the
@@ -13,7 +13,7 @@
 #   NUM_PROMPTS=3000 bash benchmarks/gpu/serving_host_path.sh ["CONFIG" ...]
 #   DATASET=random1k bash benchmarks/gpu/serving_host_path.sh "--max-running-requests 256" ""
 set -o pipefail
-[ $# -gt 0 ] || set -- "--max-running-requests 256" "" "--num-continuous-decode-steps 4"
+[ $# -gt 0 ] || set -- "--num-continuous-decode-steps 1" "" "--max-running-requests 512 --cuda-graph-max-bs 512"
 source benchmarks/gpu/setup.sh
 trap stop_server EXIT
 BUDGET_S=${BUDGET_S:-540}
