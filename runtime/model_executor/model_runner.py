@@ -134,8 +134,10 @@ class ModelRunner:
         """The most new tokens one forward pass allocates: a prefill batch's budget plus mixed-in decode tokens."""
         sa = self.server_args
         chunk = self.context_len if sa.chunked_prefill_size == -1 else sa.chunked_prefill_size
-        # (the pool is not sized yet here: an unset max_running_requests counts as its smallest derived value)
-        return min(sa.max_prefill_tokens, chunk) + (sa.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS)
+        # the pool is not sized yet when this is first asked: an unset max_running_requests counts as its largest
+        # derived value (ServerArgs.running_requests_cap)
+        cap = sa.max_running_requests or max(DEFAULT_MAX_RUNNING_REQUESTS, sa.cuda_graph_max_bs)
+        return min(sa.max_prefill_tokens, chunk) + cap
 
     def _hybrid_sizes(self, budget: float, layer_windows: list, kv_dtype) -> tuple[int, int]:
         mc = self.model_config

@@ -46,11 +46,12 @@ def test_running_requests_cap_from_the_kv_pool():
     args = ServerArgs(model_path="smollm2")
     assert args.max_running_requests is None
     assert args.running_requests_cap(65536) == 256  # every CPU default pool keeps today's cap
-    assert args.running_requests_cap(780_000) == 256  # default graphs (256): eager batches past them lose on the H200
-    wide_graphs = ServerArgs(model_path="smollm2", cuda_graph_max_bs=512)
-    assert wide_graphs.running_requests_cap(780_000) == 512
-    assert wide_graphs.running_requests_cap(100_000) == 100_000 // 256  # the pool's share when it is smaller
-    assert wide_graphs.running_requests_cap(1_000) == 256
+    assert args.running_requests_cap(780_000) == 512  # the default graphs' largest batch (an H200 pool for 8B)
+    assert args.running_requests_cap(100_000) == 100_000 // 256  # the pool's share when it is smaller
+    assert args.running_requests_cap(1_000) == 256
+    # eager batches past the graphs lost on the H200: the cap stays within them
+    assert ServerArgs(model_path="smollm2", cuda_graph_max_bs=160).running_requests_cap(780_000) == 256
+    assert ServerArgs(model_path="smollm2", cuda_graph_max_bs=1024).running_requests_cap(780_000) == 1024
     assert ServerArgs(model_path="smollm2", max_running_requests=64).running_requests_cap(10**6) == 64
     # --max-queued-requests counts beyond a cap the HTTP server knows up front
     assert ServerArgs(model_path="smollm2", max_queued_requests=10).max_running_requests == 256
@@ -59,7 +60,7 @@ def test_running_requests_cap_from_the_kv_pool():
 
 
 def test_derived_cap_admits_past_256_and_ends_clean():
-    sched = scheduler(max_total_tokens=131072, cuda_graph_max_bs=512)  # 512 requests' worth by the derivation
+    sched = scheduler(max_total_tokens=131072)  # 512 requests' worth by the derivation
     assert sched.get_stats()["effective_max_running_requests"] == 512
     add(sched, 400, prompt_len=8, max_new=6)
     peak = [0]
