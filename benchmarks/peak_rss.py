@@ -3,8 +3,10 @@ subprocesses): the sum of the resident set sizes of the whole process tree, samp
 
     python benchmarks/peak_rss.py -- python -m pytest tests -q
 
-Prints the command's own output, then its exit status, wall time and the peak summed RSS with the time it was
-reached; exits with the command's status.
+Prints the command's own output, then its exit status, wall time, the peak summed RSS and the peak summed PSS
+(proportional set size: a page shared by k processes counts 1/k in each, so the sum is the memory the tree really
+holds; RSS counts the shared torch libraries once per process) with the time each was reached, and the largest
+processes at the PSS peak; exits with the command's status.
 """
 
 from __future__ import annotations
@@ -30,18 +32,47 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def tree_rss_bytes(root: int) -> int:
-    tree, total, stack = _children(), 0, [root]
-    page = os.sysconf("SC_PAGE_SIZE")
+def _tree_pids(root: int) -> list[int]:
+    tree, out, stack = _children(), [], [root]
     while stack:
         pid = stack.pop()
-        try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * page
-        except OSError:
-            pass
+        out.append(pid)
         stack.extend(tree.get(pid, ()))
-    return total
+    return out
+
+
+def _rss_pss_bytes(pid: int) -> tuple[int, int]:
+    rss = pss = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Rss:"):
+                    rss = int(line.split()[1]) * 1024
+                elif line.startswith("Pss:"):
+                    pss = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return rss, pss
+
+
+def _cmdline(pid: int, width: int = 110) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:width]
+    except OSError:
+        return "?"
+
+
+def tree_memory(root: int) -> tuple[int, int, list[tuple[int, int]]]:
+    """(summed RSS, summed PSS, [(PSS, pid)] of every process in the tree)."""
+    rss_total = pss_total = 0
+    per_process = []
+    for pid in _tree_pids(root):
+        rss, pss = _rss_pss_bytes(pid)
+        rss_total += rss
+        pss_total += pss
+        per_process.append((pss, pid))
+    return rss_total, pss_total, per_process
 
 
 def main() -> int:
@@ -54,15 +85,23 @@ def main() -> int:
         parser.error("give the command after --")
     start = time.monotonic()
     proc = subprocess.Popen(command)
-    peak, peak_at = 0, 0.0
+    peak_rss = peak_pss = 0
+    rss_at = pss_at = 0.0
+    top: list[str] = []
     while proc.poll() is None:
-        rss = tree_rss_bytes(proc.pid)
-        if rss > peak:
-            peak, peak_at = rss, time.monotonic() - start
+        rss, pss, per_process = tree_memory(proc.pid)
+        now = time.monotonic() - start
+        if rss > peak_rss:
+            peak_rss, rss_at = rss, now
+        if pss > peak_pss:
+            peak_pss, pss_at = pss, now
+            top = [f"  {p / 2**30:6.2f} GiB  {pid:>7}  {_cmdline(pid)}" for p, pid in sorted(per_process)[-6:][::-1]]
         time.sleep(args.interval_s)
     wall = time.monotonic() - start
     print(f"peak_rss: exit {proc.returncode}, wall {wall:.0f} s, peak summed RSS of the process tree "
-          f"{peak / 2**30:.2f} GiB at {peak_at:.0f} s", flush=True)
+          f"{peak_rss / 2**30:.2f} GiB at {rss_at:.0f} s, peak summed PSS {peak_pss / 2**30:.2f} GiB at {pss_at:.0f} s; "
+          f"the largest processes then (PSS):", flush=True)
+    print("\n".join(top), flush=True)
     return proc.returncode
 
 
