@@ -195,6 +195,7 @@ def add_like_rank_0(scheduler, msg, command: Command) -> None:
     Refusals that depend on this rank's timing (a full grammar queue) are the only way the outcomes can differ."""
     req = req_from_message(msg)
     req.created_time = command.created_time
+    req.client = ""  # the per-client grammar cap counts compiles pending on this rank: rank 0's outcome decides
     try:
         scheduler.add_request(req)
         accepted, reason = True, ""
