@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import gc
 import itertools
 import logging
@@ -22,6 +23,15 @@ from braid.runtime.server.prepare import ServedModel, prepare_request
 
 logger = logging.getLogger(__name__)
 
+
+
+def return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise: a closed CPU engine left ~1.2 GB of a
+    135M model's process resident until malloc_trim). A no-op where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 class _Pending:
     """A submitted request as its caller waits for it: one accumulator per choice, the scheduler's outputs."""
@@ -290,3 +300,4 @@ class Engine:
             gc.collect()
             if torch.cuda.is_initialized():
                 torch.cuda.empty_cache()
+            return_freed_memory()

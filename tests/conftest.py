@@ -2,10 +2,37 @@
 
 Triton reads TRITON_INTERPRET when a kernel is decorated, so on machines without a GPU it is set here,
 before any test module (in any folder) imports braid's kernel modules.
+
+Memory (the suite must fit a small machine): after each module the freed heap goes back to the OS, and a folder's
+session-wide server or engine (`close_when_leaving_folder`) stops once that folder's last test is done instead of
+living through every later folder.
 """
 
+import gc
 import os
 import shutil
 
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from suite_memory import CLOSE_WHEN_LEAVING, in_folder  # noqa: E402
+
+from braid.runtime.engine import return_freed_memory  # noqa: E402
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    for folder in list(CLOSE_WHEN_LEAVING):
+        if in_folder(item.nodeid, folder) and (nextitem is None or not in_folder(nextitem.nodeid, folder)):
+            for close in CLOSE_WHEN_LEAVING.pop(folder):
+                close()
+            gc.collect()
+            return_freed_memory()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _return_memory_after_each_module():
+    yield
+    gc.collect()
+    return_freed_memory()

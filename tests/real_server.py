@@ -54,7 +54,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        os.unlink(self.log_path)
+        if os.path.exists(self.log_path):
+            os.unlink(self.log_path)
 
 
 def start_server(flags: list[str], api_key: str, log_prefix: str, env: dict | None = None,

@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from suite_memory import close_when_leaving_folder
 
 from braid.runtime.loader.model_path import resolve_model_path
 
@@ -29,12 +30,13 @@ def new_tokens():
 
 
 @pytest.fixture(scope="session")
-def hf_smollm2():
+def hf_smollm2(request):
     import transformers
 
     path = resolve_model_path("smollm2")
     model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                               torch_dtype=torch.float32)
+    close_when_leaving_folder(request, __file__, lambda: model.to_empty(device="meta"))  # frees the weights
     return model.eval()
 
 

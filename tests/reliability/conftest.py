@@ -5,6 +5,7 @@ import time
 
 import pytest
 import real_server
+from suite_memory import close_when_leaving_folder
 from real_server import Server
 
 API_KEY = "reliability-key"
@@ -40,11 +41,12 @@ GRAMMAR_TIMEOUT_S = 4
 
 
 @pytest.fixture(scope="session")
-def front_server():
+def front_server(request):
     """Sized small: prompts of up to 3M characters, 4 MiB bodies, 2 running + 1 queued requests, one grammar compile
     per client."""
     srv = start_server("--max-prompt-chars", str(MAX_PROMPT_CHARS), "--max-body-bytes", str(MAX_BODY_BYTES),
                        "--max-running-requests", str(MAX_RUNNING), "--max-queued-requests", str(MAX_QUEUED),
                        "--grammar-max-queued-per-client", "1", "--grammar-timeout-s", str(GRAMMAR_TIMEOUT_S))
+    close_when_leaving_folder(request, __file__, srv.stop)
     yield srv
     srv.stop()

@@ -1,13 +1,15 @@
 """One real server process on SmolLM2 for the whole session (started on first use), plus clients."""
 
 import pytest
+from suite_memory import close_when_leaving_folder
 from real_server import start_server
 from server_helpers import API_KEY, SERVER_FLAGS
 
 
 @pytest.fixture(scope="session")
-def server():
+def server(request):
     srv = start_server(SERVER_FLAGS, API_KEY, "braid-server-")
+    close_when_leaving_folder(request, __file__, srv.stop)
     yield srv
     srv.stop()
 
