@@ -6,7 +6,7 @@ import braid
 
 @pytest.fixture(scope="session")
 def runtime(request):
-    rt = braid.Runtime(model_path="smollm2", max_total_tokens=32768, log_level="warning")
+    rt = braid.Runtime(model_path="smollm2", max_total_tokens=16384, log_level="warning")
     close_when_leaving_folder(request, __file__, rt.shutdown)
     yield rt
     rt.shutdown()
@@ -14,7 +14,7 @@ def runtime(request):
 
 @pytest.fixture(scope="session")
 def local_engine(request):
-    backend = braid.LocalEngine(model_path="smollm2", max_total_tokens=16384, log_level="warning")
+    backend = braid.LocalEngine(model_path="smollm2", max_total_tokens=8192, log_level="warning")
     if getattr(backend, "shutdown", None):
         close_when_leaving_folder(request, __file__, backend.shutdown)
     yield backend
