@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import gc
 import itertools
 import logging
@@ -17,6 +16,7 @@ import torch
 
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import Req
+from braid.runtime.host_memory import return_freed_memory
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.output_accumulator import OutputAccumulator
 from braid.runtime.server.prepare import ServedModel, prepare_request
@@ -24,14 +24,6 @@ from braid.runtime.server.prepare import ServedModel, prepare_request
 logger = logging.getLogger(__name__)
 
 
-
-def return_freed_memory() -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise: a closed CPU engine left ~1.2 GB of a
-    135M model's process resident until malloc_trim). A no-op where the C library has no malloc_trim."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 class _Pending:
     """A submitted request as its caller waits for it: one accumulator per choice, the scheduler's outputs."""

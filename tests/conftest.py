@@ -18,7 +18,7 @@ if shutil.which("nvidia-smi") is None:
 import pytest  # noqa: E402
 from suite_memory import CLOSE_WHEN_LEAVING, in_folder  # noqa: E402
 
-from braid.runtime.engine import return_freed_memory  # noqa: E402
+from braid.runtime.host_memory import return_freed_memory  # noqa: E402
 
 
 @pytest.hookimpl(trylast=True)
