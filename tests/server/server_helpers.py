@@ -6,7 +6,7 @@ import requests
 
 API_KEY = "test-key"
 MAX_BODY_BYTES = 1 << 20
-SERVER_FLAGS = ["--max-total-tokens", "32768", "--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES),
+SERVER_FLAGS = ["--max-total-tokens", "16384", "--api-key", API_KEY, "--max-body-bytes", str(MAX_BODY_BYTES),
                 "--shutdown-timeout-s", "30", "--log-level", "warning"]
 
 

@@ -128,7 +128,7 @@ def test_health_generate_flush_and_server_info(server):
     assert info["model_path"] == "smollm2" and info["api_key"] == "<redacted>"
     for key in ("num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens", "cache_hit_rate"):
         assert key in info
-    assert info["kv_total_tokens"] == 32768
+    assert info["kv_total_tokens"] == 16384
 
 
 def test_metrics(server):

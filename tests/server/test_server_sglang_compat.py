@@ -15,7 +15,7 @@ def test_get_server_args_is_the_public_args_part_of_server_info(server):
     info = server.get("/get_server_info").json()
     assert args["api_key"] == "<redacted>" and API_KEY not in server.get("/get_server_args").text
     assert args["api_key_set"] is True
-    assert args["max_total_tokens"] == 32768 and args["model_path"] == "smollm2"
+    assert args["max_total_tokens"] == 16384 and args["model_path"] == "smollm2"
     # /get_server_info reports the model's resolved context length; the argument itself was not given
     assert args["context_length"] is None and info["context_length"] > 0
     assert {k: info[k] for k in args if k != "context_length"} == {k: v for k, v in args.items() if k != "context_length"}
