@@ -6,7 +6,7 @@ import braid
 
 @pytest.fixture(scope="session")
 def runtime(request):
-    rt = braid.Runtime(model_path="smollm2", max_total_tokens=16384, log_level="warning")
+    rt = braid.Runtime(model_path="smollm2", max_total_tokens=8192, log_level="warning")
     close_when_leaving_folder(request, __file__, rt.shutdown)
     yield rt
     rt.shutdown()

@@ -150,7 +150,7 @@ def test_token_usage_and_server_args_match_the_runtime(backend_name, request):
     """backend.token_usage counts what the runtime counted (gen, select's scoring and prefill calls alike), and
     get_server_args gives the runtime's own ServerArgs."""
     backend = _backend(backend_name, request)
-    expected_total = 16384 if backend_name == "http" else 8192
+    expected_total = 8192
     assert backend.get_server_args()["max_total_tokens"] == expected_total
     assert braid.get_server_args(backend)["max_total_tokens"] == expected_total
     usage = backend.token_usage

@@ -5,7 +5,6 @@ import time
 
 import pytest
 import real_server
-from suite_memory import close_when_leaving_folder
 from real_server import Server
 
 API_KEY = "reliability-key"
@@ -40,13 +39,12 @@ MAX_RUNNING, MAX_QUEUED = 2, 1
 GRAMMAR_TIMEOUT_S = 4
 
 
-@pytest.fixture(scope="session")
-def front_server(request):
+@pytest.fixture(scope="module")
+def front_server():
     """Sized small: prompts of up to 3M characters, 4 MiB bodies, 2 running + 1 queued requests, one grammar compile
-    per client."""
+    per client. Per module, so that it is gone while the lifecycle and soak modules run servers of their own."""
     srv = start_server("--max-prompt-chars", str(MAX_PROMPT_CHARS), "--max-body-bytes", str(MAX_BODY_BYTES),
                        "--max-running-requests", str(MAX_RUNNING), "--max-queued-requests", str(MAX_QUEUED),
                        "--grammar-max-queued-per-client", "1", "--grammar-timeout-s", str(GRAMMAR_TIMEOUT_S))
-    close_when_leaving_folder(request, __file__, srv.stop)
     yield srv
     srv.stop()
