@@ -1,9 +1,10 @@
-"""One real server process on SmolLM2 for the whole session (started on first use), plus clients."""
+"""One real server process on SmolLM2 for this folder (started on first use, stopped after its last test), plus
+clients."""
 
 import pytest
-from suite_memory import close_when_leaving_folder
 from real_server import start_server
 from server_helpers import API_KEY, SERVER_FLAGS
+from suite_memory import close_when_leaving_folder
 
 
 @pytest.fixture(scope="session")
