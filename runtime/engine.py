@@ -24,7 +24,6 @@ from braid.runtime.server.prepare import ServedModel, prepare_request
 logger = logging.getLogger(__name__)
 
 
-
 class _Pending:
     """A submitted request as its caller waits for it: one accumulator per choice, the scheduler's outputs."""
 

@@ -264,8 +264,7 @@ class GrammarBackend:
         except GrammarError:
             return False
         with self._lock:
-            return key not in self._cache or key in self._timed_out_at and \
-                time.monotonic() - self._timed_out_at[key] >= self.timeout_retry_after_s
+            return key not in self._cache or self._timeout_passed_locked(key)
 
     def submit(self, kind: str, spec) -> concurrent.futures.Future:
         """Future of a `CompiledGrammar`; the same (kind, spec) gives the same future (and object)."""
@@ -356,9 +355,13 @@ class GrammarBackend:
                 del self._cache[key]
                 self._timed_out_at.pop(key, None)
 
-    def _timeout_expired_locked(self, key) -> bool:
+    def _timeout_passed_locked(self, key) -> bool:
+        """Whether `key` timed out more than timeout_retry_after_s ago (a new submit compiles it again)."""
         timed_out_at = self._timed_out_at.get(key)
-        if timed_out_at is None or time.monotonic() - timed_out_at < self.timeout_retry_after_s:
+        return timed_out_at is not None and time.monotonic() - timed_out_at >= self.timeout_retry_after_s
+
+    def _timeout_expired_locked(self, key) -> bool:
+        if not self._timeout_passed_locked(key):
             return False
         del self._timed_out_at[key]
         return True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Future
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -60,6 +60,15 @@ def fan_out(req: Req, share_prefill: bool) -> tuple[Optional[Req], list[Req]]:
     return parent, children
 
 
+def grammar_spec(sp) -> Optional[tuple[str, Any]]:
+    """(kind, spec) of the grammar a request's SamplingParams carry, None without one."""
+    if sp.regex is not None:
+        return "regex", sp.regex
+    if sp.json_schema is not None:
+        return "json", sp.json_schema
+    return None
+
+
 class RequestIntake:
     def __init__(self, server_args, tokenizer, vocab_size: int, context_len: int, kv_pool_size: int,
                  device: torch.device, share_prefill: bool):
@@ -105,12 +114,11 @@ class RequestIntake:
     def check_client_compiles(self, req: Req) -> None:
         """GrammarBusyError when `req` would start a compile while its HTTP client already has
         --grammar-max-queued-per-client requests waiting for theirs (one client cannot fill the compile pool)."""
-        cap, sp = self.server_args.grammar_max_queued_per_client, req.sampling_params
-        if not cap or not req.client or (sp.regex is None and sp.json_schema is None):
+        cap, grammar = self.server_args.grammar_max_queued_per_client, grammar_spec(req.sampling_params)
+        if not cap or not req.client or grammar is None:
             return
-        kind, spec = ("regex", sp.regex) if sp.regex is not None else ("json", sp.json_schema)
         waiting = len({id(fut) for queued, fut in self.grammar_queue if queued.client == req.client and not fut.done()})
-        if waiting >= cap and self.grammar_backend.would_compile(kind, spec):
+        if waiting >= cap and self.grammar_backend.would_compile(*grammar):
             from braid.runtime.constrained.fsm import GrammarBusyError
 
             raise GrammarBusyError(f"this client already has {waiting} requests waiting for their grammar to compile "
@@ -122,9 +130,9 @@ class RequestIntake:
             sp = req.sampling_params
             if sp.seed is not None:
                 req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
-            if sp.regex is not None or sp.json_schema is not None:
-                kind, spec = ("regex", sp.regex) if sp.regex is not None else ("json", sp.json_schema)
-                self.grammar_queue.append((req, self.grammar_backend.submit(kind, spec)))
+            grammar = grammar_spec(sp)
+            if grammar is not None:
+                self.grammar_queue.append((req, self.grammar_backend.submit(*grammar)))
             else:
                 ready.append(req)
         return ready

@@ -51,13 +51,13 @@ def body_too_large(limit: int) -> APIError:
     return APIError(f"Request body is larger than the limit of {limit} bytes", 413, code="request_too_large")
 
 
-def too_many_requests(limit: int, retry_after_s: int = 1) -> APIError:
-    return APIError(f"The server has {limit} requests queued (--max-queued-requests); retry later", 429,
-                    code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
-
-
 def retry_later(message: str, param: Optional[str] = None, retry_after_s: int = 1) -> APIError:
     return APIError(message, 429, param=param, code="rate_limit_exceeded", headers={"Retry-After": str(retry_after_s)})
+
+
+def too_many_requests(limit: int, retry_after_s: int = 1) -> APIError:
+    return retry_later(f"The server has {limit} requests queued (--max-queued-requests); retry later",
+                       retry_after_s=retry_after_s)
 
 
 def unauthorized() -> APIError:

@@ -438,11 +438,9 @@ class TokenizerManager:
         if isinstance(msg, M.ReqError):
             handle = self.handles.get(msg.rid)
             if handle is not None:
-                if msg.retry_later:
-                    handle.deliver(retry_later(msg.message, param=msg.param))
-                else:
-                    handle.deliver(bad_request(msg.message, param=msg.param) if msg.user_error
-                                   else internal(msg.message))
+                handle.deliver(retry_later(msg.message, param=msg.param) if msg.retry_later
+                               else bad_request(msg.message, param=msg.param) if msg.user_error
+                               else internal(msg.message))
         elif isinstance(msg, (M.FlushCacheResult, M.Stats)):
             fut = self._pending.get(msg.req_id)
             if fut is not None and not fut.done():
