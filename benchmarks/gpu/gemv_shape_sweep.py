@@ -1,11 +1,12 @@
-"""The batch-1 GEMV per weight shape of a model config: cuBLAS, the runtime's autotuned pick and a config sweep, with PDL.
+"""The batch-1 GEMV per weight shape of a model config: cuBLAS, the runtime's pick (gemv.MEASURED_CONFIGS or autotuned) and
+a config sweep, with PDL.
 
 For each projection of a decoder layer (qkv, o, gate_up with the model's gated activation fused, down) and the LM
 head, every layer's weight of that shape (random bf16) is multiplied by one x in one CUDA graph, as in a decode
 step; weight bytes / time = TB/s. The sweep gives each shape a share of the time budget, largest shapes first, and
 prints the best config beside the autotuned one, then the step's GEMV floor both ways and rows for gemv._configs.
 Run on the device: python3 benchmarks/gpu/gemv_shape_sweep.py --model-config benchmarks/configs/gemma2-9b.json
-    [--budget-s 240] [--jsonl PATH]
+    [--budget-s 240] [--jsonl PATH] [--shapes o,qkv]
 """
 import argparse
 import itertools
@@ -65,10 +66,11 @@ def main():
     ap.add_argument("--model-config", required=True)
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--jsonl")
+    ap.add_argument("--shapes", help="comma-separated names to time (default all): gate_up,down,qkv,o,lm_head")
     a = ap.parse_args()
     cfg = json.load(open(a.model_config))
     torch.manual_seed(0)
-    shapes = shapes_of(cfg)
+    shapes = [s for s in shapes_of(cfg) if not a.shapes or s[0] in a.shapes.split(",")]
     total_bytes = sum(n * k * 2 * count for _, n, k, count, _ in shapes)
     print(f"{a.model_config}: {total_bytes / 1e9:.2f} GB of GEMV weights per step; "
           f"floor at {COPY_TB_S} TB/s {total_bytes / COPY_TB_S / 1e6:.1f} us", flush=True)
@@ -98,7 +100,7 @@ def main():
         auto_total += auto
         best_total += min(auto, best_us)
         tested = len(results)
-        print(f"{name:8s} [{n}, {k}] x{count}: cuBLAS {nbytes / cub / 1e6:5.2f} TB/s, autotuned {nbytes / auto / 1e6:5.2f} "
+        print(f"{name:8s} [{n}, {k}] x{count}: cuBLAS {nbytes / cub / 1e6:5.2f} TB/s, runtime {nbytes / auto / 1e6:5.2f} "
               f"({auto:8.1f} us), sweep best {nbytes / best_us / 1e6:5.2f} ({best_us:8.1f} us) {best_conf} "
               f"[{tested} configs]", flush=True)
         for us, conf in results[1:4]:
@@ -111,10 +113,10 @@ def main():
                 f.write(json.dumps(row) + "\n")
         del ws
         torch.cuda.empty_cache()
-    print(f"\nGEMV floor of one step: autotuned {auto_total:.1f} us ({total_bytes / auto_total / 1e6:.2f} TB/s), "
+    print(f"\nGEMV floor of one step: runtime {auto_total:.1f} us ({total_bytes / auto_total / 1e6:.2f} TB/s), "
           f"best per shape {best_total:.1f} us ({total_bytes / best_total / 1e6:.2f} TB/s): "
           f"{auto_total - best_total:.1f} us to gain ({time.time() - started:.0f} s)")
-    print("configs to add to gemv._configs (bn, bk, warps, stages):")
+    print("rows for gemv.MEASURED_CONFIGS (bn, bk, warps, stages), where the sweep beats the runtime by > 2%:")
     for row in rows:
         if row["best"] and row["best_us"] < row["auto_us"] * 0.98:
             b = row["best"]

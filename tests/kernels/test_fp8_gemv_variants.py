@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from braid.runtime.layers.quantization import fp8_kernels
 from braid.runtime.layers.quantization.fp8_kernels import (FP8_GEMV_VARIANTS, Fp8GemvConfig, fp8_gemv,
                                                            fp8_gemv_candidates, fp8_gemv_error_excess,
                                                            quantize_weight_per_channel)
@@ -191,3 +192,32 @@ def test_fp8_gemv_tuner_takes_the_fastest_within_its_bound(monkeypatch):
     assert chosen is fast and fp8_kernels._tuned.pop(key) is fast
     with pytest.raises(RuntimeError, match="no fp8 GEMV config"):
         fp8_kernels._tune(key, [wrong, broken], run, lambda c: 5.0)
+
+
+
+@pytest.mark.parametrize("device_name", list(fp8_kernels.MEASURED_FP8_GEMV_CONFIGS))
+def test_measured_fp8_gemv_configs_are_valid_tiles_within_their_bound(device_name):
+    """Every measured (device, shape) entry is one of fp8_gemv's configs and, run at its Llama-3-8B shape (rows cut
+    to a few tiles under the interpreter), within its error bound."""
+    for (rows, k, silu_mul), config in fp8_kernels.MEASURED_FP8_GEMV_CONFIGS[device_name].items():
+        assert isinstance(config, Fp8GemvConfig) and (rows, k) in LLAMA3_8B_SHAPES.values()
+        if not HAS_CUDA:
+            rows = 4 * config.block_n if silu_mul else 3 * config.block_n
+        elif not HAS_FP8_GPU:
+            continue
+        x, w_q, w_scale = make_case(rows, k, seed=rows + k)
+        check(fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=config), x, w_q, w_scale, silu_mul,
+              error_bound(config))
+
+
+def test_measured_fp8_gemv_config_by_device_name_and_shape(monkeypatch):
+    """A listed device and shape give the entry; another device, shape or a CPU tensor nothing (fp8_gemv then tunes)."""
+    monkeypatch.setattr(fp8_kernels, "_INTERPRET", False)
+    names = {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"}
+    monkeypatch.setattr(fp8_kernels, "_device_name", names.__getitem__)
+    h200 = fp8_kernels.MEASURED_FP8_GEMV_CONFIGS["NVIDIA H200"]
+    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 0), 4096, 14336, False) == h200[(4096, 14336, False)]
+    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 0), 28672, 4096, True) == h200[(28672, 4096, True)]
+    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 0), 28672, 4096, False) is None
+    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 1), 4096, 14336, False) is None
+    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cpu"), 4096, 14336, False) is None

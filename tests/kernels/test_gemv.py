@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from braid.runtime.config import ServerArgs
 from braid.runtime.layers import pdl
 from braid.runtime.layers.activation import SiluAndMul
+from braid.runtime.layers import gemv as gemv_module
 from braid.runtime.layers.gemv import decode_gemv_applies, gemv
 from braid.runtime.layers.kernel_switches import kernel_switches_applied
 
@@ -167,3 +168,36 @@ def test_kernel_switches_follow_server_args_and_restore():
             assert not gemv_module.enabled() and not cpu_gemm.prepack_enabled()
             assert pdl.set_enabled(False) is False  # set_enabled returns the setting it replaces
         assert gemv_module.enabled() and pdl.set_enabled(True) is True
+
+
+@pytest.mark.parametrize("device_name", list(gemv_module.MEASURED_CONFIGS))
+def test_measured_configs_compute_their_shapes(device_name):
+    """Every measured (device, shape) config gives the unfused layers' result at its K (rows cut to a few tiles on
+    the CPU's interpreter; the whole shape compiled on a GPU)."""
+    for (rows, k, activation), (bn, bk, warps, stages) in gemv_module.MEASURED_CONFIGS[device_name].items():
+        assert activation in ("", "silu", "gelu") and bk & (bk - 1) == 0 and bn & (bn - 1) == 0
+        if not HAS_CUDA:
+            rows = 4 * bn if activation else 3 * bn
+        x, w = tensors(rows, k, torch.bfloat16, DEVICE, rows + k)
+        config = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        got = gemv(x, w, silu_mul=activation == "silu", gelu_tanh_mul=activation == "gelu", config=config)
+        if activation == "gelu":
+            gate, up = F.linear(x.double(), w.double()).to(x.dtype).chunk(2, dim=-1)
+            ref = (F.gelu(gate.double(), approximate="tanh").to(x.dtype).double() * up.double()).to(x.dtype)
+        else:
+            ref = reference(x, w, activation == "silu")
+        assert rel_err(got, ref) < (1e-2 if HAS_CUDA else 4e-2)
+
+
+def test_measured_config_by_device_name_and_shape(monkeypatch):
+    """A listed device and shape give the entry as gemv's config; another device, shape or activation, or a CPU
+    tensor, nothing (gemv then autotunes)."""
+    monkeypatch.setattr(gemv_module, "_INTERPRET", False)
+    monkeypatch.setattr(gemv_module, "_device_name", {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"}.__getitem__)
+    bn, bk, warps, stages = gemv_module.MEASURED_CONFIGS["NVIDIA H200"][(3584, 4096, "")]
+    assert gemv_module.measured_config(torch.device("cuda", 0), 3584, 4096, "") == dict(
+        BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    assert gemv_module.measured_config(torch.device("cuda", 0), 28672, 3584, "gelu")["BLOCK_K"] == 512
+    assert gemv_module.measured_config(torch.device("cuda", 0), 28672, 3584, "silu") is None
+    assert gemv_module.measured_config(torch.device("cuda", 1), 3584, 4096, "") is None
+    assert gemv_module.measured_config(torch.device("cpu"), 3584, 4096, "") is None

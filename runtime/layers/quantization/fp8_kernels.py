@@ -519,6 +519,34 @@ def fp8_gemv_candidates() -> list[Fp8GemvConfig]:
             Fp8GemvConfig("tc", 64, 512, 4, 3, split_k=0), Fp8GemvConfig("tc", 128, 256, 4, 3, split_k=0)]
 
 
+# The fastest variant and tile per (weight rows, K, SiLU-and-mul fused) on an H200, from
+# benchmarks/gpu/fp8_gemv_variants.py (all 32 layers' weights of a Llama-3-8B shape chained in one CUDA graph with
+# PDL, as in a decode step; every config there within its error bound). _tune's do_bench times one launch with L2
+# flushed and picked slower tiles for three of the four shapes (qkv 2.59 vs 3.17 TB/s, o 2.20 vs 2.92, down 3.36 vs
+# 3.81). Shapes not listed are tuned.
+MEASURED_FP8_GEMV_CONFIGS = {
+    "NVIDIA H200": {
+        (6144, 4096, False): Fp8GemvConfig("f16", 4, 2048, 4, 3, group=16),  # qkv
+        (4096, 4096, False): Fp8GemvConfig("f16", 8, 2048, 8, 3, group=16),  # o
+        (28672, 4096, True): Fp8GemvConfig("f16", 4, 2048, 4, 3, group=16),  # gate_up + SiLU-and-mul
+        (4096, 14336, False): Fp8GemvConfig("f16", 8, 2048, 8, 3, group=16),  # down
+    },
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def measured_fp8_gemv_config(device: torch.device, rows: int, k: int, silu_mul: bool) -> Optional[Fp8GemvConfig]:
+    """The MEASURED_FP8_GEMV_CONFIGS entry for this CUDA device's name and a [rows, K] weight, or None."""
+    if _INTERPRET or device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return MEASURED_FP8_GEMV_CONFIGS.get(_device_name(index), {}).get((rows, k, bool(silu_mul)))
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -615,6 +643,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     if config is None:
         key = (str(x.device), n, k, silu_mul, x.dtype, pdl.enabled(x.device))
         config = _tuned.get(key)
+        if config is None:
+            config = measured_fp8_gemv_config(x.device, rows, k, silu_mul)
         if config is None:
             candidates = fp8_gemv_candidates()
             if _INTERPRET or x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
