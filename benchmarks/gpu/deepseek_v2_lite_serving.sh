@@ -3,7 +3,7 @@
 # same flags otherwise (SERVER_FLAGS, default none: the runtime's defaults, 512 running requests with CUDA graphs to
 # 512 and 4 continuous decode steps on CUDA), in one call. carry: .whl .gpu/tok
 #   NUM_PROMPTS=3000 bash benchmarks/gpu/deepseek_v2_lite_serving.sh   (~9 min)
-#   SERVER_FLAGS="--max-running-requests 1024 --cuda-graph-max-bs 512" bash benchmarks/gpu/deepseek_v2_lite_serving.sh
+#   FORMS=mla SERVER_FLAGS="--max-running-requests 1024 --cuda-graph-max-bs 1024" bash benchmarks/gpu/deepseek_v2_lite_serving.sh
 # Targets (issue 17): MLA >= 12,000 output tok/s and >= 4x the expanded form.
 set -o pipefail
 source benchmarks/gpu/setup.sh
@@ -13,7 +13,7 @@ SERVER_START_TIMEOUT_S=200
 trap stop_server EXIT
 nvidia-smi -L
 START=$(date +%s)
-for form in mla expanded; do
+for form in ${FORMS:-mla expanded}; do
   flags="${SERVER_FLAGS:-}"
   [ "$form" = expanded ] && flags="$flags --disable-mla"
   echo "=== $form: $flags"
