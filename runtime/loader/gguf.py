@@ -28,6 +28,22 @@ _LLAMA_BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma-2's sandwich norms (llama.cpp's names: ffn_norm is the norm before the MLP here, after attention in Llama)
+_GEMMA2_BLOCK_NAMES = {
+    **_LLAMA_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# general.architecture -> (HF architecture, HF model_type, block tensor names)
+_ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama", _LLAMA_BLOCK_NAMES),
+    "mistral": ("LlamaForCausalLM", "llama", _LLAMA_BLOCK_NAMES),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", _LLAMA_BLOCK_NAMES),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", _GEMMA2_BLOCK_NAMES),
+}
+# HF Gemma2Config's soft-caps, for a GGUF that does not state them (llama.cpp's converter writes both)
+_GEMMA2_DEFAULT_CAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 logger = logging.getLogger(__name__)
@@ -64,8 +80,9 @@ def gguf_config(path: str) -> dict:
 def _read_gguf_config(path: str) -> dict:
     r = _reader(path)
     arch = _field(r, "general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ValueError(f"GGUF architecture '{arch}' is not supported (llama, qwen2, mistral)")
+    if arch not in _ARCHITECTURES:
+        raise ValueError(f"GGUF architecture '{arch}' is not supported ({', '.join(_ARCHITECTURES)})")
+    hf_architecture, model_type, _ = _ARCHITECTURES[arch]
 
     def g(name, default=None):
         return _field(r, f"{arch}.{name}", default)
@@ -77,15 +94,15 @@ def _read_gguf_config(path: str) -> dict:
     if vocab is None:
         vocab = len(_field(r, "tokenizer.ggml.tokens"))
     cfg = {
-        "architectures": ["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
-        "model_type": "qwen2" if arch == "qwen2" else "llama",
+        "architectures": [hf_architecture],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(g("feed_forward_length")),
         "num_hidden_layers": int(g("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(g("attention.head_count_kv", heads)),
         "head_dim": int(g("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6 if arch == "gemma2" else 1e-5)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 4096)),
         "vocab_size": int(vocab),
@@ -95,16 +112,30 @@ def _read_gguf_config(path: str) -> dict:
         "attention_bias": arch == "qwen2",
         "torch_dtype": "float32",
     }
+    if arch == "gemma2":
+        cfg.update(_gemma2_config(g, cfg))
     return cfg
 
 
-def _hf_name(name: str) -> str:
+def _gemma2_config(g, cfg: dict) -> dict:
+    """What a Gemma-2 GGUF adds: window, soft-caps, activation and the query scale. GGUF has no key for the scale;
+    llama.cpp's rule is 1/sqrt(hidden / heads) for the 46-layer 27B and 1/sqrt(head_dim) otherwise, which is what
+    query_pre_attn_scalar says in every released Gemma-2 config (2B and 9B: 256 = head_dim; 27B: 144 = 4608 / 32)."""
+    caps = {key: float(g(key, default)) for key, default in _GEMMA2_DEFAULT_CAPS.items()}
+    window = g("attention.sliding_window")
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 46 else cfg["head_dim"]
+    return {"sliding_window": int(window) if window is not None else None, "query_pre_attn_scalar": scalar,
+            "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh", **caps}
+
+
+def _hf_name(name: str, model_type: str = "llama") -> str:
     if name in _LLAMA_TENSOR_NAMES:
         return _LLAMA_TENSOR_NAMES[name]
+    block_names = _GEMMA2_BLOCK_NAMES if model_type == "gemma2" else _LLAMA_BLOCK_NAMES
     m = _BLOCK_RE.fullmatch(name)
-    if m is None or m.group(2) not in _LLAMA_BLOCK_NAMES:
+    if m is None or m.group(2) not in block_names:
         raise ValueError(f"unexpected GGUF tensor {name}")
-    return f"model.layers.{m.group(1)}.{_LLAMA_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{block_names[m.group(2)]}.{m.group(3)}"
 
 
 def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -127,11 +158,14 @@ def dequantize_tensor(t) -> torch.Tensor:
 
 def iter_gguf_tensors(path: str, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     r = _reader(path)
-    permute = config["model_type"] == "llama"
+    model_type = config["model_type"]
+    permute = model_type == "llama"
     for t in r.tensors:
-        hf = _hf_name(t.name)
+        hf = _hf_name(t.name, model_type)
         arr = dequantize_tensor(t)
-        if permute and hf.endswith("q_proj.weight"):
+        if model_type == "gemma2" and hf.endswith("norm.weight"):
+            arr = arr - 1  # llama.cpp stores Gemma's RMSNorm weight w as 1 + w (its norm multiplies by the weight)
+        elif permute and hf.endswith("q_proj.weight"):
             arr = _unpermute_rope(arr, config["num_attention_heads"])
         elif permute and hf.endswith("k_proj.weight"):
             arr = _unpermute_rope(arr, config["num_key_value_heads"])

@@ -275,19 +275,98 @@ def test_embedding_scale_is_rounded_to_the_weight_dtype_like_hf():
         assert torch.equal(ours(ids), hf(ids)), dtype
 
 
-def test_gemma_gguf_is_refused_clearly(tmp_path):
-    """braid reads Gemma-2 from HF folders only; a Gemma GGUF file fails at start with the reason."""
+def _write_gemma2_gguf(path, hf, cfg):
+    """hf's weights as llama.cpp's converter writes a Gemma-2 GGUF (its tensor names, RMSNorm weights stored as
+    1 + w, the tied LM head left out), in F32, with the metadata it writes."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "gemma2")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_vocab_size(cfg.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, cfg.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue
+        data = tensor.float().numpy()
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data + 1 if name.endswith("norm.weight") else data)
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gemma2_gguf_matches_hf(tmp_path):
+    """A Gemma-2 GGUF (llama.cpp's layout) loads into braid's model: its tensors equal transformers' GGUF loader's,
+    and greedy tokens and every computed logit equal HF's model it was written from, decoding past the window.
+    (query_pre_attn_scalar = head_dim here: GGUF has no key for it, see loader/gguf.py.)"""
+    import transformers
+
+    from braid.runtime.loader.gguf import gguf_config, iter_gguf_tensors
+
+    cfg = _config(query_pre_attn_scalar=16)
+    hf = _save(tmp_path / "hf", cfg, seed=3)
+    path = str(tmp_path / "gemma2.gguf")
+    _write_gemma2_gguf(path, hf, cfg)
+
+    config = gguf_config(path)
+    assert config["model_type"] == "gemma2" and config["sliding_window"] == WINDOW and config["tie_word_embeddings"]
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (3.0, 4.0)
+    theirs = transformers.Gemma2ForCausalLM.from_pretrained(str(tmp_path), gguf_file="gemma2.gguf").state_dict()
+    ours = dict(iter_gguf_tensors(path, config))
+    assert ours.keys() == {k for k in theirs if k != "lm_head.weight"}
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[name].float(), rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(tensor, hf.state_dict()[name], rtol=0, atol=1e-6, msg=name)
+
+    prompts = _prompts([40], seed=4)
+    res, trace = _run(path, "torch", prompts, 30, tokenizer_path=str(tmp_path / "hf"))
+    _check(hf, prompts, res, trace, 30)
+
+
+def _metadata_only_gguf(path, arch, layers, hidden, heads, key_length):
     import gguf
     import numpy as np
 
-    path = str(tmp_path / "gemma2.gguf")
-    writer = gguf.GGUFWriter(path, "gemma2")
-    writer.add_block_count(2)
-    writer.add_embedding_length(64)
-    writer.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(layers)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(4 * hidden)
+    writer.add_head_count(heads)
+    writer.add_key_length(key_length)
+    writer.add_vocab_size(8)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'gemma2' is not supported"):
+
+
+def test_gemma2_gguf_query_scale_and_defaults_follow_llama_cpp(tmp_path):
+    """The query scale GGUF does not store: hidden / heads for the 46-layer 27B (query_pre_attn_scalar 144), head_dim
+    for the rest (2B, 9B: 256); soft-caps missing from the metadata take HF Gemma2Config's defaults."""
+    from braid.runtime.loader.gguf import _read_gguf_config
+
+    _metadata_only_gguf(str(tmp_path / "27b.gguf"), "gemma2", 46, 4608, 32, 128)
+    _metadata_only_gguf(str(tmp_path / "9b.gguf"), "gemma2", 42, 3584, 16, 256)
+    big, nine = _read_gguf_config(str(tmp_path / "27b.gguf")), _read_gguf_config(str(tmp_path / "9b.gguf"))
+    assert big["query_pre_attn_scalar"] == 144 and nine["query_pre_attn_scalar"] == 256
+    assert (nine["attn_logit_softcapping"], nine["final_logit_softcapping"]) == (50.0, 30.0)
+    assert nine["sliding_window"] is None and nine["hidden_activation"] == "gelu_pytorch_tanh"
+
+
+def test_unsupported_gguf_architecture_is_refused_clearly(tmp_path):
+    """A GGUF of an architecture braid does not map fails at start with the reason and the ones it reads."""
+    path = str(tmp_path / "phi3.gguf")
+    _metadata_only_gguf(path, "phi3", 2, 64, 4, 16)
+    with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported .*gemma2"):
         Engine(model_path=path, tokenizer_path="smollm2", log_level="warning")
 
 
