@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from braid.runtime.layers.argmax_kernels import argmax_last_dim
 from braid.runtime.core import host_to_device as _to_device
 
 
@@ -132,8 +133,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """logits: [B, V] fp32 (already penalized/masked) -> token ids [B] int64."""
         if info.all_greedy:
-            return logits.argmax(dim=-1)
-        greedy_ids = logits.argmax(dim=-1)
+            return argmax_last_dim(logits)
+        greedy_ids = argmax_last_dim(logits)
         probs = torch.softmax(logits / info.temperatures.clamp_min(1e-5), dim=-1)
         if info.need_top_k_filter or info.need_top_p_filter or info.need_min_p_filter:
             probs = self._filter(probs, info)

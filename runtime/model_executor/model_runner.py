@@ -9,6 +9,7 @@ import torch
 from braid.runtime.config import DEFAULT_MAX_RUNNING_REQUESTS, ServerArgs
 from braid.runtime.core import ForwardBatch, ForwardOutput
 from braid.runtime.distributed import parallel_state as ps
+from braid.runtime.layers.argmax_kernels import argmax_last_dim
 from braid.runtime.layers.attention.registry import check_backend_device, default_backend, get_backend_class
 from braid.runtime.layers.dtypes import kv_cache_dtype, model_dtype
 from braid.runtime.layers.kernel_switches import apply_kernel_switches
@@ -167,7 +168,7 @@ class ModelRunner:
         logits = compute_logits(self.model.lm_head, hidden, last_token_rows(fb), self.vocab_size)  # [B, V] fp32
         info = fb.sampling_info
         if info is None:
-            out = ForwardOutput(next_token_ids=logits.argmax(dim=-1))
+            out = ForwardOutput(next_token_ids=argmax_last_dim(logits))
         else:
             out = ForwardOutput(next_token_ids=self.sampler(apply_penalties(logits, info), info))
             # TP: every rank holds the same logits; rank 0's draw is the one all ranks commit
