@@ -30,6 +30,14 @@ KV_TOKENS_PER_DERIVED_REQUEST = 256
 # num_continuous_decode_steps when unset on CUDA (H200, Llama-3-8B dummy: ShareGPT 3000 at once 9,136 -> 10,166
 # output tok/s with 4; random 1000 x 1024/256 5,780 -> 5,846; 8 lost 5%); 1 elsewhere (a CPU step is slow to wait on)
 DEFAULT_CUDA_CONTINUOUS_DECODE_STEPS = 4
+# With it unset on CUDA, admission after those steps also waits (up to DEFAULT_CUDA_MAX_CONTINUOUS_DECODE_STEPS) until
+# the free running slots would take DEFAULT_CUDA_ADMISSION_MIN_EXTEND_TOKENS prompt tokens: an eager extend pass of an
+# 8B model costs ~25-50 ms of kernel launches on the H200's host, more than the GPU time of ~1,000 tokens. ShareGPT
+# 3000 (145-token prompts, extends of ~1,060 tokens every 4 steps): 8 steps 14,635 output tok/s (212 extends) vs 4
+# steps 13,643 (407 extends); random 1k (768-token prompts: the slots freed in 4 steps hold ~8k tokens) is paced
+# by the 4 steps, where 8 gave 5,319 vs 5,785 (separate calls).
+DEFAULT_CUDA_MAX_CONTINUOUS_DECODE_STEPS = 8
+DEFAULT_CUDA_ADMISSION_MIN_EXTEND_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,14 @@ class ServerArgs:
                                                             "(an extend between two decode steps stops the overlapped "
                                                             "schedule; more steps chain on the device, new requests "
                                                             "wait up to this many steps; default: 4 on CUDA, else 1)")
+    max_continuous_decode_steps: Optional[int] = _opt(None, "while the free running slots would take fewer than "
+                                                            "--admission-min-extend-tokens prompt tokens, look at the "
+                                                            "waiting queue only after this many decode steps (default: "
+                                                            "8 on CUDA when --num-continuous-decode-steps is unset, "
+                                                            "else that value)")
+    admission_min_extend_tokens: Optional[int] = _opt(None, "the prompt tokens an extend should hold before it is run "
+                                                            "ahead of --max-continuous-decode-steps (default: 2048 on "
+                                                            "CUDA when --num-continuous-decode-steps is unset, else 0)")
 
     # ---- kernels ----
     attention_backend: Optional[str] = _opt(None, "torch, triton or flashinfer (default: triton on GPU, torch on CPU)",
@@ -220,6 +236,11 @@ class ServerArgs:
             raise ValueError("grammar_max_queued_per_client must be >= 0")
         if self.num_continuous_decode_steps is not None and self.num_continuous_decode_steps < 1:
             raise ValueError("num_continuous_decode_steps must be >= 1")
+        if self.max_continuous_decode_steps is not None and self.max_continuous_decode_steps < max(
+                1, self.num_continuous_decode_steps or 1):
+            raise ValueError("max_continuous_decode_steps must be >= 1 and >= num_continuous_decode_steps")
+        if self.admission_min_extend_tokens is not None and self.admission_min_extend_tokens < 0:
+            raise ValueError("admission_min_extend_tokens must be >= 0")
         if self.triton_attention_num_kv_splits is not None and not 1 <= self.triton_attention_num_kv_splits <= 64:
             raise ValueError("triton_attention_num_kv_splits must be between 1 and 64")
         if self.tp_size < 1 or self.dp_size < 1:

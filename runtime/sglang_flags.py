@@ -56,8 +56,6 @@ SGLANG_FLAGS: dict[str, SglangFlag] = {
                                         nargs="1", already=("shortest_queue",)),
     "--tokenizer-mode": SglangFlag("braid uses the tokenizer's fast implementation; there is no slow mode",
                                    nargs="1", already=("auto",)),
-    "--num-continuous-decode-steps": SglangFlag("braid schedules after every decode step (on CUDA the overlap "
-                                                "schedule hides the host's share)", nargs="1", already=("1",)),
     "--cpu-offload-gb": SglangFlag("braid keeps every weight on the device; there is no CPU offload",
                                    nargs="1", already=("0",)),
     # ---- refused ----

@@ -13,7 +13,8 @@ import time
 from collections import deque
 from typing import Optional, Protocol
 
-from braid.runtime.config import DEFAULT_CUDA_CONTINUOUS_DECODE_STEPS, ServerArgs
+from braid.runtime.config import (DEFAULT_CUDA_ADMISSION_MIN_EXTEND_TOKENS, DEFAULT_CUDA_CONTINUOUS_DECODE_STEPS,
+                                  DEFAULT_CUDA_MAX_CONTINUOUS_DECODE_STEPS, ServerArgs)
 import torch
 
 from braid.runtime.core import FinishReason, ForwardOutput, Req, ReqOutput
@@ -95,8 +96,16 @@ class Scheduler:
         self.device = self.runner.device
         self.context_len = self.runner.context_len
         self.max_running_requests = self.runner.max_running_requests  # the cap, derived from the KV pool if unset
+        # admission pacing: the waiting queue is looked at once per continuous_decode_steps decode steps, and past that
+        # only when the free slots would take admission_min_extend_tokens prompt tokens, until max_continuous_...
+        cuda_defaults = self.device.type == "cuda" and server_args.num_continuous_decode_steps is None
         self.continuous_decode_steps = server_args.num_continuous_decode_steps or (
             DEFAULT_CUDA_CONTINUOUS_DECODE_STEPS if self.device.type == "cuda" else 1)
+        self.max_continuous_decode_steps = max(self.continuous_decode_steps, server_args.max_continuous_decode_steps or (
+            DEFAULT_CUDA_MAX_CONTINUOUS_DECODE_STEPS if cuda_defaults else self.continuous_decode_steps))
+        self.admission_min_extend_tokens = (server_args.admission_min_extend_tokens
+                                            if server_args.admission_min_extend_tokens is not None else
+                                            DEFAULT_CUDA_ADMISSION_MIN_EXTEND_TOKENS if cuda_defaults else 0)
         self.vocab_size = self.runner.vocab_size
         self.model_config = self.runner.model_config
         self.req_to_token_pool = self.runner.req_to_token_pool
@@ -178,6 +187,8 @@ class Scheduler:
             cache_hit_rate=(s["num_cached_tokens_total"] / s["num_prompt_tokens_total"]) if s["num_prompt_tokens_total"] else 0.0,
             new_token_ratio=self.decode.new_token_ratio, effective_max_running_requests=self.max_running_requests,
             effective_num_continuous_decode_steps=self.continuous_decode_steps,
+            effective_max_continuous_decode_steps=self.max_continuous_decode_steps,
+            effective_admission_min_extend_tokens=self.admission_min_extend_tokens,
             **self.timing.stats(),
         )
         return s
@@ -219,8 +230,28 @@ class Scheduler:
 
     def _admission_due(self) -> bool:
         """--num-continuous-decode-steps N: the waiting queue is looked at once per N decode steps (at once when
-        nothing is decoding), so that up to N steps chain on the device without an extend between them."""
-        return self.decode_steps_before_admit <= 0 or not (self.running or self.in_flight is not None)
+        nothing is decoding), so that up to N steps chain on the device without an extend between them; past N, an
+        extend that the free running slots would keep under --admission-min-extend-tokens prompt tokens waits
+        until --max-continuous-decode-steps (a chunked prefill's next chunk does not)."""
+        if not (self.running or self.in_flight is not None):
+            return True
+        if self.decode_steps_before_admit > 0:
+            return False
+        waited = self.continuous_decode_steps - self.decode_steps_before_admit
+        if self.resume_queue or waited >= self.max_continuous_decode_steps:
+            return True
+        return self._prompt_tokens_for_free_slots() >= self.admission_min_extend_tokens
+
+    def _prompt_tokens_for_free_slots(self) -> int:
+        """Prompt tokens of the waiting requests that the free running slots would take next (queue order, cached
+        prefixes not subtracted), counted up to admission_min_extend_tokens."""
+        decoding = len(self.running) + (len(self.in_flight.reqs) if self.in_flight is not None else 0)
+        tokens = 0
+        for req in self.waiting[:max(0, self.max_running_requests - decoding)]:
+            tokens += len(req.input_ids)
+            if tokens >= self.admission_min_extend_tokens:
+                break
+        return tokens
 
     def _take_outputs(self) -> list[ReqOutput]:
         out, self.outputs = self.outputs, []
@@ -328,8 +359,8 @@ class Scheduler:
         prev = self.in_flight
         admissible = (self.waiting and len(prev.reqs) < self.max_running_requests
                       and self.req_to_token_pool.available_size() > 0)
-        if (self.resume_queue or admissible) and self.decode_steps_before_admit <= 0:
-            return False  # an extend may be due: settle the step in flight first
+        if (self.resume_queue or admissible) and self._admission_due():
+            return False  # an extend is due: settle the step in flight first
         nxt = self.decode.chain(prev)
         if nxt is None:
             return False

@@ -57,6 +57,10 @@ def test_running_requests_cap_from_the_kv_pool():
     assert ServerArgs(model_path="smollm2", max_queued_requests=10).max_running_requests == 256
     with pytest.raises(ValueError, match="num_continuous_decode_steps"):
         ServerArgs(model_path="smollm2", num_continuous_decode_steps=0)
+    with pytest.raises(ValueError, match="max_continuous_decode_steps"):
+        ServerArgs(model_path="smollm2", num_continuous_decode_steps=4, max_continuous_decode_steps=2)
+    with pytest.raises(ValueError, match="admission_min_extend_tokens"):
+        ServerArgs(model_path="smollm2", admission_min_extend_tokens=-1)
 
 
 def test_derived_cap_admits_past_256_and_ends_clean():
@@ -105,10 +109,48 @@ def test_continuous_decode_steps_pace_admission(overlap):
     assert stats["num_running_reqs"] == 0 and stats["kv_used_tokens"] == 0
 
 
+def extend_gaps(sched: Scheduler) -> list:
+    """Records, per extend batch formed, (decode passes launched so far, requests decoding beside it)."""
+    extends, admit = [], sched._admit
+
+    def recording_admit():
+        batch = admit()
+        if batch:
+            extends.append((sched.decode.num_forward, len(sched.running)))
+        return batch
+
+    sched._admit = recording_admit
+    return extends
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_small_extends_wait_for_max_continuous_decode_steps(overlap):
+    """Past --num-continuous-decode-steps (2), an extend whose free slots would take fewer than
+    --admission-min-extend-tokens (40) prompt tokens waits for --max-continuous-decode-steps (6): 6-token prompts
+    (4 slots hold 24 at most) come 6 passes apart; 30-token prompts come as soon as two slots are free."""
+    gaps = {}
+    for prompt_len in (6, 30):
+        sched = scheduler(max_total_tokens=8192, max_running_requests=4, num_continuous_decode_steps=2,
+                          max_continuous_decode_steps=6, admission_min_extend_tokens=40)
+        stats = sched.get_stats()
+        assert (stats["effective_max_continuous_decode_steps"], stats["effective_admission_min_extend_tokens"]) == (6, 40)
+        sched.decode.overlap = overlap
+        extends = extend_gaps(sched)
+        add(sched, 24, prompt_len=prompt_len, max_new=lambda i: 6 + i * 5 % 11)  # 6..16: slots free while others run
+        done = run_to_end(sched, lambda: None)
+        assert len(done) == 24 and sched.get_stats()["kv_used_tokens"] == 0
+        gaps[prompt_len] = [at - before for (before, _), (at, decoding) in zip(extends, extends[1:]) if decoding]
+        assert len(gaps[prompt_len]) >= 3 and min(gaps[prompt_len]) >= 2, extends
+    assert min(gaps[6]) >= 6, gaps
+    assert min(gaps[30]) < 6, gaps
+
+
 def test_one_decode_step_between_checks_is_the_cpu_default():
     sched = scheduler(max_total_tokens=8192, max_running_requests=4)
     assert sched.server_args.num_continuous_decode_steps is None
-    assert sched.get_stats()["effective_num_continuous_decode_steps"] == 1  # 4 on CUDA
+    stats = sched.get_stats()
+    assert stats["effective_num_continuous_decode_steps"] == 1  # 4 on CUDA
+    assert (stats["effective_max_continuous_decode_steps"], stats["effective_admission_min_extend_tokens"]) == (1, 0)
     add(sched, 12, prompt_len=6, max_new=lambda i: 3 + i % 5)
     kinds = []
     last = [0, 0]
