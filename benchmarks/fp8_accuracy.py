@@ -12,7 +12,7 @@ bf16 weights (and KV) are measured the same way as the reference point for "how 
 computes for decode batches of up to 16 rows (the weight-only GEMV and small-batch kernels); the CPU path, like the
 GPU's larger batches and prefill, quantizes activations per token.
 
-    python benchmarks/fp8_accuracy.py [--prompts 64] [--tokens 64]
+    python benchmarks/fp8_accuracy.py [--prompts 64] [--tokens 64] [--variants e4m3 ...]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ VARIANTS = {
     "fp8 weights, x unquantized": dict(quantization="fp8"),
     "fp8_e5m2 KV": dict(kv_cache_dtype="fp8_e5m2"),
     "fp8_e4m3 KV (scale 1.0)": dict(kv_cache_dtype="fp8_e4m3"),
+    "fp8_e4m3 KV (--calculate-kv-scales)": dict(kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True),
     "fp8 weights + fp8_e4m3 KV": dict(quantization="fp8", kv_cache_dtype="fp8_e4m3"),
 }
 
@@ -106,6 +107,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--variants", nargs="+", metavar="TEXT",
+                        help="only the variants whose name contains one of these (default: all)")
     args = parser.parse_args()
     started = time.perf_counter()
     with _engine() as engine:
@@ -117,6 +120,8 @@ def main() -> None:
           f" (should be 1)", flush=True)
     rows = []
     for name, kw in VARIANTS.items():
+        if args.variants and not any(text in name for text in args.variants):
+            continue
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
             if name == "fp8 weights, x unquantized":

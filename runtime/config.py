@@ -56,6 +56,10 @@ class ServerArgs:
                                        "fp8_e4m3 divided by per-layer scales: the checkpoint's k_scale/v_scale, "
                                        "else 1.0)",
                                ["auto", "float32", "bfloat16", "float16", "fp8_e5m2", "fp8_e4m3"])
+    calculate_kv_scales: bool = _opt(False, "with --kv-cache-dtype fp8_e4m3: set each layer's k/v scales from the "
+                                            "first prefill batch (its largest |k|, |v| stored at an eighth of "
+                                            "e4m3's range) instead of the checkpoint's or 1.0; on CUDA the graphs are "
+                                            "captured after that batch")
     quantization: Optional[str] = _opt(None, "linear layers' weights: fp8 = e4m3 with per-channel scales (a dense "
                                              "checkpoint is quantized at load; an FP8 checkpoint is read as it is "
                                              "without this flag too); embedding and LM head stay in --dtype",
@@ -278,6 +282,9 @@ class ServerArgs:
         if self.quantization == "fp8" and self.enable_torch_compile:
             raise ValueError("quantization='fp8' with enable_torch_compile is not supported yet (the fp8 kernels are "
                              "not traced by torch.compile); drop one of them")
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8_e4m3":
+            raise ValueError(f"calculate_kv_scales sets the scales of an fp8_e4m3 KV cache; kv_cache_dtype is "
+                             f"{self.kv_cache_dtype!r} (give --kv-cache-dtype fp8_e4m3, or drop the flag)")
         if self.kv_cache_dtype.startswith("fp8") and self.attention_backend == "flashinfer":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} with attention_backend='flashinfer' is not "
                              "supported; use attention_backend='triton' (or 'torch') for an fp8 KV cache")

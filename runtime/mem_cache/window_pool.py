@@ -102,11 +102,15 @@ class HybridKVPool(KVPool):
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: Optional[torch.Tensor]) -> None:
         """loc: full slots (translated here for window layers)."""
+        if self._uncalibrated_layers:
+            self._calibrate(layer_id, k, v)
         pool, local = self._where[layer_id]
         pool.set_kv(local, self._translated(pool, loc), k, v)
 
     def rotate_and_set_kv(self, layer_id: int, loc: torch.Tensor, positions: torch.Tensor, q: torch.Tensor,
                           k: torch.Tensor, v: torch.Tensor, rotary) -> torch.Tensor:
+        if self._uncalibrated_layers:  # rotary, then set_kv above, which calibrates from the rotated keys
+            return KVPool.rotate_and_set_kv(self, layer_id, loc, positions, q, k, v, rotary)
         pool, local = self._where[layer_id]
         return pool.rotate_and_set_kv(local, self._translated(pool, loc), positions, q, k, v, rotary)
 

@@ -64,10 +64,22 @@ class ModelRunner:
         self.attn_backend = get_backend_class(self.attn_backend_name)(self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
+        self._graphs_after_calibration = False
+        if server_args.calculate_kv_scales:
+            self.token_to_kv_pool.calibrate_kv_scales_on_next_store()
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
-            from braid.runtime.model_executor.cuda_graph import CudaGraphRunner
+            if server_args.calculate_kv_scales:
+                # the captured kernels would keep the scales of capture time
+                self._graphs_after_calibration = True
+                logger.info("CUDA graphs: captured after the first prefill batch sets the KV scales "
+                            "(--calculate-kv-scales)")
+            else:
+                self._capture_cuda_graphs()
 
-            self.cuda_graph_runner = CudaGraphRunner(self)
+    def _capture_cuda_graphs(self) -> None:
+        from braid.runtime.model_executor.cuda_graph import CudaGraphRunner
+
+        self.cuda_graph_runner = CudaGraphRunner(self)
 
     # ---- memory ----
     def _init_pools(self) -> None:
@@ -156,6 +168,10 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         """One pass: the model, the logits at each request's last token, then on the device penalties, the vocab
         mask and sampling (greedy when fb.sampling_info is None), and the logprobs asked for."""
+        if self._graphs_after_calibration and not self.token_to_kv_pool.calibrating_kv_scales:
+            self._graphs_after_calibration = False
+            with torch.inference_mode(False):  # static buffers as at start-up: normal tensors
+                self._capture_cuda_graphs()
         fb.req_to_token_pool = self.req_to_token_pool
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend

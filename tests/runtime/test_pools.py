@@ -282,3 +282,68 @@ def test_kv_cache_dtype_resolution_and_bad_arguments():
         MHAKVPool(8, torch.int32, 2, 4, 1, "cpu")
     pool = _mha(kv_cache_dtype="float16")
     assert pool.dtype == torch.float32 and pool.get_key_buffer(0).dtype == torch.float16
+
+
+# ---- --calculate-kv-scales ----
+
+def test_kv_scales_calibrate_from_each_layers_first_store():
+    """Each layer's (k_scale, v_scale) become its first stored batch's max |k|, |v| over an eighth of e4m3's range; the
+    values read back are within e4m3 rounding; later stores keep the scales; other caches refuse to calibrate."""
+    from braid.runtime.mem_cache.pools import KV_SCALE_CALIBRATION_TARGET
+
+    pool = MHAKVPool(16, torch.float32, head_num=2, head_dim=4, layer_num=2, device="cpu", kv_cache_dtype="fp8_e4m3",
+                     k_scale=3.0, v_scale=3.0)
+    pool.calibrate_kv_scales_on_next_store()
+    assert pool.calibrating_kv_scales
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(5, 8, generator=gen) * 40, torch.randn(5, 8, generator=gen) * 0.01
+    loc = pool.alloc(5)
+    pool.set_kv(0, loc, k, v)
+    assert pool.kv_scales(0) == pytest.approx((k.abs().max().item() / KV_SCALE_CALIBRATION_TARGET,
+                                               v.abs().max().item() / KV_SCALE_CALIBRATION_TARGET))
+    assert pool.kv_scales(1) == (3.0, 3.0) and pool.calibrating_kv_scales  # layer 1 has stored nothing yet
+    k_scale, v_scale = pool.kv_scales(0)
+    read_k = pool.get_key_buffer(0)[loc].float() * k_scale
+    read_v = pool.get_value_buffer(0)[loc].float() * v_scale
+    torch.testing.assert_close(read_k, k.view(5, 2, 4), rtol=2 ** -3, atol=0)
+    torch.testing.assert_close(read_v, v.view(5, 2, 4), rtol=2 ** -3, atol=0)  # 1.0 would flush these to subnormals
+    pool.set_kv(0, pool.alloc(1), k[:1] * 100, v[:1] * 100)  # larger values later saturate, the scales stay
+    assert pool.kv_scales(0) == (k_scale, v_scale)
+    pool.set_kv(1, pool.alloc(2), k[:2], v[:2])
+    assert not pool.calibrating_kv_scales and pool.kv_scales(1) != (3.0, 3.0)
+    for other in ("fp8_e5m2", None):
+        with pytest.raises(ValueError, match="needs an fp8_e4m3 KV cache"):
+            MHAKVPool(8, torch.float32, 1, 4, 1, "cpu", kv_cache_dtype=other).calibrate_kv_scales_on_next_store()
+
+
+def test_kv_scale_calibration_in_hybrid_and_mla_pools():
+    """The hybrid window pool calibrates window and global layers (through rotate_and_set_kv too) and hands the
+    scales to the pool that stores the layer; an MLA latent takes one scale from its latent and rope parts."""
+    from braid.runtime.layers.rotary import RotaryEmbedding
+    from braid.runtime.mem_cache.pools import KV_SCALE_CALIBRATION_TARGET
+    from braid.runtime.mem_cache.window_pool import HybridKVPool
+
+    hybrid = HybridKVPool(32, 16, torch.float32, head_num=1, head_dim=4, layer_windows=[8, None], device="cpu",
+                          kv_cache_dtype="fp8_e4m3")
+    hybrid.calibrate_kv_scales_on_next_store()
+    rotary = RotaryEmbedding(4, 4, 64, 10000.0)
+    rotary.build_cache("cpu")
+    loc, positions = hybrid.alloc(3), torch.arange(3)
+    q, k, v = torch.randn(3, 4), torch.randn(3, 4) * 9, torch.randn(3, 4) * 5
+    rotated_k = rotary(positions, q.clone(), k.clone())[1]
+    hybrid.rotate_and_set_kv(0, loc, positions, q.clone(), k.clone(), v, rotary)
+    hybrid.set_kv(1, loc, k, v)
+    assert not hybrid.calibrating_kv_scales
+    want = (rotated_k.abs().max().item() / KV_SCALE_CALIBRATION_TARGET, v.abs().max().item() / KV_SCALE_CALIBRATION_TARGET)
+    for layer in (0, 1):
+        pool, local = hybrid._where[layer]
+        assert pool.kv_scales(local) == hybrid.kv_scales(layer)
+    assert hybrid.kv_scales(0) == pytest.approx(want)
+
+    mla = MLAKVPool(8, torch.float32, kv_lora_rank=6, qk_rope_head_dim=2, layer_num=1, device="cpu",
+                    kv_cache_dtype="fp8_e4m3")
+    mla.calibrate_kv_scales_on_next_store()
+    latent, rope = torch.randn(2, 6), torch.randn(2, 2) * 30
+    mla.set_kv(0, mla.alloc(2), rope, latent)
+    scale = max(latent.abs().max().item(), rope.abs().max().item()) / KV_SCALE_CALIBRATION_TARGET
+    assert mla.kv_scales(0) == pytest.approx((scale, scale))
