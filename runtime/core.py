@@ -53,6 +53,11 @@ class RequestError(ValueError):
         self.code = code
 
 
+# the message prefix of an abort whose grammar was refused because the compile queue was full: a load condition
+# the client may retry (HTTP 429), unlike "grammar error: ..." (the regex or schema itself, HTTP 400)
+GRAMMAR_BUSY_PREFIX = "grammar compiler busy"
+
+
 @dataclass
 class FinishReason:
     type: str  # "stop" | "length" | "abort"

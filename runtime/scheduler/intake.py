@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from braid.runtime.core import FinishReason, Req, RequestError
+from braid.runtime.core import GRAMMAR_BUSY_PREFIX, FinishReason, Req, RequestError
 
 
 def validate_request(req: Req, vocab_size: int, context_len: int, kv_pool_size: int, grammar_backend) -> None:
@@ -147,8 +147,9 @@ class RequestIntake:
             try:
                 req.grammar = fut.result().new_state()
                 ready.append(req)
-            except Exception as e:  # GrammarError, timeouts
-                failed.append((req, FinishReason("abort", message=f"grammar error: {e}")))
+            except Exception as e:  # GrammarError, timeouts, the compile queue full (GrammarBusyError)
+                kind = GRAMMAR_BUSY_PREFIX if type(e).__name__ == "GrammarBusyError" else "grammar error"
+                failed.append((req, FinishReason("abort", message=f"{kind}: {e}")))
         self.grammar_queue = still
         return ready, failed
 

@@ -12,9 +12,9 @@ import collections
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
-from braid.runtime.core import Req
+from braid.runtime.core import GRAMMAR_BUSY_PREFIX, Req
 from braid.runtime.server import messages as M
-from braid.runtime.server.errors import APIError, bad_request
+from braid.runtime.server.errors import APIError, bad_request, retry_later
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.output_accumulator import ChoiceUpdate, OutputAccumulator
 
@@ -186,11 +186,16 @@ def _run_now(handle: RequestHandle, fn: Callable[[], list]) -> None:
 
 
 def _grammar_failure(out: M.Output, sp: "SamplingParams") -> Optional[APIError]:
-    """A request the scheduler aborted because its regex/schema could not be compiled: the client's error."""
+    """A request the scheduler aborted because its regex/schema could not be compiled: the client's error (400); or
+    because the grammar compile queue was full (--grammar-max-queued): retry later (429)."""
     reason = out.finish_reason if out.finished else None
-    if not reason or reason.get("type") != "abort" or not str(reason.get("message", "")).startswith("grammar error"):
+    message = str(reason.get("message", "")) if reason and reason.get("type") == "abort" else ""
+    param = "regex" if sp.regex is not None else "json_schema"
+    if message.startswith(GRAMMAR_BUSY_PREFIX):  # the compile queue was full: 429 with Retry-After
+        return retry_later(message, param=param)
+    if not message.startswith("grammar error"):
         return None
-    return bad_request(reason["message"], param="regex" if sp.regex is not None else "json_schema")
+    return bad_request(message, param=param)
 
 
 async def merge_steps(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, list[ChoiceUpdate]]]:
