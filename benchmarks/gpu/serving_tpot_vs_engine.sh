@@ -1,0 +1,69 @@
+# Serving TPOT against the engine's own decode step (issue 14's Show: "TPOT at a steady batch within 1.3x of
+# bench_one_batch's decode step at that batch size and context; the 16 req/s run's TPOT within 1.3x of the matching
+# engine step"), Llama-3-8B-shaped dummy bf16 at the runtime's defaults, in one call (~6 min). carry: .whl .gpu/tok
+#   bash benchmarks/gpu/serving_tpot_vs_engine.sh
+# 1. ShareGPT 1000 prompts at 16 req/s (Poisson, --seed 7), then 3000 all at once (its running batch sits at the cap);
+#    each run's mean decoding batch from Little's law (output tok/s x mean TPOT) and its mean context (ShareGPT's mean
+#    prompt plus half its mean output);
+# 2. bench_one_batch at those batch sizes and contexts (128 output tokens, CUDA graphs as the server has them);
+# then per run TPOT / engine step, PASS/FAIL at 1.3x. TPOT counts the prefills between decode steps too.
+set -o pipefail
+source benchmarks/gpu/setup.sh
+trap stop_server EXIT
+nvidia-smi -L
+START=$(date +%s)
+: >"$OUT/serving.jsonl"
+start_dummy_server 30000 "$OUT/server.log" || exit 1
+for run in "--num-prompts 1000 --request-rate 16" "--num-prompts 3000"; do
+  echo "=== ShareGPT $run"
+  # shellcheck disable=SC2086
+  timeout 200 python3 -m braid.bench_serving --backend braid --port 30000 --tokenizer .gpu/tok --dataset-name sharegpt \
+    $run --seed 7 --disable-tqdm --output-file "$OUT/run.jsonl" 2>&1 \
+    | grep -E "Successful|duration|Output token throughput|Mean TPOT|Mean TTFT|Mean input|Mean output" \
+    | tee -a "$OUT/serving.log"
+  tail -1 "$OUT/run.jsonl" >>"$OUT/serving.jsonl" 2>/dev/null || echo '{"failed": true}' >>"$OUT/serving.jsonl"
+  server_counters 30000
+done
+stop_server
+echo "=== engine steps at $(( $(date +%s) - START )) s"
+python3 - "$OUT" <<'PY'
+import json, subprocess, sys
+out = sys.argv[1]
+runs = [json.loads(line) for line in open(f"{out}/serving.jsonl")]
+plan = []
+for r in runs:
+    if "mean_tpot_ms" not in r:
+        plan.append(None)
+        continue
+    batch = max(1, round(r["output_throughput"] * r["mean_tpot_ms"] / 1e3))
+    prompt = r["total_input_tokens"] / r["completed"]
+    output = r["total_output_tokens"] / r["completed"]
+    plan.append((min(batch, 512), int(prompt + output / 2)))
+json.dump(plan, open(f"{out}/plan.json", "w"))
+print("per run (decoding batch, mean context):", plan)
+PY
+PLAN=$(python3 -c "import json; print(' '.join(f'{b}:{c}' for b, c in (p for p in json.load(open('$OUT/plan.json')) if p)))")
+for item in $PLAN; do
+  bs=${item%%:*}; ctx=${item##*:}
+  timeout 150 python3 -m braid.bench_one_batch --load-format dummy --model-config benchmarks/configs/llama3-8b.json \
+    --model-path llama3-8b-dummy --dtype bfloat16 --batch-size "$bs" --input-len "$ctx" --output-len 128 \
+    --cuda-graph-max-bs 512 --result-filename "$OUT/engine.jsonl" 2>&1 | grep -v Warning | tail -3
+done
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+runs = [json.loads(line) for line in open(f"{out}/serving.jsonl")]
+plan = json.load(open(f"{out}/plan.json"))
+engine = [json.loads(line) for line in open(f"{out}/engine.jsonl")] if os.path.exists(f"{out}/engine.jsonl") else []
+steps = {(e["batch_size"], e["input_len"]): e["median_decode_latency_s"] * 1e3 for e in engine}
+print(f"{'run':<28}{'out tok/s':>10}{'TPOT ms':>9}{'batch':>7}{'context':>9}{'step ms':>9}{'ratio':>7}")
+for name, r, p in zip(("ShareGPT 1000 at 16 req/s", "ShareGPT 3000 at once"), runs, plan):
+    if p is None or tuple(p) not in steps:
+        print(f"FAIL {name}: no figures")
+        continue
+    step = steps[tuple(p)]
+    ratio = r["mean_tpot_ms"] / step
+    print(f"{name:<28}{r['output_throughput']:>10.0f}{r['mean_tpot_ms']:>9.1f}{p[0]:>7}{p[1]:>9}{step:>9.2f}{ratio:>7.2f}")
+    print(("PASS" if ratio <= 1.3 else "FAIL") + f" {name}: TPOT {ratio:.2f}x the engine's step (target <= 1.3x)")
+PY
+echo "done in $(( $(date +%s) - START )) s"
