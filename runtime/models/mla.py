@@ -81,7 +81,11 @@ class MLAttention(nn.Module):
             return
         if self.kv_b_proj.weight.is_meta:
             raise ValueError("weights missing from the checkpoint: self_attn.kv_b_proj.weight")
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.weight
+        scale = getattr(self.kv_b_proj, "weight_scale", None)
+        if scale is not None and w.dtype.itemsize == 1:  # an fp8 layer (checkpoint or --quantization fp8): one scale per row
+            w = (w.float() * scale.float()[:, None]).to(self.kv_a_layernorm.weight.dtype)
+        w = w.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
         self.w_kc = w[:, : self.nope_dim].contiguous()  # [H, nope, R]
         self.w_vc = w[:, self.nope_dim:].contiguous()  # [H, v, R]
         self.kv_b_proj = None

@@ -14,6 +14,7 @@ only how the intermediate sum is grouped.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Iterable, Iterator, Optional
 
@@ -24,6 +25,8 @@ from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.moe.experts import SUPPORTED_ACTIVATIONS, fused_experts
 from braid.runtime.layers.moe.router import check_routing_supported, norm_and_route, route_hidden
 from braid.runtime.loader.config_specs import MoESpec
+
+logger = logging.getLogger(__name__)
 
 EXPERT_WEIGHT_NAME = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
                                 r"\.weight$")
@@ -86,8 +89,8 @@ class FusedMoE(nn.Module):
         if not 0 <= expert < self.num_experts + self.num_shared:
             raise ValueError(f"checkpoint has expert {expert}; this layer has {self.num_experts}")
         if not loaded.is_floating_point() or loaded.element_size() < 2:
-            raise ValueError(f"expert {expert} {proj}: {loaded.dtype} expert weights are not supported (FP8 MoE "
-                             "checkpoints are not implemented)")
+            raise ValueError(f"expert {expert} {proj}: {loaded.dtype} expert weights reach the stacked experts only "
+                             "dequantized (dequantize_fp8_experts, for checkpoints with an fp8 quantization_config)")
         inter, rank = self.intermediate_per_rank, self.tp_rank
         for attr in ("w13_weight", "w2_weight"):
             param = getattr(self, attr)
@@ -160,6 +163,52 @@ class FusedMoE(nn.Module):
         if self.tp_size > 1:
             out = ps.all_reduce(out)
         return out
+
+
+FP8_EXPERT_TENSOR_NAME = re.compile(r"^(?P<weight>.+\.(?:shared_)?experts\.(?:\d+\.)?(?:gate_proj|up_proj|down_proj))"
+                                    r"\.(?P<kind>weight|weight_scale|input_scale)$")
+
+
+def dequantize_fp8_experts(weights: Iterable[tuple[str, torch.Tensor]],
+                           dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """An FP8 checkpoint's expert matrices (e4m3 `weight` with its `weight_scale`, per tensor or per output row) as
+    dense `weight`s in `dtype`, whatever order the two come in; their `input_scale`s are dropped (the experts run in
+    `dtype`: braid has no fp8 expert kernels, so FP8 MoE checkpoints load at the dense size). Every other tensor
+    passes unchanged."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    dropped_input_scales = 0
+    for name, tensor in weights:
+        match = FP8_EXPERT_TENSOR_NAME.match(name)
+        if match is None or (match["kind"] == "weight" and tensor.dtype.itemsize >= 2):
+            yield name, tensor
+            continue
+        if match["kind"] == "input_scale":
+            dropped_input_scales += 1
+            continue
+        parts = pending.setdefault(match["weight"], {})
+        parts[match["kind"]] = tensor
+        if len(parts) == 2:
+            del pending[match["weight"]]
+            yield f"{match['weight']}.weight", _dequantized(match["weight"], parts["weight"], parts["weight_scale"], dtype)
+    if pending:
+        missing = sorted(f"{w}.{'weight_scale' if 'weight' in p else 'weight'}" for w, p in pending.items())
+        raise ValueError(f"FP8 expert tensors without their pair in the checkpoint: {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}")
+    if dropped_input_scales:
+        logger.info("FP8 MoE experts dequantized to %s at load (%d input_scale tensors unused)",
+                    str(dtype).removeprefix("torch."), dropped_input_scales)
+
+
+def _dequantized(name: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    rows = weight.shape[0]
+    if scale.numel() == 1:
+        factor = scale.float().reshape(())
+    elif scale.numel() == rows:
+        factor = scale.float().reshape(rows, 1)
+    else:
+        raise ValueError(f"{name}.weight_scale of shape {tuple(scale.shape)}: braid reads one scale per tensor or per "
+                         f"output row of the [{rows}, {weight.shape[-1]}] weight (block-wise scales are not supported)")
+    return (weight.float() * factor.to(weight.device)).to(dtype)
 
 
 def route_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
