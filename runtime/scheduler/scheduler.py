@@ -8,6 +8,7 @@ and overlap in decode.py, token commit, finish checks and reports in output.py, 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -247,7 +248,7 @@ class Scheduler:
         prefixes not subtracted), counted up to admission_min_extend_tokens."""
         decoding = len(self.running) + (len(self.in_flight.reqs) if self.in_flight is not None else 0)
         tokens = 0
-        for req in self.waiting[:max(0, self.max_running_requests - decoding)]:
+        for req in itertools.islice(self.waiting, max(0, self.max_running_requests - decoding)):
             tokens += len(req.input_ids)
             if tokens >= self.admission_min_extend_tokens:
                 break
