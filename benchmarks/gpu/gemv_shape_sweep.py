@@ -3,8 +3,9 @@ a config sweep, with PDL.
 
 For each projection of a decoder layer (qkv, o, gate_up with the model's gated activation fused, down) and the LM
 head, every layer's weight of that shape (random bf16) is multiplied by one x in one CUDA graph, as in a decode
-step; weight bytes / time = TB/s. The sweep gives each shape a share of the time budget, largest shapes first, and
-prints the best config beside the autotuned one, then the step's GEMV floor both ways and rows for gemv._configs.
+step; weight bytes / time = TB/s. The sweep gives each shape a share of the time budget, largest shapes first, then
+times its three fastest configs again on persistent grids (1, 2, 4, 8 programs per SM), and prints the best config
+beside the runtime's pick, then the step's GEMV floor both ways and rows for gemv.MEASURED_CONFIGS.
 Run on the device: python3 benchmarks/gpu/gemv_shape_sweep.py --model-config benchmarks/configs/gemma2-9b.json
     [--budget-s 240] [--jsonl PATH] [--shapes o,qkv]
 """
@@ -74,6 +75,7 @@ def main():
     total_bytes = sum(n * k * 2 * count for _, n, k, count, _ in shapes)
     print(f"{a.model_config}: {total_bytes / 1e9:.2f} GB of GEMV weights per step; "
           f"floor at {COPY_TB_S} TB/s {total_bytes / COPY_TB_S / 1e6:.1f} us", flush=True)
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
     started, auto_total, best_total, rows = time.time(), 0.0, 0.0, []
     for index, (name, n, k, count, act) in enumerate(shapes):
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(count)]
@@ -95,6 +97,17 @@ def main():
                 print(f"  {name} {conf} failed: {type(e).__name__}", flush=True)
                 continue
             results.append((us, conf))
+        results.sort(key=lambda r: r[0])
+        # the three fastest again on persistent grids of 1, 2, 4 and 8 programs per SM (gemv's PROGRAMS)
+        for us, conf in results[:3]:
+            for per_sm in (1, 2, 4, 8):
+                persistent = {**conf, "PROGRAMS": per_sm * sm_count}
+                try:
+                    us = graph_time_us(lambda: [gemv(x, w, config=persistent, **kw) for w in ws], iters=10, reps=3)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {name} {persistent} failed: {type(e).__name__}", flush=True)
+                    continue
+                results.append((us, persistent))
         results.sort(key=lambda r: r[0])
         best_us, best_conf = results[0] if results else (float("inf"), None)
         auto_total += auto
@@ -120,7 +133,8 @@ def main():
     for row in rows:
         if row["best"] and row["best_us"] < row["auto_us"] * 0.98:
             b = row["best"]
-            print(f"  ({b['BLOCK_N']}, {b['BLOCK_K']}, {b['num_warps']}, {b['num_stages']}),  # {row['shape']} "
+            programs = f", {b['PROGRAMS']}" if "PROGRAMS" in b else ""
+            print(f"  ({b['BLOCK_N']}, {b['BLOCK_K']}, {b['num_warps']}, {b['num_stages']}{programs}),  # {row['shape']} "
                   f"[{row['n']}, {row['k']}]: {row['auto_us']:.1f} -> {row['best_us']:.1f} us")
 
 

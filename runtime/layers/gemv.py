@@ -80,13 +80,13 @@ def _load_x_chunk(x_ptr, kk, k_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
-                 GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
-    let_next_kernel_launch(USE_PDL)
+def _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
+                    GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                    WAIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[rows of `block`]; WAIT: this program's first block, which waits for the previous kernel (PDL) after
+    loading its first weight chunk."""
     cols = tl.arange(0, BLOCK_K)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride
     up_rows = w_rows + N.to(tl.int64) * w_row_stride  # SILU_MUL: the up half starts N rows further
@@ -99,7 +99,8 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL:
     u0 = w0
     if SILU_MUL:
         u0 = tl.load(up_rows + cols[None, :], mask=w_mask0, other=0.0, eviction_policy="evict_first")
-    wait_for_previous_kernel(USE_PDL)
+    if WAIT:
+        wait_for_previous_kernel(USE_PDL)
 
     x0 = _load_x_chunk(x_ptr, cols, cols < K, EVEN_K)
     acc = w0.to(tl.float32) * x0[None, :]
@@ -133,10 +134,27 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL:
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, num_programs, SILU_MUL: tl.constexpr,
+                 GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr = False):
+    """One program per BLOCK_N rows; PERSISTENT: num_programs programs (the grid) take the row blocks in turn, so
+    that all of them finish within one block of each other instead of the last wave running alone."""
+    pid = tl.program_id(0)
+    let_next_kernel_launch(USE_PDL)
+    _gemv_row_block(pid, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL, GELU_GATE, W_SCALED,
+                    EVEN_K, USE_PDL, True, BLOCK_N, BLOCK_K)
+    if PERSISTENT:
+        for block in range(pid + num_programs, tl.cdiv(N, BLOCK_N), num_programs):
+            _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL, GELU_GATE,
+                            W_SCALED, EVEN_K, USE_PDL, False, BLOCK_N, BLOCK_K)
+
+
 # The fastest config per (weight rows, K, fused activation) on an H200, from benchmarks/gpu/gemv_shape_sweep.py (every
 # layer's weight of the shape chained in one CUDA graph with PDL, as in a decode step). The autotuner times one
 # launch with L2 flushed, which misjudges the short GEMVs of the smaller projections (Gemma-2-9B's o_proj: its pick
-# 454.6 us per step, this one 332.4). Shapes not listed are autotuned. (BLOCK_N, BLOCK_K, num_warps, num_stages)
+# 454.6 us per step, this one 332.4). Shapes not listed are autotuned. (BLOCK_N, BLOCK_K, num_warps, num_stages[,
+# PROGRAMS: a persistent grid of that many programs])
 MEASURED_CONFIGS = {
     "NVIDIA H200": {
         (3584, 4096, ""): (2, 4096, 4, 1),  # Gemma-2-9B o_proj: 2.71 -> 3.71 TB/s
@@ -160,8 +178,8 @@ def measured_config(device: torch.device, rows: int, k: int, activation: str) ->
     found = MEASURED_CONFIGS.get(_device_name(index), {}).get((rows, k, activation))
     if found is None:
         return None
-    bn, bk, warps, stages = found
-    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    bn, bk, warps, stages, *programs = found
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **({"PROGRAMS": programs[0]} if programs else {}))
 
 
 _EVEN_K_PER_CONFIG = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
@@ -207,8 +225,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_
     """x: [1, K]; weight: [N, K] (or [2N, K] = [gate; up] with silu_mul or gelu_tanh_mul) -> y [1, N].
 
     With silu_mul: y = silu(x @ Wg^T) * (x @ Wu^T); with gelu_tanh_mul: gelu(x @ Wg^T, tanh) * (x @ Wu^T), the
-    activation rounded to x's dtype before the product. `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) skips
-    the autotuner (benchmarks sweep configs with it). weight_scale: an fp8 e4m3 weight's fp32 scale per row
+    activation rounded to x's dtype before the product. `config` (BLOCK_N, BLOCK_K, num_warps, num_stages, and
+    optionally PROGRAMS: a persistent grid of that many programs) skips the autotuner (benchmarks sweep configs with
+    it). weight_scale: an fp8 e4m3 weight's fp32 scale per row
     [N] (or [2N]); W is then weight * weight_scale[:, None] and x stays in its own dtype."""
     if weight_scale is not None:
         if not fp8_supports(x, weight, weight_scale):
@@ -243,12 +262,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_
     if config is None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         if scaled:
-            _gemv_fp8_autotuned[grid](*args, **flags)
+            _gemv_fp8_autotuned[grid](*args, 0, **flags)
         else:
-            _gemv_autotuned[grid](*args, **flags)
+            _gemv_autotuned[grid](*args, 0, **flags)
     else:
         cfg = dict(config)
         launch = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}
-        _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](*args, **flags, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
-                                                        **launch)
+        blocks = triton.cdiv(n, cfg["BLOCK_N"])
+        # PROGRAMS: a persistent grid of that many programs (fewer when there are fewer row blocks)
+        programs = min(blocks, cfg.pop("PROGRAMS", 0) or blocks)
+        _gemv_kernel[(programs,)](*args, programs, **flags, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
+                                  PERSISTENT=programs < blocks, **launch)
     return y

@@ -174,12 +174,12 @@ def test_kernel_switches_follow_server_args_and_restore():
 def test_measured_configs_compute_their_shapes(device_name):
     """Every measured (device, shape) config gives the unfused layers' result at its K (rows cut to a few tiles on
     the CPU's interpreter; the whole shape compiled on a GPU)."""
-    for (rows, k, activation), (bn, bk, warps, stages) in gemv_module.MEASURED_CONFIGS[device_name].items():
+    for (rows, k, activation), (bn, bk, warps, stages, *programs) in gemv_module.MEASURED_CONFIGS[device_name].items():
         assert activation in ("", "silu", "gelu") and bk & (bk - 1) == 0 and bn & (bn - 1) == 0
         if not HAS_CUDA:
             rows = 4 * bn if activation else 3 * bn
         x, w = tensors(rows, k, torch.bfloat16, DEVICE, rows + k)
-        config = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        config = dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, PROGRAMS=programs[0] if programs else 0)
         got = gemv(x, w, silu_mul=activation == "silu", gelu_tanh_mul=activation == "gelu", config=config)
         if activation == "gelu":
             gate, up = F.linear(x.double(), w.double()).to(x.dtype).chunk(2, dim=-1)
@@ -201,3 +201,22 @@ def test_measured_config_by_device_name_and_shape(monkeypatch):
     assert gemv_module.measured_config(torch.device("cuda", 0), 28672, 3584, "silu") is None
     assert gemv_module.measured_config(torch.device("cuda", 1), 3584, 4096, "") is None
     assert gemv_module.measured_config(torch.device("cpu"), 3584, 4096, "") is None
+
+
+@pytest.mark.parametrize("rows,k,programs,silu", [(40, 64, 3, False), (37, 200, 2, True), (64, 96, 16, False)])
+def test_persistent_grid_takes_every_row_block(rows, k, programs, silu):
+    """config PROGRAMS: that many programs take the BLOCK_N-row blocks in turn (fewer programs than blocks, a count
+    that does not divide them, more programs than blocks): the same result as one program per block."""
+    x, w = tensors(2 * rows if silu else rows, k, torch.float32, DEVICE, rows + k)
+    base = dict(BLOCK_N=4, BLOCK_K=32, num_warps=1, num_stages=1)
+    one_per_block = gemv(x, w, silu_mul=silu, config=base)
+    persistent = gemv(x, w, silu_mul=silu, config={**base, "PROGRAMS": programs})
+    torch.testing.assert_close(persistent, one_per_block, rtol=0, atol=0)
+    assert rel_err(persistent, reference(x, w, silu)) < 1e-5
+
+
+def test_measured_config_may_name_a_persistent_grid(monkeypatch):
+    monkeypatch.setattr(gemv_module, "_INTERPRET", False)
+    monkeypatch.setattr(gemv_module, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setitem(gemv_module.MEASURED_CONFIGS, "NVIDIA H200", {(64, 32, ""): (4, 32, 1, 1, 264)})
+    assert gemv_module.measured_config(torch.device("cuda", 0), 64, 32, "")["PROGRAMS"] == 264
