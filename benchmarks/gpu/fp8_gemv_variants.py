@@ -3,8 +3,9 @@
   python3 benchmarks/gpu/fp8_gemv_variants.py sweep OUT.jsonl [SECONDS]   every variant x config per shape:
         max error against the dequantized fp32 matmul (and its ratio to the variant's bound; PASS/FAIL), the time of
         all 32 layers' weights of the shape in one CUDA graph (50 replays x 5, median), TB/s of weight bytes; beside
-        them the old fp32-upcast GEMV and the bf16 GEMV; then which config fp8_gemv's own autotuning picks. Each
-        shape gets a quarter of SECONDS (default 200) to start configs in.
+        them the old fp32-upcast GEMV and the bf16 GEMV; the fastest f16/f16bit config again on persistent grids
+        (programs = 1, 2, 4, 8 per SM); then what fp8_gemv picks by itself (MEASURED_FP8_GEMV_CONFIGS, else its
+        tuning). Each shape gets a quarter of SECONDS (default 200) to start configs in.
   python3 benchmarks/gpu/fp8_gemv_variants.py summary DIR                 the table: per shape the best config of
         each variant, the winner, the projected batch-1 step and tok/s, bench_one_batch's figure (DIR/one_batch.jsonl)
         with PASS/FAIL against 450 tok/s, and the winners as Fp8GemvConfig rows to paste into fp8_gemv_candidates.
@@ -16,6 +17,7 @@ F = 2**-10 / 448.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -96,17 +98,14 @@ def sweep(out_path: str, seconds: float) -> None:
         us = timed(lambda: [gemv_module.gemv(x, q, silu_mul=silu, weight_scale=s, config=old) for q, s in fp8])
         _append(out_path, {**base, "variant": "old-fp32", "config": str(old), "us": us,
                            "tb_s": nbytes / layers / us / 1e6})
-        for config in configs:
-            if time.time() > deadline:
-                print(f"sweep: time is up before {name} {config}", flush=True)
-                break
+        def run_config(config) -> dict:
             row = {**base, "variant": config.variant, "config": repr(config)}
             try:
                 y = fp8_gemv(x, *fp8[0], silu_mul=silu, config=config)
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - a config the device cannot run (shared memory) is skipped
                 _append(out_path, {**row, "error": repr(e)[:200]})
-                continue
+                return row
             row["err_over_bound"], row["max_abs_err"] = fp8_gemv_error_excess(y, x, *fp8[0], silu,
                                                                               config.error_bound)
             row["within_bound"] = row["err_over_bound"] <= 1.0
@@ -115,9 +114,25 @@ def sweep(out_path: str, seconds: float) -> None:
             row["us"] = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu, config=config) for q, s in fp8])
             row["tb_s"] = nbytes / layers / row["us"] / 1e6
             _append(out_path, row)
-        # what fp8_gemv picks by itself (its autotuning over fp8_gemv_candidates), timed the same way
+            return row
+
+        f16_timed = []
+        for config in configs:
+            if time.time() > deadline:
+                print(f"sweep: time is up before {name} {config}", flush=True)
+                break
+            row = run_config(config)
+            if config.variant != "tc" and row.get("within_bound") and row["us"] == row["us"]:
+                f16_timed.append((row["us"], config))
+        # the fastest f16 / f16bit config again on persistent grids of 1, 2, 4, 8 programs per SM
+        sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+        for _, config in sorted(f16_timed, key=lambda t: t[0])[:1]:
+            for per_sm in (1, 2, 4, 8):
+                run_config(dataclasses.replace(config, programs=per_sm * sm_count))
+        # what fp8_gemv picks by itself (MEASURED_FP8_GEMV_CONFIGS, else its tuning), timed the same way
         y = fp8_gemv(x, *fp8[0], silu_mul=silu)
-        picked = next((c for key, c in fp8_kernels._tuned.items() if key[1:4] == (n, k, silu)), "not tuned")
+        picked = (fp8_kernels.measured_fp8_gemv_config(x.device, rows, k, silu)
+                  or next((c for key, c in fp8_kernels._tuned.items() if key[1:4] == (n, k, silu)), "not tuned"))
         us = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu) for q, s in fp8])
         _append(out_path, {**base, "variant": "autotuned", "config": repr(picked), "us": us,
                            "tb_s": nbytes / layers / us / 1e6})

@@ -221,3 +221,20 @@ def test_measured_fp8_gemv_config_by_device_name_and_shape(monkeypatch):
     assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 0), 28672, 4096, False) is None
     assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 1), 4096, 14336, False) is None
     assert fp8_kernels.measured_fp8_gemv_config(torch.device("cpu"), 4096, 14336, False) is None
+
+
+@pytest.mark.parametrize("variant", ["f16", "f16bit"])
+@pytest.mark.parametrize("rows,programs,silu_mul", [(70, 3, False), (2 * 40, 4, True), (24, 64, False)])
+def test_fp8_gemv_persistent_grid_equals_one_program_per_block(variant, rows, programs, silu_mul):
+    """programs: that many programs take the row blocks in turn (fewer than the blocks, not dividing them, more than
+    them): bit-identical to one program per block."""
+    if variant == "f16bit" and not HAS_CUDA:
+        pytest.skip("f16bit's inline PTX runs on GPUs only")
+    x, w_q, w_scale = make_case(rows, 160, seed=rows)
+    config = first_config(variant)
+    base = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=config)
+    persistent = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=Fp8GemvConfig(**{**config.__dict__,
+                                                                                       "programs": programs}))
+    assert torch.equal(persistent, base)
+    with pytest.raises(ValueError, match="persistent grid"):
+        Fp8GemvConfig("tc", 64, 256, programs=4)

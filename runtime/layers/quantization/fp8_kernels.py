@@ -329,14 +329,13 @@ def _scaled_activation_store(y, y_up, w_scale_ptr, y_ptr, rows, row_mask, N, SIL
 
 
 @triton.jit
-def _fp8_gemv_f16_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
-                         EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, BIT_DEQUANT: tl.constexpr, ASM: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    # program: rows [pid * BLOCK_N, +BLOCK_N) (and the up rows N further with SILU_MUL), all of K
-    pid = tl.program_id(0)
-    let_next_kernel_launch(USE_PDL)
+def _fp8_gemv_f16_rows(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
+                       EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr, BIT_DEQUANT: tl.constexpr,
+                       ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    # rows [block * BLOCK_N, +BLOCK_N) (and the up rows N further with SILU_MUL), all of K; WAIT: the program's
+    # first block, which waits for the previous kernel (PDL) after loading its first chunk
     cols = tl.arange(0, BLOCK_K)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride
     up_offset = N.to(tl.int64) * w_row_stride
@@ -346,7 +345,8 @@ def _fp8_gemv_f16_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, S
     u = w
     if SILU_MUL:
         u = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-    wait_for_previous_kernel(USE_PDL)
+    if WAIT:
+        wait_for_previous_kernel(USE_PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
     x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
@@ -361,6 +361,22 @@ def _fp8_gemv_f16_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, S
         acc, acc_up = _f16_chunk(w, u, x, acc, acc_up, SILU_MUL, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP)
     _scaled_activation_store(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), w_scale_ptr, y_ptr, rows, row_mask, N,
                              SILU_MUL)
+
+
+@triton.jit
+def _fp8_gemv_f16_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, num_programs, SILU_MUL: tl.constexpr,
+                         EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, BIT_DEQUANT: tl.constexpr, ASM: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+                         PERSISTENT: tl.constexpr):
+    # program: the row block pid; PERSISTENT: then every num_programs-th block after it (a grid of num_programs)
+    pid = tl.program_id(0)
+    let_next_kernel_launch(USE_PDL)
+    _fp8_gemv_f16_rows(pid, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL, EVEN_K, USE_PDL, True,
+                       BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP)
+    if PERSISTENT:
+        for block in range(pid + num_programs, tl.cdiv(N, BLOCK_N), num_programs):
+            _fp8_gemv_f16_rows(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL, EVEN_K,
+                               USE_PDL, False, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP)
 
 
 @triton.jit
@@ -447,7 +463,8 @@ def _fp8_gemv_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr
 @dataclasses.dataclass(frozen=True)
 class Fp8GemvConfig:
     """One launch of fp8_gemv: the variant (FP8_GEMV_VARIANTS) and its tile. group: products summed in fp16 per
-    fp32 add ("f16", "f16bit"); split_k: programs per row tile along K ("tc"; 0: enough for two per SM)."""
+    fp32 add ("f16", "f16bit"); split_k: programs per row tile along K ("tc"; 0: enough for two per SM); programs:
+    a persistent grid ("f16", "f16bit"; 0: one program per row block)."""
     variant: str
     block_n: int
     block_k: int
@@ -455,6 +472,7 @@ class Fp8GemvConfig:
     num_stages: int = 3
     group: int = 16
     split_k: int = 1
+    programs: int = 0  # "f16" / "f16bit": a persistent grid of this many programs (0: one per row block)
 
     def __post_init__(self):
         if self.variant not in FP8_GEMV_VARIANTS:
@@ -464,6 +482,9 @@ class Fp8GemvConfig:
             raise ValueError(f"tc needs block_n >= 64 and block_k >= 32, got {self.block_n}, {self.block_k}")
         if self.variant != "tc" and (self.group < 1 or self.block_k % self.group):
             raise ValueError(f"group {self.group} must divide block_k {self.block_k}")
+        if self.programs < 0 or (self.programs and self.variant == "tc"):
+            raise ValueError(f"programs (a persistent grid) is for the f16 variants and >= 0, got {self.programs} "
+                             f"for {self.variant}")
 
     @property
     def error_bound(self) -> tuple[float, float]:
@@ -587,10 +608,13 @@ def _launch_fp8_gemv(config: Fp8GemvConfig, x, weight, weight_scale, y, n, k, si
                                             SILU_MUL=silu_mul, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                                             SPLIT_K=split, **launch)
     else:
-        _fp8_gemv_f16_kernel[(triton.cdiv(n, config.block_n),)](
-            x, weight, weight_scale, y, n, k, weight.stride(0), SILU_MUL=silu_mul, EVEN_K=k % config.block_k == 0,
-            BIT_DEQUANT=config.variant == "f16bit", ASM=not _INTERPRET, BLOCK_N=config.block_n,
-            BLOCK_K=config.block_k, GROUP=config.group, **launch)
+        blocks = triton.cdiv(n, config.block_n)
+        programs = min(blocks, config.programs or blocks)
+        _fp8_gemv_f16_kernel[(programs,)](
+            x, weight, weight_scale, y, n, k, weight.stride(0), programs, SILU_MUL=silu_mul,
+            EVEN_K=k % config.block_k == 0, BIT_DEQUANT=config.variant == "f16bit", ASM=not _INTERPRET,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP=config.group, PERSISTENT=programs < blocks,
+            **launch)
 
 
 _tuned: dict = {}  # (device, n, k, silu_mul, x dtype, PDL) -> the fastest Fp8GemvConfig
