@@ -1,8 +1,10 @@
 # The scheduler's host path in ShareGPT serving (issue 14): the Llama-3-8B-shaped dummy bf16 server
-# (--cuda-graph-max-bs 256), bench_serving ShareGPT lengths (--seed 7, NUM_PROMPTS default 3000, all at once), once per
-# CONFIG (extra launch_server flags), all in one call so the configurations compare on one machine. Default configs:
+# (always started with --cuda-graph-max-bs 256 before CONFIG, so "" means graphs to 256 and a cap of 256, and
+# "--cuda-graph-max-bs 512" the runtime's own defaults since 3050624), bench_serving ShareGPT lengths (--seed 7,
+# NUM_PROMPTS default 3000, all at once), once per CONFIG (extra launch_server flags), all in one call so the
+# configurations compare on one machine. Default configs:
 #   "--num-continuous-decode-steps 1"      the waiting queue looked at every decode step (the default before c2dd4a8)
-#   ""                                     the defaults: cap 256, graphs to 256, the queue looked at once per 4 steps
+#   ""                                     cap 256, graphs to 256, the runtime's admission pacing
 #   "--max-running-requests 512 --cuda-graph-max-bs 512"   twice the running requests, graphed
 # Per run: the bench_serving figures, then from /get_server_info the scheduler's own clocks over the run, per forward
 # pass: host ms (step() outside the model's forward and device waits), forward-launch ms, device-wait ms, send ms;
