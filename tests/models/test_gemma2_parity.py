@@ -275,12 +275,36 @@ def test_embedding_scale_is_rounded_to_the_weight_dtype_like_hf():
         assert torch.equal(ours(ids), hf(ids)), dtype
 
 
-def _write_gemma2_gguf(path, hf, cfg):
+GEMMA_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' "
+                       "else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n{% endfor %}"
+                       "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def _add_sentencepiece_tokenizer(writer, vocab_size):
+    """A SentencePiece vocabulary of vocab_size pieces in llama.cpp's metadata: Gemma's specials, the 256 byte
+    pieces, letters with and without the word marker, then filler words; and Gemma's chat template."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581" + c for c in letters] + letters
+    tokens += [f"\u2581w{i}" for i in range(len(tokens), vocab_size)]
+    normal = vocab_size - len(specials) - 256
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * (len(specials) + 256) + [-float(i) for i in range(normal)])
+    writer.add_token_types([3, 3, 3, 2, 3, 3] + [6] * 256 + [1] * normal)  # control, unknown, byte, normal
+    writer.add_bos_token_id(2), writer.add_eos_token_id(1), writer.add_pad_token_id(0), writer.add_unk_token_id(3)
+    writer.add_chat_template(GEMMA_CHAT_TEMPLATE)
+
+
+def _write_gemma2_gguf(path, hf, cfg, with_tokenizer=False):
     """hf's weights as llama.cpp's converter writes a Gemma-2 GGUF (its tensor names, RMSNorm weights stored as
-    1 + w, the tied LM head left out), in F32, with the metadata it writes."""
+    1 + w, the tied LM head left out), in F32, with the metadata it writes (with_tokenizer: a vocabulary and chat
+    template too)."""
     import gguf
 
     writer = gguf.GGUFWriter(path, "gemma2")
+    if with_tokenizer:
+        _add_sentencepiece_tokenizer(writer, cfg.vocab_size)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -331,6 +355,27 @@ def test_gemma2_gguf_matches_hf(tmp_path):
     prompts = _prompts([40], seed=4)
     res, trace = _run(path, "torch", prompts, 30, tokenizer_path=str(tmp_path / "hf"))
     _check(hf, prompts, res, trace, 30)
+
+
+def test_gemma2_gguf_carries_its_tokenizer_and_chat_template(tmp_path):
+    """A Gemma-2 GGUF with its vocabulary and chat template serves on its own (no tokenizer_path): the tokenizer is
+    read from the file (through transformers), the chat template renders Gemma's turns, and greedy tokens equal HF's
+    model on the same ids."""
+    cfg = _config(query_pre_attn_scalar=16)
+    hf = _save(tmp_path / "hf", cfg, seed=5)
+    path = str(tmp_path / "gemma2-tok.gguf")
+    _write_gemma2_gguf(path, hf, cfg, with_tokenizer=True)
+    with Engine(model_path=path, attention_backend="torch", max_total_tokens=1024, log_level="warning") as engine:
+        tok = engine.tokenizer
+        assert type(tok).__name__ == "GemmaTokenizer" and (tok.bos_token, tok.eos_token) == ("<bos>", "<eos>")
+        chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+        assert chat == "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+        ids = tok.encode("a big cab")
+        assert ids[0] == 2 and all(3 < i < VOCAB for i in ids[1:])
+        out = engine.generate(input_ids=ids, sampling_params={**GREEDY, "max_new_tokens": 12})
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out["output_ids"] == ref[0, len(ids):].tolist()
 
 
 def _metadata_only_gguf(path, arch, layers, hidden, heads, key_length):
