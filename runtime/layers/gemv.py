@@ -169,13 +169,18 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+def measured_table(tables: dict, device: torch.device) -> dict:
+    """The entry of a {GPU name: {shape key: config}} table of measured kernel configs for `device` ({} for none,
+    for CPU tensors and under the interpreter)."""
+    if _INTERPRET or device.type != "cuda":
+        return {}
+    return tables.get(_device_name(device.index if device.index is not None else torch.cuda.current_device()), {})
+
+
 def measured_config(device: torch.device, rows: int, k: int, activation: str) -> Optional[dict]:
     """The MEASURED_CONFIGS entry for this CUDA device's name and a [rows, K] weight with `activation` ("", "silu",
     "gelu") fused, as gemv's `config`, or None."""
-    if _INTERPRET or device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    found = MEASURED_CONFIGS.get(_device_name(index), {}).get((rows, k, activation))
+    found = measured_table(MEASURED_CONFIGS, device).get((rows, k, activation))
     if found is None:
         return None
     bn, bk, warps, stages, *programs = found

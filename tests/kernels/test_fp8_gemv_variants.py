@@ -212,9 +212,11 @@ def test_measured_fp8_gemv_configs_are_valid_tiles_within_their_bound(device_nam
 
 def test_measured_fp8_gemv_config_by_device_name_and_shape(monkeypatch):
     """A listed device and shape give the entry; another device, shape or a CPU tensor nothing (fp8_gemv then tunes)."""
-    monkeypatch.setattr(fp8_kernels, "_INTERPRET", False)
+    from braid.runtime.layers import gemv as gemv_module
+
+    monkeypatch.setattr(gemv_module, "_INTERPRET", False)
     names = {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"}
-    monkeypatch.setattr(fp8_kernels, "_device_name", names.__getitem__)
+    monkeypatch.setattr(gemv_module, "_device_name", names.__getitem__)
     h200 = fp8_kernels.MEASURED_FP8_GEMV_CONFIGS["NVIDIA H200"]
     assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 0), 4096, 14336, False) == h200[(4096, 14336, False)]
     assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 0), 28672, 4096, True) == h200[(28672, 4096, True)]

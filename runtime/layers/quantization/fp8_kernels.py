@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
+from braid.runtime.layers.gemv import measured_table
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
 logger = logging.getLogger(__name__)
@@ -555,17 +556,9 @@ MEASURED_FP8_GEMV_CONFIGS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
 def measured_fp8_gemv_config(device: torch.device, rows: int, k: int, silu_mul: bool) -> Optional[Fp8GemvConfig]:
     """The MEASURED_FP8_GEMV_CONFIGS entry for this CUDA device's name and a [rows, K] weight, or None."""
-    if _INTERPRET or device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return MEASURED_FP8_GEMV_CONFIGS.get(_device_name(index), {}).get((rows, k, bool(silu_mul)))
+    return measured_table(MEASURED_FP8_GEMV_CONFIGS, device).get((rows, k, bool(silu_mul)))
 
 
 @functools.lru_cache(maxsize=None)
