@@ -128,10 +128,9 @@ def _gemma2_config(g, cfg: dict) -> dict:
             "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh", **caps}
 
 
-def _hf_name(name: str, model_type: str = "llama") -> str:
+def _hf_name(name: str, block_names: dict) -> str:
     if name in _LLAMA_TENSOR_NAMES:
         return _LLAMA_TENSOR_NAMES[name]
-    block_names = _GEMMA2_BLOCK_NAMES if model_type == "gemma2" else _LLAMA_BLOCK_NAMES
     m = _BLOCK_RE.fullmatch(name)
     if m is None or m.group(2) not in block_names:
         raise ValueError(f"unexpected GGUF tensor {name}")
@@ -160,8 +159,9 @@ def iter_gguf_tensors(path: str, config: dict) -> Iterator[tuple[str, torch.Tens
     r = _reader(path)
     model_type = config["model_type"]
     permute = model_type == "llama"
+    block_names = _ARCHITECTURES[_field(r, "general.architecture")][2]
     for t in r.tensors:
-        hf = _hf_name(t.name, model_type)
+        hf = _hf_name(t.name, block_names)
         arr = dequantize_tensor(t)
         if model_type == "gemma2" and hf.endswith("norm.weight"):
             arr = arr - 1  # llama.cpp stores Gemma's RMSNorm weight w as 1 + w (its norm multiplies by the weight)
