@@ -18,28 +18,9 @@ import torch
 import torch.nn.functional as torch_F
 
 from braid.runtime.layers.gemv import gemv
+from decode_b1 import graph_time_us  # benchmarks/gpu, this script's folder
 
 COPY_TB_S = 4.28  # the H200's measured device-to-device copy rate
-
-
-def graph_time_us(fn, iters=20, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-        start.record()
-        for _ in range(iters):
-            g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return sorted(times)[len(times) // 2]
 
 
 def shapes_of(cfg: dict) -> list[tuple[str, int, int, int, str]]:
@@ -82,8 +63,8 @@ def main():
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         kw = dict(silu_mul=act == "silu", gelu_tanh_mul=act == "gelu") if name == "gate_up" else {}
         nbytes = n * k * 2 * count
-        cub = graph_time_us(lambda: [torch_F.linear(x, w) for w in ws])
-        auto = graph_time_us(lambda: [gemv(x, w, **kw) for w in ws])
+        cub = graph_time_us(lambda: [torch_F.linear(x, w) for w in ws], iters=20)
+        auto = graph_time_us(lambda: [gemv(x, w, **kw) for w in ws], iters=20)
         # this shape's share of what is left, by bytes
         left_bytes = sum(nn * kk * 2 * c for _, nn, kk, c, _ in shapes[index:])
         deadline = time.time() + max(10.0, (a.budget_s - (time.time() - started)) * nbytes / left_bytes)

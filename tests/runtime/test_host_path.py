@@ -79,36 +79,6 @@ def test_derived_cap_admits_past_256_and_ends_clean():
     assert stats["num_running_reqs"] == 0 and stats["kv_used_tokens"] == 0
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_continuous_decode_steps_pace_admission(overlap):
-    steps = 4
-    sched = scheduler(max_total_tokens=8192, max_running_requests=4, num_continuous_decode_steps=steps)
-    assert sched.get_stats()["effective_num_continuous_decode_steps"] == steps
-    sched.decode.overlap = overlap  # the chained schedule's bookkeeping runs on CPU too
-    extends = []  # per extend batch formed: (decode passes launched so far, requests decoding beside it)
-    admit = sched._admit
-
-    def recording_admit():
-        batch = admit()
-        if batch:
-            extends.append((sched.decode.num_forward, len(sched.running)))
-        return batch
-
-    sched._admit = recording_admit
-    add(sched, 16, prompt_len=6, max_new=lambda i: 3 + i % 5)
-    done = run_to_end(sched, lambda: None)
-    assert len(done) == 16 and all(o.completion_tokens == 3 + int(rid[1:]) % 5 for rid, o in done.items())
-    # requests end after 3..7 tokens, so a slot frees every step or two while requests wait; yet an extend comes
-    # only `steps` decode passes after the one before, unless nothing was decoding any more
-    assert len(extends) >= 4
-    for (before, _), (at, decoding) in zip(extends, extends[1:]):
-        assert at - before >= steps or decoding == 0, extends
-    if overlap:
-        assert sched.get_stats()["num_decode_overlapped"] >= 8  # chained while requests were waiting
-    stats = sched.get_stats()
-    assert stats["num_running_reqs"] == 0 and stats["kv_used_tokens"] == 0
-
-
 def extend_gaps(sched: Scheduler) -> list:
     """Records, per extend batch formed, (decode passes launched so far, requests decoding beside it)."""
     extends, admit = [], sched._admit
@@ -121,6 +91,27 @@ def extend_gaps(sched: Scheduler) -> list:
 
     sched._admit = recording_admit
     return extends
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_continuous_decode_steps_pace_admission(overlap):
+    steps = 4
+    sched = scheduler(max_total_tokens=8192, max_running_requests=4, num_continuous_decode_steps=steps)
+    assert sched.get_stats()["effective_num_continuous_decode_steps"] == steps
+    sched.decode.overlap = overlap  # the chained schedule's bookkeeping runs on CPU too
+    extends = extend_gaps(sched)
+    add(sched, 16, prompt_len=6, max_new=lambda i: 3 + i % 5)
+    done = run_to_end(sched, lambda: None)
+    assert len(done) == 16 and all(o.completion_tokens == 3 + int(rid[1:]) % 5 for rid, o in done.items())
+    # requests end after 3..7 tokens, so a slot frees every step or two while requests wait; yet an extend comes
+    # only `steps` decode passes after the one before, unless nothing was decoding any more
+    assert len(extends) >= 4
+    for (before, _), (at, decoding) in zip(extends, extends[1:]):
+        assert at - before >= steps or decoding == 0, extends
+    if overlap:
+        assert sched.get_stats()["num_decode_overlapped"] >= 8  # chained while requests were waiting
+    stats = sched.get_stats()
+    assert stats["num_running_reqs"] == 0 and stats["kv_used_tokens"] == 0
 
 
 @pytest.mark.parametrize("overlap", [False, True])
