@@ -1,7 +1,7 @@
 # Serving TPOT against the engine's own decode step (issue 14's Show: "TPOT at a steady batch within 1.3x of
 # bench_one_batch's decode step at that batch size and context; the 16 req/s run's TPOT within 1.3x of the matching
 # engine step"), Llama-3-8B-shaped dummy bf16 at the runtime's defaults, in one call (~6 min). carry: .whl .gpu/tok
-#   bash benchmarks/gpu/serving_tpot_vs_engine.sh
+#   [SERVER_FLAGS="--cuda-graph-max-extend-tokens 4096"] bash benchmarks/gpu/serving_tpot_vs_engine.sh
 # 1. ShareGPT 1000 prompts at 16 req/s (Poisson, --seed 7), then 3000 all at once (its running batch sits at the cap);
 #    each run's mean decoding batch from Little's law (output tok/s x mean TPOT) and its mean context (ShareGPT's mean
 #    prompt plus half its mean output);
@@ -13,7 +13,9 @@ trap stop_server EXIT
 nvidia-smi -L
 START=$(date +%s)
 : >"$OUT/serving.jsonl"
-start_dummy_server 30000 "$OUT/server.log" || exit 1
+echo "server flags: ${SERVER_FLAGS:-(defaults)}"
+# shellcheck disable=SC2086
+start_dummy_server 30000 "$OUT/server.log" ${SERVER_FLAGS:-} || exit 1
 for run in "--num-prompts 1000 --request-rate 16" "--num-prompts 3000"; do
   echo "=== ShareGPT $run"
   # shellcheck disable=SC2086

@@ -122,3 +122,135 @@ class CudaGraphRunner:
         self.attn_backend.init_forward_metadata_replay(padded, static)
         self.graphs[padded].replay()
         return self.outputs[padded][:bs]
+
+
+def extend_token_buckets(max_tokens: int) -> list[int]:
+    """Padded token counts of the extend graphs up to max_tokens: steps of 16 to 64, then of an eighth (at least 32)."""
+    sizes = [16, 32, 48, 64, 96, 128]
+    while sizes[-1] < max_tokens:
+        sizes.append(sizes[-1] + max(sizes[-1] // 8, 32) // 16 * 16)
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
+
+
+class ExtendCudaGraphRunner:
+    """CUDA graphs for extend (prefill) passes: one per padded token count T, each taking up to min(T, max_reqs)
+    requests. An eager extend pass launches a few hundred kernels from Python (~30 ms on the H200's host for an 8B
+    model), more than the GPU needs for a few hundred tokens; a replay is one launch.
+
+    Padding: token rows past the batch read token 0 at position 0 and write their KV to the pool's dummy slot 0;
+    request rows past the batch have no new tokens. The attention kernel runs on a fixed grid through a block
+    table the graph rebuilds from the request lengths (TritonAttnBackend.init_extend_graph_metadata). With
+    capture=False (CPU tests) the same padded pass runs eagerly."""
+
+    def __init__(self, model_runner, capture: bool = True):
+        sa = model_runner.server_args
+        self.runner = model_runner
+        self.model = model_runner.model
+        self.attn_backend = model_runner.attn_backend
+        self.token_buckets = extend_token_buckets(sa.cuda_graph_max_extend_tokens)
+        self.max_tokens = self.token_buckets[-1]
+        self.max_reqs = min(sa.cuda_graph_max_extend_reqs, model_runner.req_to_token_pool.size)
+        dev = model_runner.device
+        self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(self.max_tokens, dtype=torch.int64, device=dev)
+        self.req_pool_indices = torch.zeros(self.max_reqs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(self.max_reqs, dtype=torch.int32, device=dev)
+        self.extend_seq_lens = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
+        self.extend_prefix_lens = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
+        self.extend_start_loc = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
+        self.attn_backend.init_extend_graph_state(self.max_tokens, self.max_reqs)
+        self.num_replays = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.captured = capture
+        if capture:
+            logger.info("capturing CUDA graphs for %d extend token counts (max %d tokens, %d requests)",
+                        len(self.token_buckets), self.max_tokens, self.max_reqs)
+            start = time.perf_counter()
+            self.capture()
+            logger.info("extend CUDA graphs captured in %.1f s", time.perf_counter() - start)
+
+    def _reqs(self, tokens: int) -> int:
+        return min(tokens, self.max_reqs)
+
+    def _static_batch(self, tokens: int) -> ForwardBatch:
+        reqs = self._reqs(tokens)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=reqs,
+            input_ids=self.input_ids[:tokens], positions=self.positions[:tokens],
+            req_pool_indices=self.req_pool_indices[:reqs], seq_lens=self.seq_lens[:reqs],
+            out_cache_loc=self.out_cache_loc[:tokens], seq_lens_cpu=[],
+            extend_prefix_lens=self.extend_prefix_lens[:reqs], extend_seq_lens=self.extend_seq_lens[:reqs],
+            extend_start_loc=self.extend_start_loc[:reqs],
+        )
+        fb.req_to_token_pool = self.runner.req_to_token_pool
+        fb.token_to_kv_pool = self.runner.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        return fb
+
+    def _run_static(self, tokens: int) -> torch.Tensor:
+        fb = self._static_batch(tokens)
+        self.attn_backend.init_extend_graph_metadata(tokens, fb)
+        return self.model(fb)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for tokens in reversed(self.token_buckets):
+                # a valid batch to capture with: one request of `tokens` new tokens, no prefix, KV to slot 0
+                self._load(tokens, [tokens], [0])
+                self.req_pool_indices[:1].zero_()
+                for _ in range(2):  # warm-up (compiles and picks the kernels) outside the graph
+                    self._run_static(tokens)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self._run_static(tokens)
+                pool = pool or graph.pool()
+                self.graphs[tokens] = graph
+                self.outputs[tokens] = out
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def _load(self, tokens: int, extend_lens: list[int], prefix_lens: list[int]) -> None:
+        """The requests' lengths (host lists) into the static request rows, the rows past them zero-length; token
+        rows and req_pool_indices are the caller's."""
+        n = len(extend_lens)
+        ext = torch.tensor(extend_lens, dtype=torch.int32)
+        prefix = torch.tensor(prefix_lens, dtype=torch.int32)
+        # [4, n]: new tokens, prefix, total, first row
+        rows = torch.stack([ext, prefix, ext + prefix, torch.cumsum(ext, 0, dtype=torch.int32) - ext])
+        if rows.device != self.extend_seq_lens.device:
+            rows = rows.pin_memory().to(self.extend_seq_lens.device, non_blocking=True)
+        self.extend_seq_lens[:n].copy_(rows[0])
+        self.extend_prefix_lens[:n].copy_(rows[1])
+        self.seq_lens[:n].copy_(rows[2])
+        self.extend_start_loc[:n].copy_(rows[3])
+        self.extend_seq_lens[n:self._reqs(tokens)].zero_()
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return (fb.forward_mode.is_extend() and fb.extend_seq_lens_cpu is not None
+                and fb.extend_prefix_lens_cpu is not None and 0 < fb.input_ids.shape[0] <= self.max_tokens
+                and fb.batch_size <= self._reqs(self.max_tokens)
+                and not any(fb.mm_inputs or ()))
+
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """fb's hidden states [T, hidden] (rows of the graph's static output)."""
+        tokens = fb.input_ids.shape[0]
+        padded = self.token_buckets[bisect.bisect_left(self.token_buckets, tokens)]  # its min(T, max_reqs) >= B
+        self.num_replays += 1
+        self.input_ids[:tokens].copy_(fb.input_ids)
+        self.positions[:tokens].copy_(fb.positions)
+        self.out_cache_loc[:tokens].copy_(fb.out_cache_loc)
+        self.input_ids[tokens:padded].zero_()
+        self.positions[tokens:padded].zero_()
+        self.out_cache_loc[tokens:padded].zero_()
+        self.req_pool_indices[:fb.batch_size].copy_(fb.req_pool_indices)
+        self._load(padded, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)
+        if self.captured:
+            self.graphs[padded].replay()
+            return self.outputs[padded][:tokens]
+        return self._run_static(padded)[:tokens]

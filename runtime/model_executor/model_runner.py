@@ -64,6 +64,7 @@ class ModelRunner:
         self.attn_backend = get_backend_class(self.attn_backend_name)(self)
         self.sampler = Sampler()
         self.cuda_graph_runner = None
+        self.extend_graph_runner = None
         self._graphs_after_calibration = False
         if server_args.calculate_kv_scales:
             self.token_to_kv_pool.calibrate_kv_scales_on_next_store()
@@ -77,9 +78,23 @@ class ModelRunner:
                 self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> None:
-        from braid.runtime.model_executor.cuda_graph import CudaGraphRunner
+        from braid.runtime.model_executor.cuda_graph import CudaGraphRunner, ExtendCudaGraphRunner
 
         self.cuda_graph_runner = CudaGraphRunner(self)
+        if self.server_args.cuda_graph_max_extend_tokens:
+            why_not = self.extend_graphs_unsupported()
+            if why_not:
+                logger.warning("extend passes run eagerly: %s (--cuda-graph-max-extend-tokens)", why_not)
+            else:
+                self.extend_graph_runner = ExtendCudaGraphRunner(self)
+
+    def extend_graphs_unsupported(self) -> str:
+        """Why extend passes of this model and backend cannot be captured ('' when they can)."""
+        if self.model_config.attention_arch == "mla":
+            return "MLA models choose their prefill form per batch on the host"
+        if not self.attn_backend.supports_extend_cuda_graph(self.token_to_kv_pool):
+            return f"the {self.attn_backend_name} attention backend cannot capture them over this KV pool"
+        return ""
 
     # ---- memory ----
     def _init_pools(self) -> None:
@@ -178,6 +193,8 @@ class ModelRunner:
         if (fb.forward_mode.is_decode() and self.cuda_graph_runner is not None
                 and self.cuda_graph_runner.can_run(fb)):
             hidden = self.cuda_graph_runner.replay(fb)
+        elif self.extend_graph_runner is not None and self.extend_graph_runner.can_run(fb):
+            hidden = self.extend_graph_runner.replay(fb)
         else:
             self.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb)

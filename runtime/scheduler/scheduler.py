@@ -190,6 +190,7 @@ class Scheduler:
             effective_num_continuous_decode_steps=self.continuous_decode_steps,
             effective_max_continuous_decode_steps=self.max_continuous_decode_steps,
             effective_admission_min_extend_tokens=self.admission_min_extend_tokens,
+            num_forward_extend_graphed=getattr(getattr(self.runner, "extend_graph_runner", None), "num_replays", 0),
             **self.timing.stats(),
         )
         return s

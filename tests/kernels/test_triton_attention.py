@@ -15,6 +15,7 @@ import torch
 from braid.runtime.core import ForwardBatch, ForwardMode
 from braid.runtime.layers.attention.triton_backend import TritonAttnBackend
 from braid.runtime.layers.attention.triton_ops import decode_attention_fwd, extend_attention_fwd
+from braid.runtime.layers.attention.triton_ops.extend_attention import extend_block_m, extend_block_table
 from braid.runtime.mem_cache.pools import MHAKVPool
 
 HAS_CUDA = torch.cuda.is_available()
@@ -201,6 +202,52 @@ def test_decode_zero_length_rows_write_zeros():
     ref = ref_attention(q[1:], k_buffer[req_to_token[1, :5].long()], v_buffer[req_to_token[1, :5].long()],
                         torch.tensor([4], device=DEVICE), 0.25)
     assert rel_err(o[1:], ref) <= 1e-4
+
+
+def test_block_table_covers_each_query_block_once():
+    lens = torch.tensor([5, 0, 33, 16, 0], dtype=torch.int32)
+    seq, block = extend_block_table(lens, 16, 12)
+    pairs = [(s, b) for s, b in zip(seq.tolist(), block.tolist()) if s >= 0]
+    assert pairs == [(0, 0), (2, 0), (2, 1), (2, 2), (3, 0)]
+    assert seq.tolist()[len(pairs):] == [-1] * (12 - len(pairs))
+    # written into given buffers (what a CUDA graph replays)
+    out = (torch.full((12,), 7, dtype=torch.int32), torch.full((12,), 7, dtype=torch.int32))
+    extend_block_table(lens, 16, 12, out=out)
+    assert out[0].tolist() == seq.tolist() and out[1].tolist() == block.tolist()
+
+
+@pytest.mark.parametrize("window", [-1, 6])
+def test_extend_through_block_table_equals_grid_launch(window):
+    """The fixed-grid launch of a padded batch (as in an extend CUDA graph: requests with no new tokens, rows past
+    the last request, more table entries than blocks) writes the same rows as the per-batch grid."""
+    gen = torch.Generator().manual_seed(3)
+    h, h_kv, d = 4, 2, 32
+    prefix_lens, extend_lens = [7, 0, 21], [19, 3, 40]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_slots, req_to_token, rows, _ = random_layout(seq_lens, gen, DEVICE)
+    total, padded_tokens = sum(extend_lens), sum(extend_lens) + 9
+    k_buffer = randn((num_slots, h_kv, d), torch.float32, gen, DEVICE)
+    v_buffer = randn((num_slots, h_kv, d), torch.float32, gen, DEVICE)
+    q = randn((padded_tokens, h, d), torch.float32, gen, DEVICE)
+    k = randn((padded_tokens, h_kv, d), torch.float32, gen, DEVICE)
+    v = randn((padded_tokens, h_kv, d), torch.float32, gen, DEVICE)
+    as_i32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    start_loc = as_i32([0, 19, 22])
+    expected = torch.zeros((padded_tokens, h, d), device=DEVICE)
+    extend_attention_fwd(q, k, v, expected, k_buffer, v_buffer, req_to_token, rows, as_i32(seq_lens),
+                         as_i32(extend_lens), start_loc, as_i32(prefix_lens), max(extend_lens), 0.2, 0.0, window)
+    # two padding requests (no new tokens) after the real ones
+    pad_rows = torch.cat([rows, rows[:1], rows[:1]])
+    pad = lambda xs, fill: as_i32(list(xs) + [fill, fill])  # noqa: E731
+    block_m = extend_block_m(d, d, DEVICE)
+    entries = -(-padded_tokens // block_m) + 5
+    table = extend_block_table(pad(extend_lens, 0), block_m, entries)
+    out = torch.zeros((padded_tokens, h, d), device=DEVICE)
+    extend_attention_fwd(q, k, v, out, k_buffer, v_buffer, req_to_token, pad_rows, pad(seq_lens, 1),
+                         pad(extend_lens, 0), pad(start_loc.tolist(), total), pad(prefix_lens, 0), 0, 0.2, 0.0,
+                         window, block_table=table)
+    torch.testing.assert_close(out[:total], expected[:total], rtol=0, atol=0)
+    assert out[total:].abs().sum() == 0  # rows of no request are not written
 
 
 def test_shape_errors_are_clear():

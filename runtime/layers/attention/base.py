@@ -43,7 +43,10 @@ class AttentionBackend(ABC):
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True) -> torch.Tensor:
         """One new token per request attends to all fb.seq_lens[i] tokens (itself included)."""
 
-    # ---- CUDA graph hooks (decode only); backends that cannot be captured keep the defaults ----
+    # ---- CUDA graph hooks (extend: TritonAttnBackend only); backends that cannot be captured keep the defaults ----
+    def supports_extend_cuda_graph(self, pool) -> bool:
+        return False
+
     def init_cuda_graph_state(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 

@@ -30,6 +30,7 @@ import torch
 
 from braid.runtime.layers.attention.base import AttentionBackend
 from braid.runtime.layers.attention.triton_ops import decode_attention_fwd, extend_attention_fwd
+from braid.runtime.layers.attention.triton_ops.extend_attention import extend_block_m, extend_block_table
 
 if TYPE_CHECKING:
     from braid.runtime.core import ForwardBatch
@@ -54,6 +55,8 @@ class TritonAttnMetadata:
     extend_start_loc: Optional[torch.Tensor] = None  # EXTEND: [B] offset of each request's rows
     attn_logits: Optional[torch.Tensor] = None  # DECODE: fp32 scratch [B, H, splits, Dv + 1] (decode_kv_splits(B))
     in_cuda_graph: bool = False  # scratch is the static graph buffer; it must not be reallocated
+    # EXTEND in a CUDA graph: (request, query block) per program of a fixed grid (extend_block_table), int32 [E] each
+    block_table: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     # hybrid KV pool (mem_cache/window_pool.py): window layers read [B, L] rows of window slots, indexed 0..B-1
     window_req_to_token: Optional[torch.Tensor] = None
     window_req_indices: Optional[torch.Tensor] = None
@@ -177,7 +180,9 @@ class TritonAttnBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         if save_kv_cache:
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k3, v3)
-        o = q3.new_empty((q3.shape[0], h, dv))
+        # a graphed pass's padding rows belong to no request and are not written: zeros keep them finite for what
+        # follows (per-tensor activation scales)
+        o = q3.new_zeros((q3.shape[0], h, dv)) if md.block_table is not None else q3.new_empty((q3.shape[0], h, dv))
         logit_cap, window = self._layer_options(layer)
         req_to_token, req_indices = self._token_table(layer, fb, md)
         extend_attention_fwd(
@@ -185,7 +190,7 @@ class TritonAttnBackend(AttentionBackend):
             pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
             req_to_token, req_indices, fb.seq_lens,
             fb.extend_seq_lens, md.extend_start_loc, fb.extend_prefix_lens, md.max_len_extend,
-            layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id),
+            layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id), block_table=md.block_table,
         )
         return o.view(-1, h * dv)
 
@@ -249,6 +254,33 @@ class TritonAttnBackend(AttentionBackend):
                                                       out=self.cuda_graph_window_rows)
             md.window_req_indices = self.cuda_graph_row_ids[:bs]
             pool.translate_batch_slots(fb.out_cache_loc, out=self.cuda_graph_window_loc)
+
+    # ------------------------------------------------------------------ CUDA graphs (extend)
+
+    def supports_extend_cuda_graph(self, pool) -> bool:
+        """Whether extend passes over this pool can be captured: not a hybrid pool's window layers, whose slot
+        tables are cut to the batch's longest sequence on the host."""
+        return not hasattr(pool, "window_rows")
+
+    def init_extend_graph_state(self, max_tokens: int, max_reqs: int) -> None:
+        self.graph_extend_block_m = extend_block_m(self.head_dim, self.v_head_dim, self.device)
+        entries = self.extend_table_entries(max_tokens, max_reqs)
+        self._graph_block_table = (torch.full((entries,), -1, dtype=torch.int32, device=self.device),
+                                   torch.zeros(entries, dtype=torch.int32, device=self.device))
+
+    def extend_table_entries(self, tokens: int, reqs: int) -> int:
+        # every request's last query block may be partial: at most cdiv(tokens, block) + reqs blocks
+        return -(-tokens // self.graph_extend_block_m) + reqs
+
+    def init_extend_graph_metadata(self, tokens: int, fb: "ForwardBatch") -> None:
+        """fb: a padded extend batch of static tensors (tokens rows, fb.batch_size requests, those past the real
+        ones with no new tokens). Runs inside the capture: the block table is rebuilt from fb.extend_seq_lens at
+        every replay."""
+        entries = self.extend_table_entries(tokens, fb.batch_size)
+        table = extend_block_table(fb.extend_seq_lens, self.graph_extend_block_m, entries,
+                                   out=(self._graph_block_table[0][:entries], self._graph_block_table[1][:entries]))
+        fb.attn_metadata = TritonAttnMetadata(extend_start_loc=fb.extend_start_loc, block_table=table,
+                                              in_cuda_graph=True)
 
     def init_forward_metadata_capture(self, bs: int, fb: "ForwardBatch") -> None:
         self._graph_metadata(bs, fb)

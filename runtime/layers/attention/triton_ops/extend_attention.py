@@ -11,16 +11,22 @@ last W keys including itself (the Gemma-2 / Mistral convention). Soft-capping (l
 scores = cap * tanh(scores * sm_scale / cap). Accumulation is fp32; the output takes o_extend's dtype.
 KV buffers may hold fp8 (e5m2 / e4m3fn): tiles are upcast in-kernel before each dot, and values read
 from the buffers are multiplied by k_scale / v_scale (the pool stores x / scale).
+
+Grid: one program per (request, head, query block of BLOCK_M), sized from the longest run on the host; or, with a
+block table (`extend_block_table`, built on the device), one program per (table entry, head) with a grid fixed by
+the padded token count and request count, which is what a CUDA graph of an extend pass needs.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-__all__ = ["extend_attention_fwd"]
+__all__ = ["extend_attention_fwd", "extend_block_m", "extend_block_table"]
 
 
 @triton.jit
@@ -105,7 +111,7 @@ def _attend_tile(
 @triton.jit
 def _extend_fwd_kernel(
     Q, K_ext, V_ext, O, K_buf, V_buf, Req_to_token,
-    B_req_idx, B_start_loc, B_ext_len, B_prefix_len,
+    B_req_idx, B_start_loc, B_ext_len, B_prefix_len, Block_seq, Block_m,
     sm_scale, logit_cap, sliding_window, k_scale, v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_req,
@@ -113,10 +119,18 @@ def _extend_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, V_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_TABLE: tl.constexpr,
 ):
-    cur_seq = tl.program_id(0)
     cur_head = tl.program_id(1)
-    cur_block_m = tl.program_id(2)
+    if BLOCK_TABLE:
+        # entry -> (request, query block); -1 marks the entries past the batch's blocks
+        cur_seq = tl.load(Block_seq + tl.program_id(0))
+        if cur_seq < 0:
+            return
+        cur_block_m = tl.load(Block_m + tl.program_id(0))
+    else:
+        cur_seq = tl.program_id(0)
+        cur_block_m = tl.program_id(2)
     cur_kv_head = cur_head // KV_GROUP
 
     ext_len = tl.load(B_ext_len + cur_seq)
@@ -304,6 +318,7 @@ def extend_attention_fwd(
     sliding_window: int = -1,
     k_scale: float = 1.0,  # dequantisation scales of values read from k_buffer / v_buffer (fp8 caches)
     v_scale: float = 1.0,
+    block_table: Optional[tuple[torch.Tensor, torch.Tensor]] = None,  # extend_block_table(...): fixed grid
 ) -> None:
     t, h, d = q_extend.shape
     h_kv = k_extend.shape[1]
@@ -319,16 +334,23 @@ def extend_attention_fwd(
     check_last_dim_contiguous(q_extend=q_extend, k_extend=k_extend, v_extend=v_extend, o_extend=o_extend,
                               k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token)
     batch = req_pool_indices.shape[0]
-    if batch == 0 or max_len_extend <= 0 or t == 0:
-        return
-
     block_d, block_dpe = split_head_dim(d)
     configs = _extend_launch_configs(d, dv, q_extend.device)
-    key = ("extend", q_extend.device, q_extend.dtype, k_extend.dtype, k_buffer.dtype, d, dv)
+    if block_table is not None:
+        block_seq, block_m = block_table
+        # the table was cut in query blocks of extend_block_m's size: only configs of that size fit it
+        configs = [c for c in configs if c["BLOCK_M"] == configs[0]["BLOCK_M"]]
+        grid = lambda cfg: (block_seq.shape[0], h)  # noqa: E731
+    else:
+        if batch == 0 or max_len_extend <= 0 or t == 0:
+            return
+        block_seq = block_m = extend_seq_lens  # unread placeholders
+        grid = lambda cfg: (batch, h, triton.cdiv(max_len_extend, cfg["BLOCK_M"]))  # noqa: E731
+    key = ("extend", q_extend.device, q_extend.dtype, k_extend.dtype, k_buffer.dtype, d, dv, block_table is not None)
     launch_first_fitting(
-        _extend_fwd_kernel, lambda cfg: (batch, h, triton.cdiv(max_len_extend, cfg["BLOCK_M"])), configs, key,
+        _extend_fwd_kernel, grid, configs, key,
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token,
-        req_pool_indices, extend_start_loc, extend_seq_lens, prefix_lens,
+        req_pool_indices, extend_start_loc, extend_seq_lens, prefix_lens, block_seq, block_m,
         float(sm_scale), float(logit_cap), int(sliding_window), float(k_scale), float(v_scale),
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
@@ -336,5 +358,32 @@ def extend_attention_fwd(
         KV_GROUP=h // h_kv, D=d, DV=dv,
         BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         USE_CAP=logit_cap > 0, USE_WINDOW=sliding_window > 0, V_SCALED=v_scale != 1.0,
-        DOT_DTYPE=dot_dtype(q_extend),
+        DOT_DTYPE=dot_dtype(q_extend), BLOCK_TABLE=block_table is not None,
     )
+
+
+def extend_block_m(d: int, dv: int, device: torch.device) -> int:
+    """The query-block size of extend programs launched through a block table, for head dims d / dv."""
+    return _extend_launch_configs(d, dv, device)[0]["BLOCK_M"]
+
+
+def extend_block_table(extend_seq_lens: torch.Tensor, block_m: int, num_entries: int,
+                       out: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(request, query block) of each of num_entries programs, on the device without a host sync (so it can be
+    captured in a CUDA graph): the requests' blocks of block_m new tokens in order, then -1 / 0 for the entries past
+    them. num_entries >= cdiv(tokens, block_m) + requests covers any split of the tokens. Returns int32 [num_entries]
+    pairs, written into `out` when given."""
+    blocks = (extend_seq_lens.to(torch.int64) + block_m - 1) // block_m  # [B]
+    ends = torch.cumsum(blocks, 0)  # [B]
+    entry = torch.arange(num_entries, device=extend_seq_lens.device)
+    seq = torch.searchsorted(ends, entry, right=True)  # [E] in 0..B
+    inside = seq < extend_seq_lens.shape[0]
+    seq = seq.clamp_(max=max(extend_seq_lens.shape[0] - 1, 0))
+    block = entry - (ends - blocks)[seq]
+    seq = torch.where(inside, seq, -1)
+    block = torch.where(inside, block, 0)
+    if out is None:
+        return seq.to(torch.int32), block.to(torch.int32)
+    out[0].copy_(seq)
+    out[1].copy_(block)
+    return out
