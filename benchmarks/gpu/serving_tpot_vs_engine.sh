@@ -1,7 +1,8 @@
 # Serving TPOT against the engine's own decode step (issue 14's Show: "TPOT at a steady batch within 1.3x of
 # bench_one_batch's decode step at that batch size and context; the 16 req/s run's TPOT within 1.3x of the matching
 # engine step"), Llama-3-8B-shaped dummy bf16 at the runtime's defaults, in one call (~6 min). carry: .whl .gpu/tok
-#   [SERVER_FLAGS="--cuda-graph-max-extend-tokens 4096"] bash benchmarks/gpu/serving_tpot_vs_engine.sh
+#   [SERVER_FLAGS="--cuda-graph-max-extend-tokens 4096"] [RUNS="--num-prompts 1000 --request-rate 16"] \
+#     bash benchmarks/gpu/serving_tpot_vs_engine.sh          (RUNS: bench_serving flag sets, ';' between them)
 # 1. ShareGPT 1000 prompts at 16 req/s (Poisson, --seed 7), then 3000 all at once (its running batch sits at the cap);
 #    each run's mean decoding batch from Little's law (output tok/s x mean TPOT) and its mean context (ShareGPT's mean
 #    prompt plus half its mean output);
@@ -16,7 +17,8 @@ START=$(date +%s)
 echo "server flags: ${SERVER_FLAGS:-(defaults)}"
 # shellcheck disable=SC2086
 start_dummy_server 30000 "$OUT/server.log" ${SERVER_FLAGS:-} || exit 1
-for run in "--num-prompts 1000 --request-rate 16" "--num-prompts 3000"; do
+IFS=';' read -r -a RUN_LIST <<<"${RUNS:---num-prompts 1000 --request-rate 16;--num-prompts 3000}"
+for run in "${RUN_LIST[@]}"; do
   echo "=== ShareGPT $run"
   # shellcheck disable=SC2086
   timeout 200 python3 -m braid.bench_serving --backend braid --port 30000 --tokenizer .gpu/tok --dataset-name sharegpt \

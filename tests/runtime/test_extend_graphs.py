@@ -37,13 +37,14 @@ def _extend_batch(runner, rows, prefix_lens, new_tokens) -> ForwardBatch:
     for row, p, n in zip(rows, prefix_lens, lens):
         runner.req_to_token_pool.req_to_token[row, p:p + n] = loc[offset:offset + n].to(torch.int32)
         offset += n
-    ext = torch.tensor(lens, dtype=torch.int32)
-    prefix = torch.tensor(prefix_lens, dtype=torch.int32)
+    dev = runner.device
+    ext = torch.tensor(lens, dtype=torch.int32, device=dev)
+    prefix = torch.tensor(prefix_lens, dtype=torch.int32, device=dev)
     return ForwardBatch(
         forward_mode=ForwardMode.EXTEND, batch_size=len(rows),
-        input_ids=torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.int64),
-        positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lens)]),
-        req_pool_indices=torch.tensor(rows, dtype=torch.int64), seq_lens=ext + prefix, out_cache_loc=loc,
+        input_ids=torch.tensor([t for ts in new_tokens for t in ts], dtype=torch.int64, device=dev),
+        positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, lens)]).to(dev),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=dev), seq_lens=ext + prefix, out_cache_loc=loc,
         seq_lens_cpu=[p + n for p, n in zip(prefix_lens, lens)], extend_prefix_lens=prefix, extend_seq_lens=ext,
         extend_start_loc=torch.cumsum(ext, 0, dtype=torch.int32) - ext, extend_prefix_lens_cpu=list(prefix_lens),
         extend_seq_lens_cpu=lens)
@@ -67,8 +68,10 @@ def test_token_buckets_cover_every_count():
 
 @torch.inference_mode()
 def test_padded_static_extend_equals_eager(tiny_llama):
-    args = ServerArgs(model_path=tiny_llama, device="cpu", dtype="float32", max_total_tokens=1024,
-                      cuda_graph_max_extend_tokens=64, cuda_graph_max_extend_reqs=4, log_level="warning")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = ServerArgs(model_path=tiny_llama, device=device, dtype="float32", max_total_tokens=1024,
+                      cuda_graph_max_extend_tokens=64, cuda_graph_max_extend_reqs=4, disable_cuda_graph=True,
+                      log_level="warning")
     runner = ModelRunner(args)
     runner.attn_backend = TritonAttnBackend(runner)  # a server refuses Triton on CPU; the interpreter runs it here
     assert runner.extend_graphs_unsupported() == ""
@@ -118,7 +121,7 @@ def test_gpu_engine_greedy_equal_with_extend_graphs(tiny_llama):
     prompts += [shared + [7 + i] * (i + 1) for i in range(6)]
     greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     outputs, logprobs, stats = [], [], []
-    for tokens in (0, 256):
+    for tokens in (0, 1024):
         # fp32: padded GEMMs may take other cuBLAS kernels, whose bf16 rounding would flip a random model's near-ties
         with Engine(model_path=tiny_llama, log_level="warning", device="cuda", dtype="float32",
                     attention_backend="triton", max_total_tokens=4096, cuda_graph_max_extend_tokens=tokens) as e:
