@@ -124,10 +124,10 @@ class ServerArgs:
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
     cuda_graph_max_bs: int = _opt(512, "largest decode batch captured in a CUDA graph; also the most requests "
                                        "decoding at once when --max-running-requests is unset")
-    cuda_graph_max_extend_tokens: int = _opt(0, "on CUDA, extend (prefill) passes of up to this many new tokens replay "
-                                                "CUDA graphs captured at padded token counts instead of launching "
-                                                "each kernel from Python (Triton attention, MHA models without "
-                                                "window KV trimming); 0: extend passes run eagerly")
+    cuda_graph_max_extend_tokens: Optional[int] = _opt(
+        None, "on CUDA, extend (prefill) passes of up to this many new tokens replay CUDA graphs captured at padded "
+        "token counts instead of launching each kernel from Python (Triton attention, MHA models without window KV "
+        "trimming; others run them eagerly); 0: never (default: 1024 on CUDA)")
     cuda_graph_max_extend_reqs: int = _opt(64, "most requests in one graphed extend pass (more run eagerly)")
     enable_torch_compile: bool = _opt(False, "torch.compile the model's non-attention parts")
     torch_compile_max_bs: int = _opt(32, "largest batch compiled", aliases=("--max-torch-compile-bs",))
@@ -250,7 +250,7 @@ class ServerArgs:
             raise ValueError("max_continuous_decode_steps must be >= 1 and >= num_continuous_decode_steps")
         if self.admission_min_extend_tokens is not None and self.admission_min_extend_tokens < 0:
             raise ValueError("admission_min_extend_tokens must be >= 0")
-        if self.cuda_graph_max_extend_tokens < 0 or self.cuda_graph_max_extend_reqs < 1:
+        if (self.cuda_graph_max_extend_tokens or 0) < 0 or self.cuda_graph_max_extend_reqs < 1:
             raise ValueError("cuda_graph_max_extend_tokens must be >= 0 and cuda_graph_max_extend_reqs >= 1")
         if self.triton_attention_num_kv_splits is not None and not 1 <= self.triton_attention_num_kv_splits <= 64:
             raise ValueError("triton_attention_num_kv_splits must be between 1 and 64")

@@ -142,12 +142,12 @@ class ExtendCudaGraphRunner:
     table the graph rebuilds from the request lengths (TritonAttnBackend.init_extend_graph_metadata). With
     capture=False (CPU tests) the same padded pass runs eagerly."""
 
-    def __init__(self, model_runner, capture: bool = True):
+    def __init__(self, model_runner, max_tokens: int, capture: bool = True):
         sa = model_runner.server_args
         self.runner = model_runner
         self.model = model_runner.model
         self.attn_backend = model_runner.attn_backend
-        self.token_buckets = extend_token_buckets(sa.cuda_graph_max_extend_tokens)
+        self.token_buckets = extend_token_buckets(max_tokens)
         self.max_tokens = self.token_buckets[-1]
         self.max_reqs = min(sa.cuda_graph_max_extend_reqs, model_runner.req_to_token_pool.size)
         dev = model_runner.device

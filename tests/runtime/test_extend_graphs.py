@@ -75,7 +75,7 @@ def test_padded_static_extend_equals_eager(tiny_llama):
     runner = ModelRunner(args)
     runner.attn_backend = TritonAttnBackend(runner)  # a server refuses Triton on CPU; the interpreter runs it here
     assert runner.extend_graphs_unsupported() == ""
-    graphs = ExtendCudaGraphRunner(runner, capture=False)
+    graphs = ExtendCudaGraphRunner(runner, max_tokens=args.cuda_graph_max_extend_tokens, capture=False)
     assert graphs.token_buckets == [16, 32, 48, 64] and graphs.max_reqs == 4
     gen = torch.Generator().manual_seed(1)
     rows = [runner.req_to_token_pool.alloc() for _ in range(3)]
@@ -121,7 +121,7 @@ def test_gpu_engine_greedy_equal_with_extend_graphs(tiny_llama):
     prompts += [shared + [7 + i] * (i + 1) for i in range(6)]
     greedy = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     outputs, logprobs, stats = [], [], []
-    for tokens in (0, 1024):
+    for tokens in (0, None):  # eager; the default (1024 tokens on CUDA)
         # fp32: padded GEMMs may take other cuBLAS kernels, whose bf16 rounding would flip a random model's near-ties
         with Engine(model_path=tiny_llama, log_level="warning", device="cuda", dtype="float32",
                     attention_backend="triton", max_total_tokens=4096, cuda_graph_max_extend_tokens=tokens) as e:
