@@ -452,9 +452,11 @@ class MLAKVPool(KVPool):
 
     def store_latent_and_build_query(self, layer_id: int, loc: torch.Tensor, positions: torch.Tensor,
                                      latent: torch.Tensor, k_pe: torch.Tensor, latent_norm, rotary,
-                                     q_nope: torch.Tensor, w_kc: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+                                     q_nope: torch.Tensor, w_kc: torch.Tensor, q_pe: torch.Tensor,
+                                     w_kc_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Absorbed MLA decode. latent: [T, R] before latent_norm (an RMSNorm); k_pe: [T, P] and q_pe: [T, H, P]
-        before `rotary` (a RotaryEmbedding over P dims); q_nope: [T, H, nope]; w_kc: [H, nope, R].
+        before `rotary` (a RotaryEmbedding over P dims); q_nope: [T, H, nope]; w_kc: [H, nope, R] (e4m3 with
+        w_kc_scale [H, nope] fp32 for an FP8 checkpoint).
 
         Stores each token's row [latent_norm(latent) ; rotary(k_pe)] at slots `loc` and returns the query rows
         [T, H, R + P] = [q_nope @ w_kc ; rotary(q_pe)] per head."""
@@ -464,9 +466,11 @@ class MLAKVPool(KVPool):
 
             return mla_kernels.mla_decode_prepare(
                 positions, loc, rotary.cos_sin_cache, rotary.is_neox_style, latent, k_pe, latent_norm.weight,
-                latent_norm.eps, q_nope, w_kc, q_pe, self._kv_buffers[layer_id])
+                latent_norm.eps, q_nope, w_kc, q_pe, self._kv_buffers[layer_id], w_kc_scale)
+        from braid.runtime.layers.mla_kernels import dequantized_head_weight
+
         tokens, heads = q_pe.shape[0], q_pe.shape[1]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc)  # [H, T, R]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), dequantized_head_weight(w_kc, w_kc_scale, q_nope.dtype))  # [H, T, R]
         latent = latent_norm(latent)
         q_pe, k_pe = rotary(positions, q_pe, k_pe)
         self.set_kv(layer_id, loc, k_pe, latent)

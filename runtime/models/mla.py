@@ -15,7 +15,7 @@ from torch import nn
 
 from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
-from braid.runtime.layers.mla_kernels import latent_to_head_values
+from braid.runtime.layers.mla_kernels import dequantized_head_weight, latent_to_head_values
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.radix_attention import RadixAttention
 from braid.runtime.layers.rotary import RotaryEmbedding
@@ -67,6 +67,9 @@ class MLAttention(nn.Module):
         self.rotary_emb = rotary
         self.w_kc = None  # [H, nope, R]: q_nope -> the latent query
         self.w_vc = None  # [H, v, R]: latent output -> the head's value output (rows of R: a GEMV streams them)
+        # an fp8 kv_b_proj (checkpoint or --quantization fp8): w_kc / w_vc stay e4m3, with these fp32 per-row scales
+        self.w_kc_scale = None  # [H, nope]
+        self.w_vc_scale = None  # [H, v]
         if absorbed:
             self.attn = RadixAttention(layer_id, self.num_heads, self.kv_lora_rank + self.rope_dim, 1,
                                        scaling=spec.scaling, v_head_dim=self.kv_lora_rank)
@@ -82,12 +85,15 @@ class MLAttention(nn.Module):
         if self.kv_b_proj.weight.is_meta:
             raise ValueError("weights missing from the checkpoint: self_attn.kv_b_proj.weight")
         w = self.kv_b_proj.weight
-        scale = getattr(self.kv_b_proj, "weight_scale", None)
-        if scale is not None and w.dtype.itemsize == 1:  # an fp8 layer (checkpoint or --quantization fp8): one scale per row
-            w = (w.float() * scale.float()[:, None]).to(self.kv_a_layernorm.weight.dtype)
-        w = w.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        rows = self.nope_dim + self.v_head_dim
+        w = w.view(self.num_heads, rows, self.kv_lora_rank)
         self.w_kc = w[:, : self.nope_dim].contiguous()  # [H, nope, R]
         self.w_vc = w[:, self.nope_dim:].contiguous()  # [H, v, R]
+        scale = getattr(self.kv_b_proj, "weight_scale", None)
+        if scale is not None and w.dtype.itemsize == 1:  # an fp8 layer: one scale per row (a tensor's, repeated)
+            scale = scale.float().reshape(-1).expand(self.num_heads * rows).reshape(self.num_heads, rows)
+            self.w_kc_scale = scale[:, : self.nope_dim].contiguous()
+            self.w_vc_scale = scale[:, self.nope_dim:].contiguous()
         self.kv_b_proj = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb) -> torch.Tensor:
@@ -106,9 +112,10 @@ class MLAttention(nn.Module):
                 # launch on CUDA); attention then reads the keys and values from the pool
                 q_full = _store_latent_and_build_query(
                     fb.token_to_kv_pool, self.attn.layer_id, fb.out_cache_loc, positions, latent, k_pe,
-                    self.kv_a_layernorm, self.rotary_emb, q_nope, self.w_kc, q_pe)  # [T, H, R + rope]
+                    self.kv_a_layernorm, self.rotary_emb, q_nope, self.w_kc, q_pe, self.w_kc_scale)  # [T, H, R + rope]
                 return self._absorbed_output(self.attn(q_full.view(T, -1), None, None, fb, save_kv_cache=False))
-            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc)  # [H, T, R]
+            w_kc = dequantized_head_weight(self.w_kc, self.w_kc_scale, q_nope.dtype)
+            q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc)  # [H, T, R]
         latent = self.kv_a_layernorm(latent)  # [T, R]
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)  # [T, H * rope], [T, rope]
         q_pe = q_pe.view(T, H, self.rope_dim)
@@ -126,7 +133,8 @@ class MLAttention(nn.Module):
     def _absorbed_output(self, out: torch.Tensor) -> torch.Tensor:
         # out: [T, H * R], attention over the latent -> each head's value output via w_vc -> o_proj -> [T, hidden]
         T, H = out.shape[0], self.num_heads
-        return self.o_proj(latent_to_head_values(out.view(T, H, self.kv_lora_rank), self.w_vc))  # via [T, H * v]
+        return self.o_proj(latent_to_head_values(out.view(T, H, self.kv_lora_rank), self.w_vc,
+                                                 self.w_vc_scale))  # via [T, H * v]
 
 
 @torch.compiler.disable

@@ -89,3 +89,41 @@ def test_latent_values_gemv_matches_the_batched_matmul(dtype):
     assert out.shape == (3, H * 18) and out.dtype == dtype
     torch.testing.assert_close(out.float(), want, **tol)
     torch.testing.assert_close(mla_kernels.latent_to_head_values(attn, w_vc).float(), want, **tol)
+
+
+def _e4m3_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[H, rows, R] -> (e4m3, fp32 scales [H, rows]), one scale per row."""
+    scale = w.float().abs().amax(-1).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return (w.float() / scale[..., None]).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_w_kc_and_w_vc_equal_their_dequantized_copies(monkeypatch, dtype):
+    """FP8 checkpoints keep w_kc / w_vc in e4m3 with row scales: the fused decode kernel and the value GEMV compute
+    what the dequantized weights give (the batched-matmul paths), up to rounding the scaled tile to the dtype."""
+    monkeypatch.setattr(pools, "_triton_kernels_run_on", lambda device: True)
+    g = torch.Generator(device=DEVICE).manual_seed(2)
+    rotary = RotaryEmbedding(P, P, 64, 10000.0, None, is_neox_style=False)
+    rotary.build_cache(DEVICE)
+    norm = RMSNorm(R, 1e-6)
+    T = 5
+    latent, k_pe = torch.randn(T, R, device=DEVICE, generator=g).to(dtype), torch.randn(T, P, device=DEVICE, generator=g).to(dtype)
+    q_nope = torch.randn(T, H, NOPE, device=DEVICE, generator=g).to(dtype)
+    q_pe = torch.randn(T, H, P, device=DEVICE, generator=g).to(dtype)
+    w_kc, kc_scale = _e4m3_rows(torch.randn(H, NOPE, R, device=DEVICE, generator=g) * 0.2)
+    positions = torch.arange(T, device=DEVICE)
+    loc = torch.arange(1, T + 1, device=DEVICE)
+    dense = mla_kernels.dequantized_head_weight(w_kc, kc_scale, dtype)
+    got, want = (MLAKVPool(SLOTS, dtype, R, P, layer_num=1, device=DEVICE, fused_rotary_store=fused)
+                 .store_latent_and_build_query(0, loc, positions, latent, k_pe, norm, rotary, q_nope, w, q_pe, s)
+                 for fused, w, s in ((True, w_kc, kc_scale), (False, dense, None)))
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2 ** -7)
+    torch.testing.assert_close(got, want, **tol)
+
+    attn = torch.randn(3, H, R, device=DEVICE, generator=g).to(dtype)
+    w_vc, vc_scale = _e4m3_rows(torch.randn(H, 18, R, device=DEVICE, generator=g) * 0.1)
+    want = torch.einsum("thr,hvr->thv", attn.float(), w_vc.float() * vc_scale[..., None]).reshape(3, H * 18)
+    torch.testing.assert_close(mla_kernels.latent_values_gemv(attn, w_vc, vc_scale).float(), want, **tol)
+    torch.testing.assert_close(mla_kernels.latent_to_head_values(attn, w_vc, vc_scale).float(), want, **tol)
+    with pytest.raises(mla_kernels.FusedKernelInputError, match="e4m3"):
+        mla_kernels.latent_values_gemv(attn, w_vc, vc_scale.double())

@@ -1,5 +1,5 @@
 """DeepSeek-V2 FP8 checkpoints (issue 17): e4m3 linear layers with per-row scales (per tensor for some experts), the
-experts dequantized at load, kv_b_proj dequantized into the absorbed w_kc / w_vc. A tiny random model is saved by HF,
+experts dequantized at load, kv_b_proj split into the absorbed w_kc / w_vc kept in e4m3 with its row scales. A tiny random model is saved by HF,
 its linear weights quantized into an FP8 folder (quantization_config fp8, dynamic activations) and, dequantized, into
 a dense folder that HF loads as the reference: with activations left unrounded, braid on the FP8 folder equals HF
 (absorbed and expanded MLA); with them rounded per token to e4m3 as braid computes, the FP8 folder equals
@@ -118,3 +118,22 @@ def test_fp8_expert_weight_without_its_scale_is_refused(tmp_path):
     torch.testing.assert_close(dense, q.float() * scale[:, None])
     with pytest.raises(ValueError, match=r"without their pair.*experts\.0\.up_proj\.weight_scale"):
         next(out)
+
+
+def test_absorbed_w_kc_w_vc_stay_e4m3_with_row_scales(folders):
+    """Absorbed, the fp8 kv_b_proj becomes e4m3 w_kc / w_vc (half the bytes the decode kernels stream) with its row
+    scales [H, rows]; dequantized they are kv_b_proj's rows as the checkpoint holds them."""
+    from safetensors.torch import load_file
+
+    fp8_path, dense_path, _ = folders
+    attn = _runner(fp8_path).model.model.layers[0].self_attn
+    dense_attn = _runner(dense_path).model.model.layers[0].self_attn
+    assert attn.w_kc.dtype == attn.w_vc.dtype == FP8_DTYPE and dense_attn.w_kc_scale is None
+    assert attn.w_kc_scale.shape == attn.w_kc.shape[:2] and attn.w_vc_scale.shape == attn.w_vc.shape[:2]
+    assert attn.w_kc.nbytes * 4 == dense_attn.w_kc.nbytes  # e4m3 against the fp32 test model
+    stored = load_file(os.path.join(fp8_path, "model.safetensors"))
+    w = stored["model.layers.0.self_attn.kv_b_proj.weight"].float() * stored[
+        "model.layers.0.self_attn.kv_b_proj.weight_scale"].float().reshape(-1, 1)
+    w = w.view(attn.num_heads, attn.nope_dim + attn.v_head_dim, attn.kv_lora_rank)
+    torch.testing.assert_close(attn.w_kc.float() * attn.w_kc_scale[..., None], w[:, :attn.nope_dim])
+    torch.testing.assert_close(attn.w_vc.float() * attn.w_vc_scale[..., None], w[:, attn.nope_dim:])

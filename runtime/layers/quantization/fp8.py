@@ -256,7 +256,8 @@ def use_fp8_linears(model: nn.Module, model_config, device: torch.device, dtype:
     if model_config.moe is not None:  # no fp8 expert kernels yet: an FP8 checkpoint's experts are dequantized at load
         logger.info("fp8: MoE experts and router in %s", str(dtype).removeprefix("torch."))
     if model_config.attention_arch == "mla":
-        logger.info("fp8: kv_b_proj dequantized into the absorbed w_kc / w_vc in %s", str(dtype).removeprefix("torch."))
+        logger.info("fp8: absorbed w_kc / w_vc in e4m3 with kv_b_proj's row scales (decode dequantizes tiles in-kernel; "
+                    "prefill's batched matmuls take %s copies)", str(dtype).removeprefix("torch."))
     return count
 
 
