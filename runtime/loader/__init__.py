@@ -172,14 +172,10 @@ def load_model(model_config: ModelConfig, server_args, device: torch.device, dty
             from braid.runtime.layers.quantization.fp8 import split_kv_cache_scales
 
             for_model = split_kv_cache_scales(for_model, model_config.num_layers, kv_scales)
-            if model_config.moe is not None:
-                from braid.runtime.layers.moe import dequantize_fp8_experts
-
-                if server_args.tp_size > 1:  # rank slices of expert rows would need their scales sliced too
-                    raise ValueError("FP8 MoE checkpoints with --tp-size > 1 are not supported yet (their experts are "
-                                     "dequantized at load); use --tp-size 1 or a bf16 checkpoint")
-
-                for_model = dequantize_fp8_experts(for_model, dtype)
+            if model_config.moe is not None and server_args.tp_size > 1:
+                # the sharded reader slices expert rows by shape; their scale tensors it would read whole
+                raise ValueError("FP8 MoE checkpoints with --tp-size > 1 are not supported yet; use --tp-size 1, or "
+                                 "a bf16 checkpoint with --quantization fp8")
 
         def counted():
             nonlocal loaded

@@ -385,6 +385,35 @@ def test_small_batch_moe_matches_torch(tokens, dtype, configs):
     assert_close_to_fp32_reference(out, x, w13, w2, weights, ids)
 
 
+def _e4m3_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, rows, K] -> (e4m3, fp32 scales [E, rows]), one scale per row."""
+    scale = w.float().abs().amax(-1).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    return (w.float() / scale[..., None]).to(torch.float8_e4m3fn), scale.contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [3, 50])  # the two-GEMV decode path (on CUDA) and the grouped GEMM
+def test_fp8_experts_equal_their_dequantized_copies(dtype, tokens):
+    """e4m3 experts with per-row scales: the grouped GEMM, the small-batch GEMVs and the PyTorch path compute what the
+    dequantized experts give (the tiles upcast in-kernel, the scales applied to each output row)."""
+    x, w13, w2, weights, ids = random_moe_inputs(tokens, 8, 3, 48, 40, dtype, DEVICE, seed=tokens + 20)
+    (q13, s13), (q2, s2) = _e4m3_experts(w13), _e4m3_experts(w2)
+    dense13 = (q13.float() * s13[..., None]).to(dtype)
+    dense2 = (q2.float() * s2[..., None]).to(dtype)
+    ref = fp32_reference(x, dense13, dense2, weights, ids)
+    outs = {"grouped": fused_moe_triton(x, q13, q2, weights, ids, config=TINY_CONFIGS[0], w13_scale=s13, w2_scale=s2),
+            "torch": moe_forward_torch(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)}
+    if tokens <= 8:
+        outs["small_batch"] = small_batch_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
+    for name, out in outs.items():
+        assert out.dtype == dtype and out.shape == x.shape, name
+        assert rel_err(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2), name
+    with pytest.raises(ValueError, match="scales of both"):
+        moe_forward_torch(x, q13, q2, weights, ids, w13_scale=s13)
+    with pytest.raises(ValueError, match="per-row scales"):
+        fused_moe_triton(x, q13, q2, weights, ids, w13_scale=s13[:, :3].contiguous(), w2_scale=s2)
+
+
 def test_fused_experts_dispatch_and_config_table():
     x, w13, w2, weights, ids = random_moe_inputs(3, 4, 2, 16, 16, torch.float32, "cpu")
     with pytest.raises(ValueError, match="CUDA"):

@@ -1,5 +1,5 @@
 """DeepSeek-V2 FP8 checkpoints (issue 17): e4m3 linear layers with per-row scales (per tensor for some experts), the
-experts dequantized at load, kv_b_proj split into the absorbed w_kc / w_vc kept in e4m3 with its row scales. A tiny random model is saved by HF,
+experts kept in e4m3 with their scales, kv_b_proj split into the absorbed w_kc / w_vc kept in e4m3 with its row scales. A tiny random model is saved by HF,
 its linear weights quantized into an FP8 folder (quantization_config fp8, dynamic activations) and, dequantized, into
 a dense folder that HF loads as the reference: with activations left unrounded, braid on the FP8 folder equals HF
 (absorbed and expanded MLA); with them rounded per token to e4m3 as braid computes, the FP8 folder equals
@@ -36,13 +36,11 @@ def _write(path: str, tensors: dict, config: dict) -> None:
         json.dump(config, f)
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    """(FP8 folder, dense folder of the dequantized weights, HF on the dense folder, HF's greedy sequence + logits)."""
-    import transformers
+def _fp8_and_dense_folders(root, per_tensor_experts: bool) -> tuple[str, str]:
+    """A tiny HF DeepSeek-V2 quantized into an FP8 folder (every linear weight per row; with per_tensor_experts the
+    even experts per tensor) and its dequantized dense copy."""
     from safetensors.torch import load_file
 
-    root = tmp_path_factory.mktemp("dsv2_fp8")
     _checkpoint(root / "hf", q_lora=True)
     tensors = {}
     for f in glob.glob(str(root / "hf" / "*.safetensors")):
@@ -51,7 +49,7 @@ def folders(tmp_path_factory):
     for name, w in tensors.items():
         if w.dim() == 2 and name.endswith(("_proj.weight", "proj_with_mqa.weight")):
             expert = name.split(".experts.")[1].split(".")[0] if ".experts." in name else None
-            if expert is not None and int(expert) % 2 == 0:
+            if per_tensor_experts and expert is not None and int(expert) % 2 == 0:
                 q, scale = _per_tensor(w)
                 dense[name] = (q.float() * scale).to(w.dtype)
             else:
@@ -66,8 +64,18 @@ def folders(tmp_path_factory):
     _write(str(root / "fp8"), quantized, {**config, "quantization_config": {"quant_method": "fp8",
                                                                              "activation_scheme": "dynamic"}})
     _write(str(root / "dense"), dense, config)
-    hf = transformers.DeepseekV2ForCausalLM.from_pretrained(str(root / "dense"), dtype=torch.float32).eval()
-    return str(root / "fp8"), str(root / "dense"), _hf_sequence(hf, _prompt(5))
+    return str(root / "fp8"), str(root / "dense")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(FP8 folder with per-tensor and per-row experts, dense folder of the dequantized weights, HF's greedy sequence
+    + logits on the dense folder)."""
+    import transformers
+
+    fp8, dense = _fp8_and_dense_folders(tmp_path_factory.mktemp("dsv2_fp8"), per_tensor_experts=True)
+    hf = transformers.DeepseekV2ForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    return fp8, dense, _hf_sequence(hf, _prompt(5))
 
 
 def _logits(path: str, seq: list[int], **kw) -> torch.Tensor:
@@ -94,30 +102,46 @@ def test_fp8_checkpoint_weights_equal_hf_with_activations_unrounded(folders, dis
     assert (got - ref[: got.shape[0]]).abs().max().item() <= 1e-3
 
 
-def test_fp8_checkpoint_equals_quantizing_the_dense_weights_at_load(folders):
-    """The FP8 folder and --quantization fp8 on its dequantized dense copy compute the same logits (the same e4m3
-    values and scales), activations rounded per token as braid runs them, which moves them off the dense model's."""
-    fp8_path, dense_path, (seq, _) = folders
+def test_fp8_checkpoint_equals_quantizing_the_dense_weights_at_load(folders, tmp_path):
+    """An FP8 folder of per-row scales and --quantization fp8 on its dequantized dense copy compute the same logits
+    (the same e4m3 values and scales, experts included), activations rounded per token as braid runs them, which
+    moves them off the dense model's. (Per-tensor experts would requantize per row at other values.)"""
+    _, _, (seq, _) = folders
+    fp8_path, dense_path = _fp8_and_dense_folders(tmp_path, per_tensor_experts=False)
     from_checkpoint = _logits(fp8_path, seq)
     assert torch.equal(from_checkpoint, _logits(dense_path, seq, quantization="fp8"))
     assert (from_checkpoint - _logits(dense_path, seq)).abs().max().item() > 1e-3
 
 
-def test_fp8_expert_weight_without_its_scale_is_refused(tmp_path):
-    from braid.runtime.layers.moe import dequantize_fp8_experts
+def test_fp8_expert_weight_without_its_scale_is_refused(folders):
+    from safetensors.torch import load_file
 
-    q, scale = quantize_weight_per_channel(torch.randn(4, 8))
-    weights = [("model.layers.1.mlp.experts.0.up_proj.weight", q), ("model.norm.weight", torch.ones(8)),
-               ("model.layers.1.mlp.experts.1.up_proj.weight", q),
-               ("model.layers.1.mlp.experts.1.up_proj.weight_scale", scale.reshape(-1, 1)),
-               ("model.layers.1.mlp.experts.1.up_proj.input_scale", torch.ones(1))]
-    out = dequantize_fp8_experts(iter(weights), torch.float32)
-    assert next(out)[0] == "model.norm.weight"
-    name, dense = next(out)
-    assert name == "model.layers.1.mlp.experts.1.up_proj.weight" and dense.dtype == torch.float32
-    torch.testing.assert_close(dense, q.float() * scale[:, None])
-    with pytest.raises(ValueError, match=r"without their pair.*experts\.0\.up_proj\.weight_scale"):
-        next(out)
+    fp8_path, _, _ = folders
+    runner_model = _runner(fp8_path).model
+    stored = load_file(os.path.join(fp8_path, "model.safetensors"))
+    name = next(n for n in stored if ".experts.1.up_proj.weight" in n and not n.endswith("_scale"))
+    with pytest.raises(ValueError, match=r"without their pair.*experts\.1\.up_proj\.weight_scale"):
+        runner_model.load_weights([(name, stored[name])], "cpu")
+
+
+def test_fp8_checkpoint_experts_stay_e4m3_with_row_scales(folders):
+    """The experts of an FP8 checkpoint load as its e4m3 values with their scales (a per-tensor scale on every row),
+    shared experts included: half the bytes of bf16 experts, a quarter of this fp32 test model's."""
+    from safetensors.torch import load_file
+
+    fp8_path, dense_path, _ = folders
+    moe = next(m for m in _runner(fp8_path).model.modules() if type(m).__name__ == "FusedMoE")
+    dense_moe = next(m for m in _runner(dense_path).model.modules() if type(m).__name__ == "FusedMoE")
+    assert moe.w13_weight.dtype == moe.w2_weight.dtype == FP8_DTYPE and dense_moe.w13_scale is None
+    assert moe.w13_weight.nbytes * 4 == dense_moe.w13_weight.nbytes
+    stored = load_file(os.path.join(fp8_path, "model.safetensors"))
+    layer = next(n.split(".mlp.")[0] for n in stored if ".experts.0.up_proj.weight" in n)
+    inter = moe.intermediate_per_rank
+    for expert in (0, 1):  # per tensor, per row
+        stem = f"{layer}.mlp.experts.{expert}.up_proj"
+        want = stored[f"{stem}.weight"].float() * stored[f"{stem}.weight_scale"].float().reshape(-1, 1)
+        got = moe.w13_weight[expert, inter:].float() * moe.w13_scale[expert, inter:, None]
+        torch.testing.assert_close(got, want)
 
 
 def test_absorbed_w_kc_w_vc_stay_e4m3_with_row_scales(folders):
@@ -137,3 +161,14 @@ def test_absorbed_w_kc_w_vc_stay_e4m3_with_row_scales(folders):
     w = w.view(attn.num_heads, attn.nope_dim + attn.v_head_dim, attn.kv_lora_rank)
     torch.testing.assert_close(attn.w_kc.float() * attn.w_kc_scale[..., None], w[:, :attn.nope_dim])
     torch.testing.assert_close(attn.w_vc.float() * attn.w_vc_scale[..., None], w[:, attn.nope_dim:])
+
+
+def test_dummy_weights_with_quantization_fp8_quantize_the_experts(folders):
+    """--load-format dummy --quantization fp8 (the GPU benchmarks' form): random dense experts quantized per row after
+    they materialize, and the model runs on them."""
+    _, dense_path, (seq, _) = folders
+    moe = next(m for m in _runner(dense_path, load_format="dummy", quantization="fp8").model.modules()
+               if type(m).__name__ == "FusedMoE")
+    assert moe.w13_weight.dtype == moe.w2_weight.dtype == FP8_DTYPE
+    assert moe.w13_scale.shape == moe.w13_weight.shape[:2] and (moe.w13_scale > 0).all()
+    assert torch.isfinite(_logits(dense_path, seq, load_format="dummy", quantization="fp8")).all()

@@ -3,8 +3,7 @@
 with its checkpoint loading (layer.py)."""
 
 from braid.runtime.layers.moe.experts import fused_experts, moe_forward_torch
-from braid.runtime.layers.moe.layer import FusedMoE, MoEGate, dequantize_fp8_experts, route_expert_weights
+from braid.runtime.layers.moe.layer import FusedMoE, MoEGate, route_expert_weights
 from braid.runtime.layers.moe.router import select_experts
 
-__all__ = ["select_experts", "fused_experts", "moe_forward_torch", "FusedMoE", "MoEGate", "dequantize_fp8_experts",
-           "route_expert_weights"]
+__all__ = ["select_experts", "fused_experts", "moe_forward_torch", "FusedMoE", "MoEGate", "route_expert_weights"]

@@ -16,7 +16,8 @@ SUPPORTED_ACTIVATIONS = ("silu",)
 
 
 def check_expert_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, activation: str) -> None:
+                        topk_ids: torch.Tensor, activation: str, w13_scale: Optional[torch.Tensor] = None,
+                        w2_scale: Optional[torch.Tensor] = None) -> None:
     if activation not in SUPPORTED_ACTIVATIONS:
         raise ValueError(f"MoE activation {activation!r} is not supported; expected one of {SUPPORTED_ACTIVATIONS}")
     if hidden.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
@@ -29,16 +30,28 @@ def check_expert_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tenso
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both "
                          f"be [T={hidden.shape[0]}, k]")
-    if hidden.dtype != w13.dtype or hidden.dtype != w2.dtype:
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("fp8 experts need the scales of both w13 and w2")
+    if w13_scale is not None:
+        if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn \
+                or w13_scale.shape != w13.shape[:2] or w2_scale.shape != w2.shape[:2] \
+                or w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32 \
+                or not (w13_scale.is_contiguous() and w2_scale.is_contiguous()):
+            raise ValueError(f"fp8 experts: e4m3 w13 / w2 with contiguous fp32 per-row scales [E, 2I] / [E, H]; got "
+                             f"{w13.dtype} {tuple(w13.shape)}, {w2.dtype} {tuple(w2.shape)}, scales "
+                             f"{w13_scale.dtype} {tuple(w13_scale.shape)}, {w2_scale.dtype} {tuple(w2_scale.shape)}")
+    elif hidden.dtype != w13.dtype or hidden.dtype != w2.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and expert weights ({w13.dtype}, {w2.dtype}) must share a dtype")
 
 
 def moe_forward_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                      topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+                      topk_ids: torch.Tensor, activation: str = "silu", w13_scale: Optional[torch.Tensor] = None,
+                      w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The reference: per selected expert, gather its tokens and run two matmuls. Sums in fp32.
-    hidden [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I] -> [T, H] in hidden's dtype.
-    Reads the per-expert token counts on the host: not for CUDA graphs."""
-    check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids, activation)
+    hidden [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I] -> [T, H] in hidden's dtype; fp8 experts:
+    e4m3 w13 / w2 with fp32 row scales w13_scale [E, 2I] / w2_scale [E, H], each expert dequantized to hidden's
+    dtype as it runs. Reads the per-expert token counts on the host: not for CUDA graphs."""
+    check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     flat_ids = topk_ids.reshape(-1).long()
@@ -51,16 +64,24 @@ def moe_forward_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         pairs = order[start:start + count]
         start += count
         tokens = pairs // top_k
-        gate, up = F.linear(hidden[tokens], w13[expert]).chunk(2, dim=-1)
-        expert_out = F.linear(F.silu(gate) * up, w2[expert])  # [count, H]
+        gate, up = F.linear(hidden[tokens], _expert(w13, w13_scale, expert, hidden.dtype)).chunk(2, dim=-1)
+        expert_out = F.linear(F.silu(gate) * up, _expert(w2, w2_scale, expert, hidden.dtype))  # [count, H]
         out.index_add_(0, tokens, expert_out.float() * topk_weights.reshape(-1)[pairs, None].float())
     return out.to(hidden.dtype)
 
 
+def _expert(w: torch.Tensor, scale: Optional[torch.Tensor], expert: int, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return w[expert]
+    return (w[expert].float() * scale[expert][:, None]).to(dtype)
+
+
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, activation: str = "silu",
-                  config: Optional["MoEKernelConfig"] = None) -> torch.Tensor:
-    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k] int -> [T, H].
+                  config: Optional["MoEKernelConfig"] = None, w13_scale: Optional[torch.Tensor] = None,
+                  w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k] fp32, topk_ids [T, k] int -> [T, H]; fp8
+    experts: e4m3 w13 / w2 with fp32 row scales [E, 2I] / [E, H] (the kernels stream e4m3 and scale in-kernel).
 
     CUDA tensors take Triton kernels (no host sync, CUDA-graph capturable): up to SMALL_BATCH_MAX_TOKENS tokens the
     two GEMV-style launches of small_batch_kernels.py, more the sorted grouped GEMM of fused_moe_kernels.py
@@ -70,8 +91,9 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         from braid.runtime.layers.moe.small_batch_kernels import SMALL_BATCH_MAX_TOKENS, small_batch_moe
 
         if config is None and hidden.shape[0] <= SMALL_BATCH_MAX_TOKENS:
-            return small_batch_moe(hidden, w13, w2, topk_weights, topk_ids, activation)
-        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, config)
+            return small_batch_moe(hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale=w13_scale,
+                                   w2_scale=w2_scale)
+        return fused_moe_triton(hidden, w13, w2, topk_weights, topk_ids, activation, config, w13_scale, w2_scale)
     if config is not None:
         raise ValueError("a kernel config applies to the fused Triton path (CUDA tensors) only")
-    return moe_forward_torch(hidden, w13, w2, topk_weights, topk_ids, activation)
+    return moe_forward_torch(hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)

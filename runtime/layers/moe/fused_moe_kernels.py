@@ -165,14 +165,15 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int,
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr,
+def _grouped_gemm_kernel(a_ptr, b_ptr, b_scale_ptr, c_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr,
                          padded_total_ptr, num_pairs, num_rows_padded, N, K,
                          stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                          A_ROWS_PER_PAIR_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                         FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         B_SCALED: tl.constexpr, FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # C[pair, n] = A[pair // A_ROWS_PER_PAIR_DIV, :] . B[expert(pair), n, :] for the rows of one expert block;
-    # GATED: B holds [gate; up] (2N rows) and C = silu(gate) * up; MUL_WEIGHT: C *= topk_weights[pair]
+    # GATED: B holds [gate; up] (2N rows) and C = silu(gate) * up; MUL_WEIGHT: C *= topk_weights[pair];
+    # B_SCALED: B is e4m3 with fp32 row scales [E, rows] (its tiles upcast to A's dtype for the dot)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(num_rows_padded, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -201,15 +202,22 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_pairs_ptr
         if FP32_DOT:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b.to(a.dtype), acc)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_valid[:, None] & col_valid[None, :], other=0.0)
             if FP32_DOT:
                 acc_up = tl.dot(a.to(tl.float32), b_up.to(tl.float32), acc_up, input_precision="ieee")
             else:
-                acc_up = tl.dot(a, b_up, acc_up)
+                acc_up = tl.dot(a, b_up.to(a.dtype), acc_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if B_SCALED:
+        if GATED:  # [E, 2N]: gate rows then up rows
+            scale_row = b_scale_ptr + expert * 2 * N + offs_n
+            acc_up = acc_up * tl.load(scale_row + N, mask=col_valid, other=0.0)[None, :]
+        else:
+            scale_row = b_scale_ptr + expert * N + offs_n
+        acc = acc * tl.load(scale_row, mask=col_valid, other=0.0)[None, :]
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
@@ -219,13 +227,15 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_pairs_ptr
 
 
 def _launch_grouped_gemm(a, b, c, topk_weights, sorted_pairs, block_experts, padded_total, num_pairs, *,
-                         a_rows_per_pair_div: int, gated: bool, mul_weight: bool, config: MoEKernelConfig) -> None:
+                         a_rows_per_pair_div: int, gated: bool, mul_weight: bool, config: MoEKernelConfig,
+                         b_scale: Optional[torch.Tensor] = None) -> None:
     n_out, k_in = c.shape[1], a.shape[1]
     grid = (triton.cdiv(sorted_pairs.numel(), config.block_m) * triton.cdiv(n_out, config.block_n),)
     _grouped_gemm_kernel[grid](
-        a, b, c, topk_weights, sorted_pairs, block_experts, padded_total, num_pairs, sorted_pairs.numel(), n_out,
+        a, b, b if b_scale is None else b_scale, c, topk_weights, sorted_pairs, block_experts, padded_total, num_pairs,
+        sorted_pairs.numel(), n_out,
         k_in, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-        A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div, GATED=gated, MUL_WEIGHT=mul_weight,
+        A_ROWS_PER_PAIR_DIV=a_rows_per_pair_div, GATED=gated, MUL_WEIGHT=mul_weight, B_SCALED=b_scale is not None,
         # fp32 inputs multiply in full fp32 (not tf32); so do 16-bit ones under Triton's interpreter, which
         # multiplies them wrongly as they are
         FP32_DOT=a.dtype == torch.float32 or _INTERPRET, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -234,10 +244,12 @@ def _launch_grouped_gemm(a, b, c, topk_weights, sorted_pairs, block_experts, pad
 
 def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, activation: str = "silu",
-                     config: Optional[MoEKernelConfig] = None) -> torch.Tensor:
-    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H] (hidden's dtype).
-    config: block sizes; by default picked from H200_CONFIGS by T * k / E."""
-    check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids, activation)
+                     config: Optional[MoEKernelConfig] = None, w13_scale: Optional[torch.Tensor] = None,
+                     w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k] -> [T, H] (hidden's dtype);
+    fp8 experts: e4m3 w13 / w2 with fp32 row scales [E, 2I] / [E, H]. config: block sizes; by default picked from
+    H200_CONFIGS by T * k / E."""
+    check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_inter, hidden_size = w13.shape
     if num_tokens == 0:
@@ -252,8 +264,8 @@ def fused_moe_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
         weights = weights.contiguous()
     gated = torch.empty(num_pairs, two_inter // 2, dtype=hidden.dtype, device=hidden.device)  # [T*k, I]
     _launch_grouped_gemm(hidden, w13, gated, weights, sorted_pairs, block_experts, padded_total, num_pairs,
-                         a_rows_per_pair_div=top_k, gated=True, mul_weight=False, config=config)
+                         a_rows_per_pair_div=top_k, gated=True, mul_weight=False, config=config, b_scale=w13_scale)
     per_pair = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # [T*k, H]
     _launch_grouped_gemm(gated, w2, per_pair, weights, sorted_pairs, block_experts, padded_total, num_pairs,
-                         a_rows_per_pair_div=1, gated=False, mul_weight=True, config=config)
+                         a_rows_per_pair_div=1, gated=False, mul_weight=True, config=config, b_scale=w2_scale)
     return per_pair.view(num_tokens, top_k, hidden_size).sum(dim=1)

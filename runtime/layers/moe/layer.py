@@ -10,6 +10,11 @@ S = n_shared_experts) are stacked as experts E .. E + S - 1 (each I of the S * I
 chooses for every token with weight 1 (router.py): the routed and the shared experts then run in the same launches
 (SGLang's "shared experts fusion"), with no separate MLP and no add after it. The split over S experts changes
 only how the intermediate sum is grouped.
+
+FP8 (`--quantization fp8`, or an FP8 checkpoint): the stacked experts are e4m3 with fp32 row scales `w13_scale`
+[E + S, 2I] / `w2_scale` [E + S, H] (the expert kernels stream e4m3 and scale in-kernel, activations stay in the model
+dtype); a checkpoint's e4m3 `weight` and its `weight_scale` (per tensor or per row) load as they are, dense weights
+are quantized per row as they load.
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ from torch import nn
 from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.moe.experts import SUPPORTED_ACTIVATIONS, fused_experts
 from braid.runtime.layers.moe.router import check_routing_supported, norm_and_route, route_hidden
+from braid.runtime.layers.quantization.fp8_kernels import FP8_DTYPE, quantize_weight_per_channel
 from braid.runtime.loader.config_specs import MoESpec
 
 logger = logging.getLogger(__name__)
 
 EXPERT_WEIGHT_NAME = re.compile(r"^(?P<layer>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
-                                r"\.weight$")
+                                r"\.(?P<kind>weight|weight_scale|input_scale)$")
 SHARED_EXPERT_WEIGHT_NAME = re.compile(r"^(?P<layer>.+)\.shared_experts\.(?P<proj>gate_proj|up_proj|down_proj)"
-                                       r"\.weight$")
+                                       r"\.(?P<kind>weight|weight_scale|input_scale)$")
 
 
 class MoEGate(nn.Module):
@@ -81,25 +87,49 @@ class FusedMoE(nn.Module):
                                       requires_grad=False)
         # which (expert, proj) slices the checkpoint filled, so that a partial checkpoint fails at post_load
         self._loaded_slices: set[tuple[int, str]] = set()
+        self.fp8 = False  # use_fp8(): e4m3 experts with the row scales below
+        self.w13_scale: Optional[torch.Tensor] = None  # [E + S, 2I] fp32
+        self.w2_scale: Optional[torch.Tensor] = None  # [E + S, H] fp32
 
-    def weight_loader(self, proj: str, expert: int, loaded: torch.Tensor, device) -> None:
+    def use_fp8(self) -> None:
+        """Store the experts in e4m3 with per-row scales (before loading; the fp8 linear method's counterpart)."""
+        self.fp8 = True
+
+    def weight_loader(self, proj: str, expert: int, loaded: torch.Tensor, device,
+                      scale: Optional[torch.Tensor] = None) -> None:
         """One HF expert matrix into the stacked tensors: gate_proj / up_proj [I, H] -> w13 rows [0, I) / [I, 2I);
-        down_proj [H, I] -> w2[expert]. The first call materializes both tensors on `device` in loaded's dtype.
-        Experts num_experts .. num_experts + num_shared - 1 are the shared ones (shared_weight_loader)."""
+        down_proj [H, I] -> w2[expert]. The first call materializes both tensors on `device` (in loaded's dtype, or
+        e4m3 with their scales under use_fp8). An e4m3 matrix comes with its checkpoint `scale` (one value or one per
+        row); a dense one is quantized per row under use_fp8. Experts num_experts .. num_experts + num_shared - 1 are
+        the shared ones (shared_weight_loader)."""
         if not 0 <= expert < self.num_experts + self.num_shared:
             raise ValueError(f"checkpoint has expert {expert}; this layer has {self.num_experts}")
-        if not loaded.is_floating_point() or loaded.element_size() < 2:
-            raise ValueError(f"expert {expert} {proj}: {loaded.dtype} expert weights reach the stacked experts only "
-                             "dequantized (dequantize_fp8_experts, for checkpoints with an fp8 quantization_config)")
+        is_fp8 = loaded.is_floating_point() and loaded.element_size() == 1
+        if not loaded.is_floating_point() or (is_fp8 and not self.fp8) or (is_fp8 and scale is None):
+            raise ValueError(f"expert {expert} {proj}: {loaded.dtype} weights need an fp8 layer and their "
+                             "weight_scale (a checkpoint with an fp8 quantization_config)")
         inter, rank = self.intermediate_per_rank, self.tp_rank
         for attr in ("w13_weight", "w2_weight"):
             param = getattr(self, attr)
             if param.is_meta:
-                setattr(self, attr, nn.Parameter(torch.empty(param.shape, device=device, dtype=loaded.dtype),
+                dtype = FP8_DTYPE if self.fp8 else loaded.dtype
+                setattr(self, attr, nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype),
                                                  requires_grad=False))
+        if self.fp8 and self.w13_scale is None:
+            self.w13_scale = torch.zeros(self.w13_weight.shape[:2], dtype=torch.float32, device=device)
+            self.w2_scale = torch.zeros(self.w2_weight.shape[:2], dtype=torch.float32, device=device)
+        row_scales = None
+        if is_fp8:  # per tensor or per row of the checkpoint's whole matrix
+            row_scales = scale.float().reshape(-1).to(device)
+            if row_scales.numel() not in (1, loaded.shape[0]):
+                raise ValueError(f"expert {expert} {proj}: weight_scale of shape {tuple(scale.shape)} for a "
+                                 f"{tuple(loaded.shape)} weight (per tensor or per output row only)")
+            row_scales = row_scales.expand(loaded.shape[0])
         # the whole matrix (narrowed here), or this rank's slice already (the sharded loader reads only that)
+        part_scales = row_scales
         if proj == "down_proj":
             expected, target = (self.hidden_size, inter * self.tp_size), self.w2_weight.data[expert]
+            target_scales = self.w2_scale[expert] if self.fp8 else None
             part = loaded.narrow(1, rank * inter, inter) if loaded.shape == expected else None
             if loaded.shape == target.shape:
                 part = loaded
@@ -107,26 +137,39 @@ class FusedMoE(nn.Module):
             expected = (inter * self.tp_size, self.hidden_size)
             offset = 0 if proj == "gate_proj" else inter
             target = self.w13_weight.data[expert].narrow(0, offset, inter)
+            target_scales = self.w13_scale[expert].narrow(0, offset, inter) if self.fp8 else None
             part = loaded.narrow(0, rank * inter, inter) if loaded.shape == expected else None
+            if part is not None and row_scales is not None:
+                part_scales = row_scales.narrow(0, rank * inter, inter)
             if loaded.shape == target.shape:
-                part = loaded
+                part, part_scales = loaded, row_scales
         else:
             raise ValueError(f"unknown expert projection {proj!r}")
         if part is None:
             raise ValueError(f"expert {expert} {proj}: checkpoint shape {tuple(loaded.shape)}, expected {expected}")
+        if self.fp8 and not is_fp8:
+            part, part_scales = quantize_weight_per_channel(part.to(device))
         target.copy_(part)
+        if target_scales is not None:
+            target_scales.copy_(part_scales)
         self._loaded_slices.add((expert, proj))
 
-    def shared_weight_loader(self, proj: str, loaded: torch.Tensor, device) -> None:
+    def shared_weight_loader(self, proj: str, loaded: torch.Tensor, device,
+                             scale: Optional[torch.Tensor] = None) -> None:
         """The shared experts' one gated MLP (gate_proj / up_proj [S * I, H], down_proj [H, S * I], whole) as S
-        stacked experts: shared expert s takes intermediate units [s * I, (s + 1) * I)."""
+        stacked experts: shared expert s takes intermediate units [s * I, (s + 1) * I) (and their row scales)."""
         inter = self.intermediate_per_rank * self.tp_size
         dim = 1 if proj == "down_proj" else 0
         if self.num_shared == 0 or loaded.dim() != 2 or loaded.shape[dim] != self.num_shared * inter:
             raise ValueError(f"shared_experts.{proj}: checkpoint shape {tuple(loaded.shape)} does not hold "
                              f"{self.num_shared} shared expert(s) of intermediate size {inter}")
+        if scale is not None and dim == 0 and scale.numel() == loaded.shape[0]:
+            scale = scale.reshape(-1)
         for s in range(self.num_shared):
-            self.weight_loader(proj, self.num_experts + s, loaded.narrow(dim, s * inter, inter), device)
+            part_scale = scale
+            if scale is not None and dim == 0 and scale.numel() == loaded.shape[0]:
+                part_scale = scale.narrow(0, s * inter, inter)
+            self.weight_loader(proj, self.num_experts + s, loaded.narrow(dim, s * inter, inter), device, part_scale)
 
     def expert_rank_range(self, proj: str, shape: list[int]) -> Optional[tuple[int, int, int]]:
         """(dim, start, stop) of this rank's slice of a checkpoint expert matrix, for the sharded loader."""
@@ -136,7 +179,14 @@ class FusedMoE(nn.Module):
         return dim, self.tp_rank * inter, (self.tp_rank + 1) * inter
 
     def prepack_weights(self) -> None:
-        """After loading: every expert's three matrices must have come (a dummy load fills none through here)."""
+        """After loading: every expert's three matrices must have come (a dummy load fills none through here); under
+        use_fp8, dense stacked experts (a dummy load's) are quantized per row."""
+        if self.fp8 and self.w13_weight.dtype != FP8_DTYPE and not self.w13_weight.is_meta:
+            for attr in ("w13", "w2"):
+                dense = getattr(self, f"{attr}_weight")
+                q, scale = quantize_weight_per_channel(dense.reshape(-1, dense.shape[-1]))
+                setattr(self, f"{attr}_weight", nn.Parameter(q.view(dense.shape), requires_grad=False))
+                setattr(self, f"{attr}_scale", scale.view(dense.shape[:2]).contiguous())
         stacked = self.num_experts + self.num_shared
         if self._loaded_slices and len(self._loaded_slices) != 3 * stacked:
             # (expert, proj); the shared experts are (num_experts + s, proj)
@@ -159,63 +209,22 @@ class FusedMoE(nn.Module):
         return self._experts(normed, topk_weights, topk_ids), residual
 
     def _experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
+        out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation,
+                            w13_scale=self.w13_scale, w2_scale=self.w2_scale)
         if self.tp_size > 1:
             out = ps.all_reduce(out)
         return out
-
-
-FP8_EXPERT_TENSOR_NAME = re.compile(r"^(?P<weight>.+\.(?:shared_)?experts\.(?:\d+\.)?(?:gate_proj|up_proj|down_proj))"
-                                    r"\.(?P<kind>weight|weight_scale|input_scale)$")
-
-
-def dequantize_fp8_experts(weights: Iterable[tuple[str, torch.Tensor]],
-                           dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """An FP8 checkpoint's expert matrices (e4m3 `weight` with its `weight_scale`, per tensor or per output row) as
-    dense `weight`s in `dtype`, whatever order the two come in; their `input_scale`s are dropped (the experts run in
-    `dtype`: braid has no fp8 expert kernels, so FP8 MoE checkpoints load at the dense size). Every other tensor
-    passes unchanged."""
-    pending: dict[str, dict[str, torch.Tensor]] = {}
-    dropped_input_scales = 0
-    for name, tensor in weights:
-        match = FP8_EXPERT_TENSOR_NAME.match(name)
-        if match is None or (match["kind"] == "weight" and tensor.dtype.itemsize >= 2):
-            yield name, tensor
-            continue
-        if match["kind"] == "input_scale":
-            dropped_input_scales += 1
-            continue
-        parts = pending.setdefault(match["weight"], {})
-        parts[match["kind"]] = tensor
-        if len(parts) == 2:
-            del pending[match["weight"]]
-            yield f"{match['weight']}.weight", _dequantized(match["weight"], parts["weight"], parts["weight_scale"], dtype)
-    if pending:
-        missing = sorted(f"{w}.{'weight_scale' if 'weight' in p else 'weight'}" for w, p in pending.items())
-        raise ValueError(f"FP8 expert tensors without their pair in the checkpoint: {missing[:4]}"
-                         f"{' ...' if len(missing) > 4 else ''}")
-    if dropped_input_scales:
-        logger.info("FP8 MoE experts dequantized to %s at load (%d input_scale tensors unused)",
-                    str(dtype).removeprefix("torch."), dropped_input_scales)
-
-
-def _dequantized(name: str, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    rows = weight.shape[0]
-    if scale.numel() == 1:
-        factor = scale.float().reshape(())
-    elif scale.numel() == rows:
-        factor = scale.float().reshape(rows, 1)
-    else:
-        raise ValueError(f"{name}.weight_scale of shape {tuple(scale.shape)}: braid reads one scale per tensor or per "
-                         f"output row of the [{rows}, {weight.shape[-1]}] weight (block-wise scales are not supported)")
-    return (weight.float() * factor.to(weight.device)).to(dtype)
 
 
 def route_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                          device) -> Iterator[tuple[str, torch.Tensor]]:
     """Loads `<layer>.experts.{e}.{gate,up,down}_proj.weight` and `<layer>.shared_experts.{gate,up,down}_proj.weight`
     into the FusedMoE at `<layer>` and yields every other (name, tensor) unchanged:
-    `super().load_weights(route_expert_weights(self, weights, device), device)`."""
+    `super().load_weights(route_expert_weights(self, weights, device), device)`. An FP8 checkpoint's e4m3 `weight`
+    loads with its `weight_scale`, in whichever order the two come; `input_scale`s are not used (the experts take
+    activations in the model dtype)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    unused_input_scales = 0
     for name, loaded in weights:
         match = EXPERT_WEIGHT_NAME.match(name)
         shared = SHARED_EXPERT_WEIGHT_NAME.match(name) if match is None else None
@@ -224,6 +233,18 @@ def route_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         if match is None:
             yield name, loaded
             continue
+        if match["kind"] == "input_scale":
+            unused_input_scales += 1
+            continue
+        scale = None
+        if match["kind"] == "weight_scale" or loaded.element_size() == 1:
+            stem = name.rsplit(".", 1)[0]
+            parts = pending.setdefault(stem, {})
+            parts[match["kind"]] = loaded
+            if len(parts) < 2:
+                continue
+            del pending[stem]
+            loaded, scale = parts["weight"], parts["weight_scale"]
         try:
             layer = model.get_submodule(match["layer"])
         except AttributeError:
@@ -232,6 +253,13 @@ def route_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
             raise ValueError(f"checkpoint tensor {name}: {match['layer']} is not a FusedMoE layer in "
                              f"{type(model).__name__}")
         if shared is not None:
-            layer.shared_weight_loader(match["proj"], loaded, device)
+            layer.shared_weight_loader(match["proj"], loaded, device, scale)
         else:
-            layer.weight_loader(match["proj"], int(match["expert"]), loaded, device)
+            layer.weight_loader(match["proj"], int(match["expert"]), loaded, device, scale)
+    if pending:
+        missing = sorted(f"{stem}.{'weight_scale' if 'weight' in parts else 'weight'}" for stem, parts in pending.items())
+        raise ValueError(f"FP8 expert tensors without their pair in the checkpoint: {missing[:4]}"
+                         f"{' ...' if len(missing) > 4 else ''}")
+    if unused_input_scales:
+        logger.info("FP8 MoE experts: %d input_scale tensors unused (activations stay in the model dtype)",
+                    unused_input_scales)

@@ -69,9 +69,9 @@ def _autotune_configs(candidates: tuple[GemvConfig, ...]) -> list:
 
 
 @triton.jit
-def _silu_mul_gemv_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, num_tokens, N, K, x_stride, w_expert_stride, w_row_stride,
-                          act_stride, SLOTS: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _silu_mul_gemv_kernel(x_ptr, w13_ptr, scale_ptr, ids_ptr, act_ptr, num_tokens, N, K, x_stride, w_expert_stride,
+                          w_row_stride, act_stride, SLOTS: tl.constexpr, W_SCALED: tl.constexpr,
+                          EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # act[pair, n] = silu(x[pair // SLOTS] . w13[e, n]) * (x[pair // SLOTS] . w13[e, N + n]), e = ids[pair]
     let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -98,14 +98,20 @@ def _silu_mul_gemv_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, num_tokens, N, K, x_
         acc_gate += g.to(tl.float32) * x[None, :]
         acc_up += u.to(tl.float32) * x[None, :]
     gate = tl.sum(acc_gate, axis=1)
-    out = gate / (1.0 + tl.exp(-gate)) * tl.sum(acc_up, axis=1)
+    up = tl.sum(acc_up, axis=1)
+    if W_SCALED:  # e4m3 rows: their scales [E, 2N], gate rows then up rows
+        scale_rows = scale_ptr + expert * 2 * N + rows
+        gate = gate * tl.load(scale_rows, mask=row_mask, other=0.0)
+        up = up * tl.load(scale_rows + N, mask=row_mask, other=0.0)
+    out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(act_ptr + pair.to(tl.int64) * act_stride + rows, out.to(act_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
-def _weighted_down_gemv_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, num_tokens, N, K, act_stride, w_expert_stride,
-                               w_row_stride, out_stride, SLOTS: tl.constexpr, EVEN_K: tl.constexpr,
-                               USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _weighted_down_gemv_kernel(act_ptr, w2_ptr, scale_ptr, ids_ptr, weights_ptr, out_ptr, num_tokens, N, K, act_stride,
+                               w_expert_stride, w_row_stride, out_stride, SLOTS: tl.constexpr,
+                               W_SCALED: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # out[t, n] = sum_j weights[t, j] * (w2[ids[t, j], n] . act[t * SLOTS + j]), summed in fp32, stored once
     let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -130,14 +136,18 @@ def _weighted_down_gemv_kernel(act_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, n
             w_mask = row_mask[:, None] & (kk < K)[None, :]
         w = tl.load(w2_ptr + expert * w_expert_stride + row_offsets + kk[None, :], mask=w_mask, other=0.0,
                     eviction_policy="evict_first")
-        acc += w.to(tl.float32) * (a * tl.load(weights_ptr + pair))[None, :]
+        w = w.to(tl.float32)
+        if W_SCALED:  # e4m3 rows times this slot's expert's row scales [E, N]
+            w = w * tl.load(scale_ptr + expert * N + rows, mask=row_mask, other=0.0)[:, None]
+        acc += w * (a * tl.load(weights_ptr + pair))[None, :]
     total = tl.sum(acc, axis=1)
     tl.store(out_ptr + token.to(tl.int64) * out_stride + rows, total.to(out_ptr.dtype.element_ty), mask=row_mask)
 
 
 def _autotuned(kernel, candidates):
     # num_tokens in the key: the grid, so the best shape, depends on it; EVEN_K follows each config's BLOCK_K
-    return triton.autotune(configs=_autotune_configs(candidates), key=["num_tokens", "N", "K", "SLOTS", "USE_PDL"])(
+    return triton.autotune(configs=_autotune_configs(candidates),
+                           key=["num_tokens", "N", "K", "SLOTS", "W_SCALED", "USE_PDL"])(
         triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(kernel))
 
 
@@ -146,9 +156,9 @@ _weighted_down_gemv_autotuned = _autotuned(_weighted_down_gemv_kernel, DOWN_CAND
 
 
 def _launch(kernel, autotuned, programs: int, rows: int, k: int, config: Optional[GemvConfig], args: tuple,
-            device: torch.device, slots: int) -> None:
+            device: torch.device, slots: int, scaled: bool) -> None:
     # grid: (programs, the weight's `rows` in blocks of BLOCK_N); k: the dot length (the kernel's K)
-    flags = dict(SLOTS=slots, **pdl.launch_options(device))
+    flags = dict(SLOTS=slots, W_SCALED=scaled, **pdl.launch_options(device))
     if config is None:
         autotuned[lambda meta: (programs, triton.cdiv(rows, meta["BLOCK_N"]))](*args, **flags)
     else:
@@ -159,11 +169,13 @@ def _launch(kernel, autotuned, programs: int, rows: int, k: int, config: Optiona
 
 def small_batch_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, activation: str = "silu", gate_up_config: Optional[GemvConfig] = None,
-                    down_config: Optional[GemvConfig] = None) -> torch.Tensor:
+                    down_config: Optional[GemvConfig] = None, w13_scale: Optional[torch.Tensor] = None,
+                    w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """hidden [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, S], topk_ids [T, S] (int) -> [T, H] in
-    hidden's dtype: sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j].
-    Two launches; configs given skip the autotuner (benchmarks sweep them)."""
-    check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids, activation)
+    hidden's dtype: sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, j]; fp8
+    experts (e4m3 with fp32 row scales [E, 2I] / [E, H]) stream half the bytes. Two launches; configs given skip the
+    autotuner (benchmarks sweep them)."""
+    check_expert_inputs(hidden, w13, w2, topk_weights, topk_ids, activation, w13_scale, w2_scale)
     num_tokens, slots = topk_ids.shape
     _, two_inter, hidden_size = w13.shape
     inter = two_inter // 2
@@ -177,9 +189,9 @@ def small_batch_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     topk_ids = topk_ids.to(torch.int32).contiguous()
     act = torch.empty(num_tokens * slots, inter, dtype=hidden.dtype, device=hidden.device)  # [T*S, I]
     _launch(_silu_mul_gemv_kernel, _silu_mul_gemv_autotuned, num_tokens * slots, inter, hidden_size, gate_up_config,
-            (hidden, w13, topk_ids, act, num_tokens, inter, hidden_size, hidden.stride(0), w13.stride(0),
-             w13.stride(1), act.stride(0)), hidden.device, slots)
+            (hidden, w13, w13 if w13_scale is None else w13_scale, topk_ids, act, num_tokens, inter, hidden_size,
+             hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0)), hidden.device, slots, w13_scale is not None)
     _launch(_weighted_down_gemv_kernel, _weighted_down_gemv_autotuned, num_tokens, hidden_size, inter, down_config,
-            (act, w2, topk_ids, topk_weights, out, num_tokens, hidden_size, inter, act.stride(0), w2.stride(0),
-             w2.stride(1), out.stride(0)), hidden.device, slots)
+            (act, w2, w2 if w2_scale is None else w2_scale, topk_ids, topk_weights, out, num_tokens, hidden_size, inter,
+             act.stride(0), w2.stride(0), w2.stride(1), out.stride(0)), hidden.device, slots, w2_scale is not None)
     return out

@@ -253,8 +253,14 @@ def use_fp8_linears(model: nn.Module, model_config, device: torch.device, dtype:
     logger.info("fp8: %d linear layers in e4m3 (%s), embedding and LM head in %s", count,
                 "from the checkpoint" if method.from_checkpoint else "quantized at load, per-channel scales",
                 str(dtype).removeprefix("torch."))
-    if model_config.moe is not None:  # no fp8 expert kernels yet: an FP8 checkpoint's experts are dequantized at load
-        logger.info("fp8: MoE experts and router in %s", str(dtype).removeprefix("torch."))
+    if model_config.moe is not None:
+        from braid.runtime.layers.moe import FusedMoE
+
+        moe_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        for moe in moe_layers:
+            moe.use_fp8()
+        logger.info("fp8: the experts of %d MoE layers in e4m3 with per-row scales (%s), the router in fp32",
+                    len(moe_layers), "from the checkpoint" if method.from_checkpoint else "quantized at load")
     if model_config.attention_arch == "mla":
         logger.info("fp8: absorbed w_kc / w_vc in e4m3 with kv_b_proj's row scales (decode dequantizes tiles in-kernel; "
                     "prefill's batched matmuls take %s copies)", str(dtype).removeprefix("torch."))
