@@ -24,6 +24,7 @@ RUN_INDEX=0
 for run in "${RUN_LIST[@]}"; do
   RUN_INDEX=$((RUN_INDEX + 1))
   curl -s localhost:30000/get_server_info >"$OUT/before_$RUN_INDEX.json"
+  curl -s localhost:30000/metrics >"$OUT/metrics_before_$RUN_INDEX.txt"
   echo "=== ShareGPT $run"
   # shellcheck disable=SC2086
   timeout 200 python3 -m braid.bench_serving --backend braid --port 30000 --tokenizer .gpu/tok --dataset-name sharegpt \
@@ -33,6 +34,7 @@ for run in "${RUN_LIST[@]}"; do
   tail -1 "$OUT/run.jsonl" >>"$OUT/serving.jsonl" 2>/dev/null || echo '{"failed": true}' >>"$OUT/serving.jsonl"
   sleep 2
   curl -s localhost:30000/get_server_info >"$OUT/after_$RUN_INDEX.json"
+  curl -s localhost:30000/metrics >"$OUT/metrics_after_$RUN_INDEX.txt"
   server_counters 30000
 done
 stop_server
@@ -55,6 +57,22 @@ for i, r in enumerate(runs, 1):
     pass_ms = 1e3 * d("step_time_s_total") / max(d("num_forward_decode") + d("num_forward_extend"), 1)
     print(f"run {i}: decoding batch {counted:.0f} as counted ({d('num_forward_decode')} decode passes, "
           f"{d('num_forward_extend')} extends, {pass_ms:.2f} ms of step() per pass), {little:.0f} by Little's law")
+    # where a token's time goes: the HTTP server's own per-token histogram (as outputs reach it) against the
+    # client's inter-token latency, both token-weighted; a gap is the client's or the wire's
+    def token_seconds(path):
+        found = {}
+        for line in open(path):
+            for key in ("sum", "count"):
+                if line.split("{")[0].endswith(f"time_per_output_token_seconds_{key}"):
+                    found[key] = float(line.rsplit(" ", 1)[1])
+        return found
+    try:
+        m0, m1 = token_seconds(f"{out}/metrics_before_{i}.txt"), token_seconds(f"{out}/metrics_after_{i}.txt")
+        server_ms = 1e3 * (m1["sum"] - m0["sum"]) / max(m1["count"] - m0["count"], 1)
+        print(f"run {i}: time per token at the HTTP server {server_ms:.2f} ms, client mean ITL "
+              f"{r.get('mean_itl_ms', float('nan')):.2f} ms, mean TPOT {r['mean_tpot_ms']:.2f} ms")
+    except (OSError, KeyError, ValueError):
+        print(f"run {i}: no per-token histogram in /metrics")
     prompt = r["total_input_tokens"] / r["completed"]
     output = r["total_output_tokens"] / r["completed"]
     plan.append((min(max(1, round(counted)), 512), int(prompt + output / 2)))
