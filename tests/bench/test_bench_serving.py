@@ -219,3 +219,29 @@ def test_bad_arguments_are_clear_errors(server_url):
         bench_serving.run_benchmark(bench_args(server_url, "--request-rate", "0"))
     with pytest.raises(bench_serving.BenchmarkError, match="max-concurrency"):
         bench_serving.run_benchmark(bench_args(server_url, "--max-concurrency", "0"))
+
+
+def test_sse_payloads_split_across_reads():
+    """The client reads SSE bytes as they arrive: an event split over reads, several in one read, CRLF line ends,
+    comments, and nothing after [DONE]."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from braid.runtime.bench.serving_clients import _NATIVE_PROGRESS, _sse_payloads
+
+    reads = [b'data: {"meta_info": {"completion_tokens": 1}, "te', b'xt": "a"}\n\n: keep-alive\n\ndata: {"meta',
+             b'_info": {"completion_tokens": 2}}\r\n\r\ndata: [DONE]\n\ndata: {"late": 1}\n\n']
+
+    async def iter_any():
+        for r in reads:
+            yield r
+
+    async def collect():
+        return [p async for p in _sse_payloads(SimpleNamespace(content=SimpleNamespace(iter_any=iter_any)))]
+
+    payloads = asyncio.run(collect())
+    assert [json.loads(p)["meta_info"]["completion_tokens"] for p in payloads] == [1, 2]
+    # a chunk's cumulative text and ids are skipped; an error object is seen
+    assert _NATIVE_PROGRESS.decode(b'{"text": "x", "output_ids": [1, 2], "meta_info": {"completion_tokens": 2}}'
+                                   ).meta_info["completion_tokens"] == 2
+    assert _NATIVE_PROGRESS.decode(b'{"error": {"message": "boom"}}').error == {"message": "boom"}
