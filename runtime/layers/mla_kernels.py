@@ -50,8 +50,8 @@ def _rotate_pair(x_ptr, out_ptr, off1, off2, cos, sin, mask):
 @triton.jit
 def _mla_decode_prepare_kernel(
     pos_ptr, loc_ptr, cache_ptr, latent_ptr, k_pe_ptr, norm_w_ptr, q_nope_ptr, w_kc_ptr, w_kc_scale_ptr, q_pe_ptr,
-    kv_ptr, q_out_ptr, num_tokens, eps, cache_stride, latent_stride, k_pe_stride, q_nope_stride, q_nope_head_stride, w_kc_head_stride,
-    w_kc_row_stride, q_pe_stride, q_pe_head_stride, kv_stride, q_out_stride, q_out_head_stride,
+    kv_ptr, q_out_ptr, num_tokens, eps, cache_stride, latent_stride, k_pe_stride, q_nope_stride, q_nope_head_stride,
+    w_kc_head_stride, w_kc_row_stride, q_pe_stride, q_pe_head_stride, kv_stride, q_out_stride, q_out_head_stride,
     R: tl.constexpr, NOPE: tl.constexpr, P: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_NOPE: tl.constexpr, R_POW2: tl.constexpr, BLOCK_P: tl.constexpr,
     FP32_DOT: tl.constexpr, W_SCALED: tl.constexpr, USE_PDL: tl.constexpr,
@@ -159,8 +159,8 @@ def _check_scaled_weight(name: str, w: torch.Tensor, scale: Optional[torch.Tenso
         return
     if w.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32 or scale.shape != w.shape[:2] \
             or not scale.is_contiguous():
-        raise FusedKernelInputError(f"{name} with scales must be e4m3 [H, rows, R] beside contiguous fp32 [H, rows]; got "
-                                    f"{w.dtype} {tuple(w.shape)} and {scale.dtype} {tuple(scale.shape)}")
+        raise FusedKernelInputError(f"{name} with scales must be e4m3 [H, rows, R] beside contiguous fp32 "
+                                    f"[H, rows]; got {w.dtype} {tuple(w.shape)} and {scale.dtype} {tuple(scale.shape)}")
 
 
 def dequantized_head_weight(w: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -211,7 +211,8 @@ def latent_to_head_values(attn: torch.Tensor, w_vc: torch.Tensor,
     return latent_values_gemv(attn, w_vc, w_vc_scale)
 
 
-def latent_values_gemv(attn: torch.Tensor, w_vc: torch.Tensor, w_vc_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+def latent_values_gemv(attn: torch.Tensor, w_vc: torch.Tensor,
+                       w_vc_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """latent_to_head_values' one launch (any T; CPU tensors under the interpreter)."""
     tokens, heads, rank = attn.shape
     values = w_vc.shape[1]

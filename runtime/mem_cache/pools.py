@@ -470,7 +470,8 @@ class MLAKVPool(KVPool):
         from braid.runtime.layers.mla_kernels import dequantized_head_weight
 
         tokens, heads = q_pe.shape[0], q_pe.shape[1]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), dequantized_head_weight(w_kc, w_kc_scale, q_nope.dtype))  # [H, T, R]
+        w_kc = dequantized_head_weight(w_kc, w_kc_scale, q_nope.dtype)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc)  # [H, T, R]
         latent = latent_norm(latent)
         q_pe, k_pe = rotary(positions, q_pe, k_pe)
         self.set_kv(layer_id, loc, k_pe, latent)

@@ -91,7 +91,8 @@ class ModelRunner:
             return
         why_not = self.extend_graphs_unsupported()
         if not why_not:
-            self.extend_graph_runner = ExtendCudaGraphRunner(self, max_tokens=asked or DEFAULT_CUDA_GRAPH_MAX_EXTEND_TOKENS)
+            self.extend_graph_runner = ExtendCudaGraphRunner(
+                self, max_tokens=asked or DEFAULT_CUDA_GRAPH_MAX_EXTEND_TOKENS)
         elif asked is not None:
             logger.warning("extend passes run eagerly: %s (--cuda-graph-max-extend-tokens)", why_not)
 

@@ -107,7 +107,8 @@ def test_fp8_w_kc_and_w_vc_equal_their_dequantized_copies(monkeypatch, dtype):
     rotary.build_cache(DEVICE)
     norm = RMSNorm(R, 1e-6)
     T = 5
-    latent, k_pe = torch.randn(T, R, device=DEVICE, generator=g).to(dtype), torch.randn(T, P, device=DEVICE, generator=g).to(dtype)
+    latent = torch.randn(T, R, device=DEVICE, generator=g).to(dtype)
+    k_pe = torch.randn(T, P, device=DEVICE, generator=g).to(dtype)
     q_nope = torch.randn(T, H, NOPE, device=DEVICE, generator=g).to(dtype)
     q_pe = torch.randn(T, H, P, device=DEVICE, generator=g).to(dtype)
     w_kc, kc_scale = _e4m3_rows(torch.randn(H, NOPE, R, device=DEVICE, generator=g) * 0.2)

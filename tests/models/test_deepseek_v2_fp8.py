@@ -1,9 +1,9 @@
 """DeepSeek-V2 FP8 checkpoints (issue 17): e4m3 linear layers with per-row scales (per tensor for some experts), the
-experts kept in e4m3 with their scales, kv_b_proj split into the absorbed w_kc / w_vc kept in e4m3 with its row scales. A tiny random model is saved by HF,
-its linear weights quantized into an FP8 folder (quantization_config fp8, dynamic activations) and, dequantized, into
-a dense folder that HF loads as the reference: with activations left unrounded, braid on the FP8 folder equals HF
-(absorbed and expanded MLA); with them rounded per token to e4m3 as braid computes, the FP8 folder equals
---quantization fp8 on the dense folder exactly."""
+experts kept in e4m3 with their scales, kv_b_proj split into the absorbed w_kc / w_vc kept in e4m3 with its row
+scales. A tiny random model is saved by HF, its linear weights quantized into an FP8 folder (quantization_config fp8,
+dynamic activations) and, dequantized, into a dense folder that HF loads as the reference: with activations left
+unrounded, braid on the FP8 folder equals HF (absorbed and expanded MLA); with them rounded per token to e4m3 as braid
+computes, an FP8 folder of per-row scales equals --quantization fp8 on its dense folder exactly."""
 
 from __future__ import annotations
 

@@ -257,7 +257,8 @@ def route_expert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         else:
             layer.weight_loader(match["proj"], int(match["expert"]), loaded, device, scale)
     if pending:
-        missing = sorted(f"{stem}.{'weight_scale' if 'weight' in parts else 'weight'}" for stem, parts in pending.items())
+        missing = sorted(f"{stem}.{'weight_scale' if 'weight' in parts else 'weight'}"
+                         for stem, parts in pending.items())
         raise ValueError(f"FP8 expert tensors without their pair in the checkpoint: {missing[:4]}"
                          f"{' ...' if len(missing) > 4 else ''}")
     if unused_input_scales:

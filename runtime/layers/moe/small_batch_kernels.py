@@ -190,7 +190,8 @@ def small_batch_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     act = torch.empty(num_tokens * slots, inter, dtype=hidden.dtype, device=hidden.device)  # [T*S, I]
     _launch(_silu_mul_gemv_kernel, _silu_mul_gemv_autotuned, num_tokens * slots, inter, hidden_size, gate_up_config,
             (hidden, w13, w13 if w13_scale is None else w13_scale, topk_ids, act, num_tokens, inter, hidden_size,
-             hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0)), hidden.device, slots, w13_scale is not None)
+             hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0)), hidden.device, slots,
+            w13_scale is not None)
     _launch(_weighted_down_gemv_kernel, _weighted_down_gemv_autotuned, num_tokens, hidden_size, inter, down_config,
             (act, w2, w2 if w2_scale is None else w2_scale, topk_ids, topk_weights, out, num_tokens, hidden_size, inter,
              act.stride(0), w2.stride(0), w2.stride(1), out.stride(0)), hidden.device, slots, w2_scale is not None)

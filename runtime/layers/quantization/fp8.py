@@ -262,8 +262,8 @@ def use_fp8_linears(model: nn.Module, model_config, device: torch.device, dtype:
         logger.info("fp8: the experts of %d MoE layers in e4m3 with per-row scales (%s), the router in fp32",
                     len(moe_layers), "from the checkpoint" if method.from_checkpoint else "quantized at load")
     if model_config.attention_arch == "mla":
-        logger.info("fp8: absorbed w_kc / w_vc in e4m3 with kv_b_proj's row scales (decode dequantizes tiles in-kernel; "
-                    "prefill's batched matmuls take %s copies)", str(dtype).removeprefix("torch."))
+        logger.info("fp8: absorbed w_kc / w_vc in e4m3 with kv_b_proj's row scales (decode dequantizes tiles "
+                    "in-kernel; prefill's batched matmuls take %s copies)", str(dtype).removeprefix("torch."))
     return count
 
 
