@@ -448,6 +448,24 @@ def test_fused_matches_torch_at_v2_lite_shapes_gpu(tokens):
         assert rel_err(out, ref) < max(1e-2, 1.5 * torch_err)
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("tokens", [1, 8, 64, 1024])
+def test_fp8_experts_at_v2_lite_shapes_gpu(tokens):
+    """e4m3 experts with row scales at V2-Lite shapes on CUDA (the small-batch GEMVs, the grouped GEMM at its tuned
+    configs, the PyTorch path) == the fp32 reference on the dequantized experts."""
+    x, w13, w2, weights, ids = random_moe_inputs(tokens, LITE["experts"], LITE["top_k"], LITE["hidden"],
+                                                 LITE["inter"], torch.bfloat16, "cuda", seed=tokens)
+    (q13, s13), (q2, s2) = _e4m3_experts(w13), _e4m3_experts(w2)
+    ref = fp32_reference(x, q13.float() * s13[..., None], q2.float() * s2[..., None], weights, ids)
+    scales = dict(w13_scale=s13, w2_scale=s2)
+    for out in (fused_experts(x, q13, q2, weights, ids, **scales),
+                fused_experts(x, q13, q2, weights, ids, config=pick_config(tokens, LITE["top_k"], LITE["experts"]),
+                              **scales),
+                moe_forward_torch(x, q13, q2, weights, ids, **scales)):
+        assert rel_err(out, ref) < 1e-2
+
+
 def v2_lite_moe_layer(seed: int = 0) -> FusedMoE:
     """A V2-Lite MoE layer (64 routed experts top-6 + 2 shared, H 2048, I 1408) with random bf16 weights on CUDA."""
     spec = MoESpec(LITE["experts"], LITE["top_k"], LITE["inter"], n_shared_experts=2)
