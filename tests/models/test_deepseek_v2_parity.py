@@ -403,3 +403,36 @@ def test_gpu_v2_lite_cuda_graph_decode_equals_eager():
                 replayed = runner.model.lm_head(graphs.replay(fb)).float()
             assert _rel_err(replayed, eager) < 1e-2, (bs, step)
     assert graphs.num_replays == 12 and graphs.num_padded_replays == 4
+
+
+@torch.inference_mode()
+def test_padded_static_extend_equals_eager(tmp_path):
+    """DeepSeek-V2 extends (absorbed MLA over the latent cache, MoE) through ExtendCudaGraphRunner's padded static
+    batch == the eager pass, prefixes included: what its graphs replay with --cuda-graph-max-extend-tokens (Triton
+    attention under the interpreter on CPU)."""
+    from braid.runtime.layers.attention.triton_backend import TritonAttnBackend
+    from braid.runtime.model_executor.cuda_graph import ExtendCudaGraphRunner
+
+    _checkpoint(tmp_path, q_lora=True)
+    runner = _runner(tmp_path, cuda_graph_max_extend_tokens=32, disable_cuda_graph=True)
+    runner.attn_backend = TritonAttnBackend(runner)
+    assert runner.extend_graphs_unsupported(asked_for=False) != ""
+    assert runner.extend_graphs_unsupported(asked_for=True) == ""
+    graphs = ExtendCudaGraphRunner(runner, max_tokens=32, capture=False)
+    driver = Driver(runner)
+    rows = [runner.req_to_token_pool.alloc() for _ in range(2)]
+    ids = _prompt(3, 20)
+    for prefix, new in ((0, ids[:11]), (11, ids[11:20])):  # a prefill, then a continuation over its cached prefix
+        n = len(new)
+        loc = runner.token_to_kv_pool.alloc(n)
+        runner.req_to_token_pool.req_to_token[rows[0], prefix:prefix + n] = loc.to(torch.int32)
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=driver._tensor(new),
+            positions=driver._tensor(list(range(prefix, prefix + n))), req_pool_indices=driver._tensor([rows[0]]),
+            seq_lens=driver._tensor([prefix + n], torch.int32), out_cache_loc=loc, seq_lens_cpu=[prefix + n],
+            extend_prefix_lens=driver._tensor([prefix], torch.int32), extend_seq_lens=driver._tensor([n], torch.int32),
+            extend_start_loc=driver._tensor([0], torch.int32), extend_prefix_lens_cpu=[prefix], extend_seq_lens_cpu=[n])
+        expected = driver.logits(fb)
+        got = runner.model.lm_head(graphs.replay(fb)).float()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert graphs.num_replays == 2
