@@ -103,6 +103,9 @@ class ModelRunner:
         if self.model_config.attention_arch == "mla" and not asked_for:
             # the MLA / MoE extend path has run in graphs only in CPU tests so far: on when asked for
             return "MLA models capture them only when --cuda-graph-max-extend-tokens is given"
+        if hasattr(self.token_to_kv_pool, "window_rows") and not asked_for:
+            # likewise the window-trimmed pool's slot translation inside the graph
+            return "window-trimmed KV pools capture them only when --cuda-graph-max-extend-tokens is given"
         return ""
 
     # ---- memory ----

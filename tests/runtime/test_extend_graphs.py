@@ -102,6 +102,45 @@ def test_padded_static_extend_equals_eager(tiny_llama):
     assert not graphs.can_run(_extend_batch(runner, many, [0] * 5, [[4, 5]] * 5))
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory):
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny-gemma2-extend-graphs")
+    cfg = transformers.Gemma2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=256, sliding_window=16, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    torch.manual_seed(0)
+    transformers.Gemma2ForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+@torch.inference_mode()
+def test_padded_static_extend_equals_eager_over_a_window_trimmed_pool(tiny_gemma2):
+    """Gemma-2 (window layers in a trimmed pool, soft-caps): inside the padded static pass the window slots of the
+    requests' rows and of the new tokens are translated into static buffers; == the eager pass, a cached prefix
+    longer than the window included. Only when asked for (--cuda-graph-max-extend-tokens given)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = ServerArgs(model_path=tiny_gemma2, device=device, dtype="float32", max_total_tokens=1024,
+                      cuda_graph_max_extend_tokens=64, cuda_graph_max_extend_reqs=4, disable_cuda_graph=True,
+                      log_level="warning")
+    runner = ModelRunner(args)
+    runner.attn_backend = TritonAttnBackend(runner)
+    assert hasattr(runner.token_to_kv_pool, "window_rows")
+    assert runner.extend_graphs_unsupported(asked_for=False) != ""
+    assert runner.extend_graphs_unsupported(asked_for=True) == ""
+    graphs = ExtendCudaGraphRunner(runner, max_tokens=64, capture=False)
+    gen = torch.Generator().manual_seed(4)
+    rows = [runner.req_to_token_pool.alloc() for _ in range(2)]
+    prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (40, 9)]
+    for batch in (_extend_batch(runner, rows, [0, 0], prompts),
+                  _extend_batch(runner, rows[:1], [40], [torch.randint(3, 300, (12,), generator=gen).tolist()])):
+        expected = _eager(runner, batch)
+        torch.testing.assert_close(graphs.replay(batch), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_flags_are_checked_and_shown():
     with pytest.raises(ValueError, match="cuda_graph_max_extend_tokens"):
         ServerArgs(cuda_graph_max_extend_tokens=-1)

@@ -258,15 +258,21 @@ class TritonAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ CUDA graphs (extend)
 
     def supports_extend_cuda_graph(self, pool) -> bool:
-        """Whether extend passes over this pool can be captured: not a hybrid pool's window layers, whose slot
-        tables are cut to the batch's longest sequence on the host."""
-        return not hasattr(pool, "window_rows")
+        return True
 
-    def init_extend_graph_state(self, max_tokens: int, max_reqs: int) -> None:
+    def init_extend_graph_state(self, max_tokens: int, max_reqs: int, pool=None, req_to_token=None) -> None:
+        """Static buffers of the extend graphs: the block table; for a hybrid pool (window layers) the requests'
+        whole req_to_token rows in window slots and the new tokens' window slots, refilled inside each replay."""
         self.graph_extend_block_m = extend_block_m(self.head_dim, self.v_head_dim, self.device)
         entries = self.extend_table_entries(max_tokens, max_reqs)
         self._graph_block_table = (torch.full((entries,), -1, dtype=torch.int32, device=self.device),
                                    torch.zeros(entries, dtype=torch.int32, device=self.device))
+        self._extend_window_rows = self._extend_row_ids = self._extend_window_loc = None
+        if pool is not None and hasattr(pool, "window_rows"):
+            self._extend_window_rows = torch.zeros((max_reqs, req_to_token.shape[1]), dtype=torch.int32,
+                                                   device=self.device)
+            self._extend_row_ids = torch.arange(max_reqs, device=self.device)
+            self._extend_window_loc = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
 
     def extend_table_entries(self, tokens: int, reqs: int) -> int:
         # every request's last query block may be partial: at most cdiv(tokens, block) + reqs blocks
@@ -279,8 +285,15 @@ class TritonAttnBackend(AttentionBackend):
         entries = self.extend_table_entries(tokens, fb.batch_size)
         table = extend_block_table(fb.extend_seq_lens, self.graph_extend_block_m, entries,
                                    out=(self._graph_block_table[0][:entries], self._graph_block_table[1][:entries]))
-        fb.attn_metadata = TritonAttnMetadata(extend_start_loc=fb.extend_start_loc, block_table=table,
-                                              in_cuda_graph=True)
+        fb.attn_metadata = md = TritonAttnMetadata(extend_start_loc=fb.extend_start_loc, block_table=table,
+                                                   in_cuda_graph=True)
+        if self._extend_window_rows is not None:
+            # hybrid KV pool: every request's whole row (the graph cannot cut it to the batch's longest on the host)
+            req_to_token = fb.req_to_token_pool.req_to_token
+            md.window_req_to_token = fb.token_to_kv_pool.window_rows(req_to_token, fb.req_pool_indices,
+                                                                     req_to_token.shape[1], out=self._extend_window_rows)
+            md.window_req_indices = self._extend_row_ids[:fb.batch_size]
+            fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc, out=self._extend_window_loc)
 
     def init_forward_metadata_capture(self, bs: int, fb: "ForwardBatch") -> None:
         self._graph_metadata(bs, fb)
