@@ -290,8 +290,8 @@ class TritonAttnBackend(AttentionBackend):
         if self._extend_window_rows is not None:
             # hybrid KV pool: every request's whole row (the graph cannot cut it to the batch's longest on the host)
             req_to_token = fb.req_to_token_pool.req_to_token
-            md.window_req_to_token = fb.token_to_kv_pool.window_rows(req_to_token, fb.req_pool_indices,
-                                                                     req_to_token.shape[1], out=self._extend_window_rows)
+            md.window_req_to_token = fb.token_to_kv_pool.window_rows(
+                req_to_token, fb.req_pool_indices, req_to_token.shape[1], out=self._extend_window_rows)
             md.window_req_indices = self._extend_row_ids[:fb.batch_size]
             fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc, out=self._extend_window_loc)
 
