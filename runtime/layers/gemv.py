@@ -184,7 +184,8 @@ def measured_config(device: torch.device, rows: int, k: int, activation: str) ->
     if found is None:
         return None
     bn, bk, warps, stages, *programs = found
-    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages, **({"PROGRAMS": programs[0]} if programs else {}))
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                **({"PROGRAMS": programs[0]} if programs else {}))
 
 
 _EVEN_K_PER_CONFIG = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})

@@ -203,9 +203,9 @@ def latent_to_head_values(attn: torch.Tensor, w_vc: torch.Tensor,
     tokens, heads, rank = attn.shape
     if w_vc.dim() != 3 or w_vc.shape[0] != heads or w_vc.shape[2] != rank:
         raise FusedKernelInputError(f"w_vc must be [{heads}, V, {rank}], got {tuple(w_vc.shape)}")
-    _check_scaled_weight("w_vc", w_vc, w_vc_scale, attn.dtype)
     values = w_vc.shape[1]
     if not attn.is_cuda or tokens > LATENT_GEMV_MAX_TOKENS:
+        _check_scaled_weight("w_vc", w_vc, w_vc_scale, attn.dtype)  # (latent_values_gemv checks its own)
         w = dequantized_head_weight(w_vc, w_vc_scale, attn.dtype)
         return torch.bmm(attn.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1).reshape(tokens, heads * values)
     return latent_values_gemv(attn, w_vc, w_vc_scale)

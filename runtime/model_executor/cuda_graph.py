@@ -17,6 +17,29 @@ from braid.runtime.core import ForwardBatch, ForwardMode
 logger = logging.getLogger(__name__)
 
 
+@torch.inference_mode()
+def capture_graphs(sizes: list[int], prepare) -> tuple[dict, dict]:
+    """One CUDA graph per size, the largest first, all in one memory pool. prepare(size) fills the static inputs
+    and returns the pass to capture (a no-argument callable), which runs twice outside the graph first (warm-up:
+    Triton compiles and picks its kernels, torch.compile traces). -> ({size: graph}, {size: its output})."""
+    graphs, outputs, pool = {}, {}, None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for size in reversed(sizes):
+            run = prepare(size)
+            for _ in range(2):
+                run()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs[size] = run()
+            pool = pool or graph.pool()
+            graphs[size] = graph
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return graphs, outputs
+
+
 def capture_batch_sizes(max_bs: int) -> list[int]:
     sizes = [1, 2, 3, 4] + list(range(8, 33, 4)) + list(range(40, 161, 8)) + list(range(176, 513, 16))
     return [s for s in sizes if s <= max_bs]
@@ -38,9 +61,6 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.num_replays = 0  # decode steps served by a graph
         self.num_padded_replays = 0  # of those, steps that ran a larger captured size
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
         self.compiled = None
         if model_runner.server_args.enable_torch_compile:
             self._enable_compile()
@@ -48,7 +68,7 @@ class CudaGraphRunner:
         logger.info("capturing CUDA graphs for %d decode batch sizes (max %d)%s", len(self.batch_sizes), self.max_bs,
                     ", torch.compile first" if self.compiled is not None else "")  # can take a while: say so first
         start = time.perf_counter()
-        self.capture()
+        self.graphs, self.outputs = capture_graphs(self.batch_sizes, self._prepare_capture)
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
     def _enable_compile(self) -> None:
@@ -77,26 +97,11 @@ class CudaGraphRunner:
             return self.compiled
         return self.model.forward
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):
-                fb = self._static_batch(bs)
-                self.attn_backend.init_forward_metadata_capture(bs, fb)
-                forward = self._forward_fn(bs)
-                for _ in range(2):  # warm-up (and torch.compile) outside the graph
-                    forward(fb)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = forward(fb)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bs] = graph
-                self.outputs[bs] = out
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+    def _prepare_capture(self, bs: int):
+        fb = self._static_batch(bs)
+        self.attn_backend.init_forward_metadata_capture(bs, fb)
+        forward = self._forward_fn(bs)
+        return lambda: forward(fb)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.batch_size <= self.max_bs
@@ -169,7 +174,7 @@ class ExtendCudaGraphRunner:
             logger.info("capturing CUDA graphs for %d extend token counts (max %d tokens, %d requests)",
                         len(self.token_buckets), self.max_tokens, self.max_reqs)
             start = time.perf_counter()
-            self.capture()
+            self.graphs, self.outputs = capture_graphs(self.token_buckets, self._prepare_capture)
             logger.info("extend CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
     def _reqs(self, tokens: int) -> int:
@@ -195,26 +200,11 @@ class ExtendCudaGraphRunner:
         self.attn_backend.init_extend_graph_metadata(tokens, fb)
         return self.model(fb)
 
-    @torch.inference_mode()
-    def capture(self) -> None:
-        pool = None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for tokens in reversed(self.token_buckets):
-                # a valid batch to capture with: one request of `tokens` new tokens, no prefix, KV to slot 0
-                self._load(tokens, [tokens], [0])
-                self.req_pool_indices[:1].zero_()
-                for _ in range(2):  # warm-up (compiles and picks the kernels) outside the graph
-                    self._run_static(tokens)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._run_static(tokens)
-                pool = pool or graph.pool()
-                self.graphs[tokens] = graph
-                self.outputs[tokens] = out
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+    def _prepare_capture(self, tokens: int):
+        # a valid batch to capture with: one request of `tokens` new tokens, no prefix, KV to slot 0
+        self._load(tokens, [tokens], [0])
+        self.req_pool_indices[:1].zero_()
+        return lambda: self._run_static(tokens)
 
     def _load(self, tokens: int, extend_lens: list[int], prefix_lens: list[int]) -> None:
         """The requests' lengths (host lists) into the static request rows, the rows past them zero-length; token

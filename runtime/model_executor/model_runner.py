@@ -98,8 +98,8 @@ class ModelRunner:
 
     def extend_graphs_unsupported(self, asked_for: bool = False) -> str:
         """Why extend passes of this model and backend are not captured ('' when they are)."""
-        if not self.attn_backend.supports_extend_cuda_graph(self.token_to_kv_pool):
-            return f"the {self.attn_backend_name} attention backend cannot capture them over this KV pool"
+        if not self.attn_backend.supports_extend_cuda_graph:
+            return f"the {self.attn_backend_name} attention backend cannot capture them"
         if self.model_config.attention_arch == "mla" and not asked_for:
             # the MLA / MoE extend path has run in graphs only in CPU tests so far: on when asked for
             return "MLA models capture them only when --cuda-graph-max-extend-tokens is given"

@@ -79,17 +79,20 @@ class Driver:
 
     def extend(self, row: int, ids: list[int], prefix_len: int) -> torch.Tensor:
         """ids are the new tokens after `prefix_len` tokens whose KV slots the row already lists."""
+        return self.logits(self.extend_batch(row, ids, prefix_len))
+
+    def extend_batch(self, row: int, ids: list[int], prefix_len: int) -> ForwardBatch:
+        """extend's batch, with fresh KV slots for the new tokens (listed in req_to_token)."""
         n = len(ids)
         loc = self.r.token_to_kv_pool.alloc(n)
         self.r.req_to_token_pool.req_to_token[row, prefix_len:prefix_len + n] = loc.to(torch.int32)
-        fb = ForwardBatch(
+        return ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=self._tensor(ids),
             positions=self._tensor(list(range(prefix_len, prefix_len + n))), req_pool_indices=self._tensor([row]),
             seq_lens=self._tensor([prefix_len + n], torch.int32), out_cache_loc=loc, seq_lens_cpu=[prefix_len + n],
             extend_prefix_lens=self._tensor([prefix_len], torch.int32), extend_seq_lens=self._tensor([n], torch.int32),
             extend_start_loc=self._tensor([0], torch.int32), extend_prefix_lens_cpu=[prefix_len],
             extend_seq_lens_cpu=[n])
-        return self.logits(fb)
 
     def decode_batch(self, rows: list[int], ids: list[int], positions: list[int]) -> ForwardBatch:
         """A decode step's batch with fresh KV slots for the new tokens (listed in req_to_token)."""
@@ -420,18 +423,10 @@ def test_padded_static_extend_equals_eager(tmp_path):
     assert runner.extend_graphs_unsupported(asked_for=True) == ""
     graphs = ExtendCudaGraphRunner(runner, max_tokens=32, capture=False)
     driver = Driver(runner)
-    rows = [runner.req_to_token_pool.alloc() for _ in range(2)]
+    row = runner.req_to_token_pool.alloc()
     ids = _prompt(3, 20)
     for prefix, new in ((0, ids[:11]), (11, ids[11:20])):  # a prefill, then a continuation over its cached prefix
-        n = len(new)
-        loc = runner.token_to_kv_pool.alloc(n)
-        runner.req_to_token_pool.req_to_token[rows[0], prefix:prefix + n] = loc.to(torch.int32)
-        fb = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=driver._tensor(new),
-            positions=driver._tensor(list(range(prefix, prefix + n))), req_pool_indices=driver._tensor([rows[0]]),
-            seq_lens=driver._tensor([prefix + n], torch.int32), out_cache_loc=loc, seq_lens_cpu=[prefix + n],
-            extend_prefix_lens=driver._tensor([prefix], torch.int32), extend_seq_lens=driver._tensor([n], torch.int32),
-            extend_start_loc=driver._tensor([0], torch.int32), extend_prefix_lens_cpu=[prefix], extend_seq_lens_cpu=[n])
+        fb = driver.extend_batch(row, new, prefix)
         expected = driver.logits(fb)
         got = runner.model.lm_head(graphs.replay(fb)).float()
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

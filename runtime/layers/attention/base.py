@@ -44,8 +44,7 @@ class AttentionBackend(ABC):
         """One new token per request attends to all fb.seq_lens[i] tokens (itself included)."""
 
     # ---- CUDA graph hooks (extend: TritonAttnBackend only); backends that cannot be captured keep the defaults ----
-    def supports_extend_cuda_graph(self, pool) -> bool:
-        return False
+    supports_extend_cuda_graph = False  # ExtendCudaGraphRunner: init_extend_graph_state / init_extend_graph_metadata
 
     def init_cuda_graph_state(self, max_bs: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

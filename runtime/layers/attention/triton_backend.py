@@ -63,6 +63,7 @@ class TritonAttnMetadata:
 
 
 class TritonAttnBackend(AttentionBackend):
+    supports_extend_cuda_graph = True
     def __init__(self, model_runner, num_kv_splits: Optional[int] = None):
         self.device = torch.device(getattr(model_runner, "device", "cuda"))
         mc = model_runner.model_config
@@ -91,9 +92,9 @@ class TritonAttnBackend(AttentionBackend):
                          if self.device.type == "cuda" else 0)
         self.cuda_graph_attn_logits: Optional[torch.Tensor] = None  # the max batch's view of _graph_scratch
         self._graph_scratch: Optional[torch.Tensor] = None
-        self.cuda_graph_window_rows: Optional[torch.Tensor] = None  # [max_bs, C] int32 (hybrid KV pool)
-        self.cuda_graph_row_ids: Optional[torch.Tensor] = None  # [max_bs] int64: 0..max_bs-1
-        self.cuda_graph_window_loc: Optional[torch.Tensor] = None  # [max_bs] int64: new tokens' window slots
+        # hybrid KV pool: the decode graphs' and the extend graphs' static window-slot tables (_window_tables)
+        self._decode_window_tables: Optional[tuple] = None
+        self._extend_window_tables: Optional[tuple] = None
 
     # ------------------------------------------------------------------ metadata
 
@@ -240,39 +241,41 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"batch {bs} exceeds the CUDA-graph capacity {self.cuda_graph_attn_logits.shape[0]}")
         # a view of the static buffer: the same address at capture and at every replay
         fb.attn_metadata = md = TritonAttnMetadata(attn_logits=self._graph_scratch_view(bs), in_cuda_graph=True)
-        pool = fb.token_to_kv_pool
-        if hasattr(pool, "window_rows"):
+        if hasattr(fb.token_to_kv_pool, "window_rows"):
             # hybrid KV pool: whole rows translated into a static buffer before each replay (a gather, no sync)
-            req_to_token = fb.req_to_token_pool.req_to_token
-            if self.cuda_graph_window_rows is None:
+            if self._decode_window_tables is None:
                 max_bs = self.cuda_graph_attn_logits.shape[0]
-                self.cuda_graph_window_rows = torch.zeros((max_bs, req_to_token.shape[1]), dtype=torch.int32,
-                                                          device=self.device)
-                self.cuda_graph_row_ids = torch.arange(max_bs, device=self.device)
-                self.cuda_graph_window_loc = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-            md.window_req_to_token = pool.window_rows(req_to_token, fb.req_pool_indices, req_to_token.shape[1],
-                                                      out=self.cuda_graph_window_rows)
-            md.window_req_indices = self.cuda_graph_row_ids[:bs]
-            pool.translate_batch_slots(fb.out_cache_loc, out=self.cuda_graph_window_loc)
+                self._decode_window_tables = self._window_tables(max_bs, max_bs, fb.req_to_token_pool.req_to_token)
+            self._fill_window_tables(md, fb, self._decode_window_tables)
+
+    def _window_tables(self, max_reqs: int, max_tokens: int, req_to_token: torch.Tensor) -> tuple:
+        """A graph's static window-slot tables for a hybrid pool: the requests' whole rows [max_reqs, width] int32,
+        the row ids 0..max_reqs-1, the new tokens' window slots [max_tokens] int64."""
+        return (torch.zeros((max_reqs, req_to_token.shape[1]), dtype=torch.int32, device=self.device),
+                torch.arange(max_reqs, device=self.device),
+                torch.zeros(max_tokens, dtype=torch.int64, device=self.device))
+
+    @staticmethod
+    def _fill_window_tables(md: TritonAttnMetadata, fb: "ForwardBatch", tables: tuple) -> None:
+        # every request's whole row: a graph cannot cut it to the batch's longest sequence on the host
+        rows, row_ids, loc = tables
+        req_to_token = fb.req_to_token_pool.req_to_token
+        md.window_req_to_token = fb.token_to_kv_pool.window_rows(req_to_token, fb.req_pool_indices,
+                                                                 req_to_token.shape[1], out=rows)
+        md.window_req_indices = row_ids[:fb.batch_size]
+        fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc, out=loc)
 
     # ------------------------------------------------------------------ CUDA graphs (extend)
 
-    def supports_extend_cuda_graph(self, pool) -> bool:
-        return True
-
-    def init_extend_graph_state(self, max_tokens: int, max_reqs: int, pool=None, req_to_token=None) -> None:
+    def init_extend_graph_state(self, max_tokens: int, max_reqs: int, pool, req_to_token: torch.Tensor) -> None:
         """Static buffers of the extend graphs: the block table; for a hybrid pool (window layers) the requests'
         whole req_to_token rows in window slots and the new tokens' window slots, refilled inside each replay."""
         self.graph_extend_block_m = extend_block_m(self.head_dim, self.v_head_dim, self.device)
         entries = self.extend_table_entries(max_tokens, max_reqs)
         self._graph_block_table = (torch.full((entries,), -1, dtype=torch.int32, device=self.device),
                                    torch.zeros(entries, dtype=torch.int32, device=self.device))
-        self._extend_window_rows = self._extend_row_ids = self._extend_window_loc = None
-        if pool is not None and hasattr(pool, "window_rows"):
-            self._extend_window_rows = torch.zeros((max_reqs, req_to_token.shape[1]), dtype=torch.int32,
-                                                   device=self.device)
-            self._extend_row_ids = torch.arange(max_reqs, device=self.device)
-            self._extend_window_loc = torch.zeros(max_tokens, dtype=torch.int64, device=self.device)
+        if hasattr(pool, "window_rows"):
+            self._extend_window_tables = self._window_tables(max_reqs, max_tokens, req_to_token)
 
     def extend_table_entries(self, tokens: int, reqs: int) -> int:
         # every request's last query block may be partial: at most cdiv(tokens, block) + reqs blocks
@@ -287,13 +290,8 @@ class TritonAttnBackend(AttentionBackend):
                                    out=(self._graph_block_table[0][:entries], self._graph_block_table[1][:entries]))
         fb.attn_metadata = md = TritonAttnMetadata(extend_start_loc=fb.extend_start_loc, block_table=table,
                                                    in_cuda_graph=True)
-        if self._extend_window_rows is not None:
-            # hybrid KV pool: every request's whole row (the graph cannot cut it to the batch's longest on the host)
-            req_to_token = fb.req_to_token_pool.req_to_token
-            md.window_req_to_token = fb.token_to_kv_pool.window_rows(
-                req_to_token, fb.req_pool_indices, req_to_token.shape[1], out=self._extend_window_rows)
-            md.window_req_indices = self._extend_row_ids[:fb.batch_size]
-            fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc, out=self._extend_window_loc)
+        if self._extend_window_tables is not None:
+            self._fill_window_tables(md, fb, self._extend_window_tables)
 
     def init_forward_metadata_capture(self, bs: int, fb: "ForwardBatch") -> None:
         self._graph_metadata(bs, fb)

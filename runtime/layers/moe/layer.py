@@ -163,12 +163,10 @@ class FusedMoE(nn.Module):
         if self.num_shared == 0 or loaded.dim() != 2 or loaded.shape[dim] != self.num_shared * inter:
             raise ValueError(f"shared_experts.{proj}: checkpoint shape {tuple(loaded.shape)} does not hold "
                              f"{self.num_shared} shared expert(s) of intermediate size {inter}")
-        if scale is not None and dim == 0 and scale.numel() == loaded.shape[0]:
-            scale = scale.reshape(-1)
+        # gate / up row scales split with their rows; a per-tensor scale, or down_proj's (rows of H), go whole
+        split_scale = scale is not None and dim == 0 and scale.numel() == loaded.shape[0]
         for s in range(self.num_shared):
-            part_scale = scale
-            if scale is not None and dim == 0 and scale.numel() == loaded.shape[0]:
-                part_scale = scale.narrow(0, s * inter, inter)
+            part_scale = scale.reshape(-1).narrow(0, s * inter, inter) if split_scale else scale
             self.weight_loader(proj, self.num_experts + s, loaded.narrow(dim, s * inter, inter), device, part_scale)
 
     def expert_rank_range(self, proj: str, shape: list[int]) -> Optional[tuple[int, int, int]]:
