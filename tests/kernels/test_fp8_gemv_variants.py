@@ -62,9 +62,11 @@ def check(y, x, w_q, w_scale, silu_mul, bound):
         gate, up = ref.chunk(2, dim=-1)
         ref = torch.nn.functional.silu(gate) * up
     rms = ((y.double() - ref).norm() / ref.norm()).item()
-    # e4m3 x: 2**-4 per value at most, ~2% RMS on y (the interpreter's rounding up to ~7%); fp16 products: ~2**-11
-    # each, below the bf16 output's rounding
-    assert rms < ((0.035 if HAS_CUDA else 0.1) if bound[0] >= 2 ** -4 else 0.01), rms
+    # e4m3 x: 2**-4 per value at most, ~2.4% RMS on y (the interpreter's rounding up to ~7%); silu(gate) * up
+    # carries both factors' errors and silu's elasticity (up to ~1.3), ~3.8% measured on the H200; fp16 products:
+    # ~2**-11 each, below the bf16 output's rounding
+    e4m3_rms = (0.05 if silu_mul else 0.035) if HAS_CUDA else 0.1
+    assert rms < (e4m3_rms if bound[0] >= 2 ** -4 else 0.01), rms
 
 
 @pytest.mark.parametrize("variant", FP8_GEMV_VARIANTS)
