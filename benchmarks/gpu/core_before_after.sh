@@ -4,29 +4,36 @@
 #      against that tree's server (--load-format dummy, --cuda-graph-max-bs 256)
 # then a table. Every tree runs step 1 before any runs step 2, so a call cut short still compares the engines.
 #
-#   bash benchmarks/gpu/core_before_after.sh [--num-prompts N] [--budget-s S] [--model-config JSON] TREE...
+#   bash benchmarks/gpu/core_before_after.sh [--num-prompts N] [--budget-s S] [--model-config JSON] [--no-engine]
+#     [--worktree-at-defaults] TREE...
 # TREE: `.` (the working tree as it travelled) or a git ref; a ref's files come from `.gpu/trees/REF` when carried,
 # else from `git archive REF` when the device copy has the history. carry: .whl .gpu/tok (.gpu/trees if used).
 # The bench_serving client (and so the prompts) is always the working tree's, so the servers alone differ.
 # --num-prompts (default 3000: ~130 s per run at 7.3k tok/s); --budget-s (default 560): steps that would start
 # past it are skipped, each step's timeout is capped to what is left. --model-config (default
-# benchmarks/configs/llama3-8b.json) lets a tiny config try the script on a CPU.
+# benchmarks/configs/llama3-8b.json) lets a tiny config try the script on a CPU. --no-engine skips step 1;
+# --worktree-at-defaults serves `.` at the runtime's defaults instead of --cuda-graph-max-bs 256 (the issue's
+# baseline command, kept for the refs).
 # $OUT gets results.jsonl (one line per run, "tree" field), run.log, summary.txt and server_<tree>.log.
 set -o pipefail
 NUM_PROMPTS=3000
 BUDGET_S=560
 CFG=$PWD/benchmarks/configs/llama3-8b.json
+ENGINE=1
+WORKTREE_SERVER_FLAGS="--cuda-graph-max-bs 256"
 TREES=()
 while [ $# -gt 0 ]; do
   case $1 in
     --num-prompts) NUM_PROMPTS=$2; shift 2 ;;
     --budget-s) BUDGET_S=$2; shift 2 ;;
     --model-config) CFG=$(realpath "$2"); shift 2 ;;
+    --no-engine) ENGINE=0; shift ;;
+    --worktree-at-defaults) WORKTREE_SERVER_FLAGS=""; shift ;;
     -*) echo "unknown option $1"; exit 2 ;;
     *) TREES+=("$1"); shift ;;
   esac
 done
-[ ${#TREES[@]} -gt 0 ] || { echo "usage: core_before_after.sh [--num-prompts N] [--budget-s S] [--model-config JSON] TREE..."; exit 2; }
+[ ${#TREES[@]} -gt 0 ] || { echo "usage: core_before_after.sh [--num-prompts N] [--budget-s S] [--model-config JSON] [--no-engine] [--worktree-at-defaults] TREE..."; exit 2; }
 OUT=${OUT:-/tmp/core_before_after}
 mkdir -p "$OUT"
 T_START=$SECONDS
@@ -87,6 +94,7 @@ for ref in "${TREES[@]}"; do
 done
 
 for ref in "${TREES[@]}"; do
+  [ "$ENGINE" = 1 ] || break
   label=$(label_of "$ref")
   echo "=== bench_one_batch, $label ($(time_left)s of the budget left)"
   limit=$(capped_timeout 180) || continue
@@ -105,7 +113,11 @@ for ref in "${TREES[@]}"; do
   SERVER_START_TIMEOUT_S=$(capped_timeout 240) || continue
   client_path=$PYTHONPATH
   export PYTHONPATH=/tmp/site:$(braid_import_dir "${DIRS[$ref]}")
-  start_dummy_server "$PORT" "$OUT/server_$label.log" --cuda-graph-max-bs 256 --model-config "$CFG"
+  server_flags="--cuda-graph-max-bs 256"
+  [ "$ref" = . ] && server_flags=$WORKTREE_SERVER_FLAGS
+  echo "server flags: ${server_flags:-(defaults)}"
+  # shellcheck disable=SC2086
+  start_dummy_server "$PORT" "$OUT/server_$label.log" $server_flags --model-config "$CFG"
   started=$?
   export PYTHONPATH=$client_path
   [ $started = 0 ] || { stop_server; continue; }
