@@ -126,8 +126,8 @@ class ServerArgs:
                                        "decoding at once when --max-running-requests is unset")
     cuda_graph_max_extend_tokens: Optional[int] = _opt(
         None, "on CUDA, extend (prefill) passes of up to this many new tokens replay CUDA graphs captured at padded "
-        "token counts instead of launching each kernel from Python (Triton attention; MLA models and window-trimmed KV "
-        "pools only when this is given; other backends run them eagerly); 0: never (default: 1024 on CUDA)")
+        "token counts instead of launching each kernel from Python (Triton attention; other backends run them "
+        "eagerly); 0: never (default: 1024 on CUDA)")
     cuda_graph_max_extend_reqs: int = _opt(64, "most requests in one graphed extend pass (more run eagerly)")
     enable_torch_compile: bool = _opt(False, "torch.compile the model's non-attention parts")
     torch_compile_max_bs: int = _opt(32, "largest batch compiled", aliases=("--max-torch-compile-bs",))

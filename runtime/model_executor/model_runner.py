@@ -89,23 +89,17 @@ class ModelRunner:
         asked = self.server_args.cuda_graph_max_extend_tokens
         if asked == 0:
             return
-        why_not = self.extend_graphs_unsupported(asked_for=asked is not None)
+        why_not = self.extend_graphs_unsupported()
         if not why_not:
             self.extend_graph_runner = ExtendCudaGraphRunner(
                 self, max_tokens=asked or DEFAULT_CUDA_GRAPH_MAX_EXTEND_TOKENS)
         elif asked is not None:
             logger.warning("extend passes run eagerly: %s (--cuda-graph-max-extend-tokens)", why_not)
 
-    def extend_graphs_unsupported(self, asked_for: bool = False) -> str:
+    def extend_graphs_unsupported(self) -> str:
         """Why extend passes of this model and backend are not captured ('' when they are)."""
         if not self.attn_backend.supports_extend_cuda_graph:
             return f"the {self.attn_backend_name} attention backend cannot capture them"
-        if self.model_config.attention_arch == "mla" and not asked_for:
-            # the MLA / MoE extend path has run in graphs only in CPU tests so far: on when asked for
-            return "MLA models capture them only when --cuda-graph-max-extend-tokens is given"
-        if hasattr(self.token_to_kv_pool, "window_rows") and not asked_for:
-            # likewise the window-trimmed pool's slot translation inside the graph
-            return "window-trimmed KV pools capture them only when --cuda-graph-max-extend-tokens is given"
         return ""
 
     # ---- memory ----

@@ -121,7 +121,7 @@ def tiny_gemma2(tmp_path_factory):
 def test_padded_static_extend_equals_eager_over_a_window_trimmed_pool(tiny_gemma2):
     """Gemma-2 (window layers in a trimmed pool, soft-caps): inside the padded static pass the window slots of the
     requests' rows and of the new tokens are translated into static buffers; == the eager pass, a cached prefix
-    longer than the window included. Only when asked for (--cuda-graph-max-extend-tokens given)."""
+    longer than the window included."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = ServerArgs(model_path=tiny_gemma2, device=device, dtype="float32", max_total_tokens=1024,
                       cuda_graph_max_extend_tokens=64, cuda_graph_max_extend_reqs=4, disable_cuda_graph=True,
@@ -129,8 +129,7 @@ def test_padded_static_extend_equals_eager_over_a_window_trimmed_pool(tiny_gemma
     runner = ModelRunner(args)
     runner.attn_backend = TritonAttnBackend(runner)
     assert hasattr(runner.token_to_kv_pool, "window_rows")
-    assert runner.extend_graphs_unsupported(asked_for=False) != ""
-    assert runner.extend_graphs_unsupported(asked_for=True) == ""
+    assert runner.extend_graphs_unsupported() == ""
     graphs = ExtendCudaGraphRunner(runner, max_tokens=64, capture=False)
     gen = torch.Generator().manual_seed(4)
     rows = [runner.req_to_token_pool.alloc() for _ in range(2)]
