@@ -63,11 +63,14 @@ class HostTiming:
     """Where the scheduler's wall time goes, in seconds summed over its life: inside `step()`, inside
     `ModelRunner.forward` (on CUDA: launching the pass), waiting for a pass's results to reach the host, and handing
     a step's outputs to the I/O (the server process: building, encoding and sending the output batch). The rest of a
-    step is the host's own work (admission, batch building, commits, reports)."""
+    step is the host's own work (admission, batch building, commits, reports). `extend_s`: the part of `step()` spent
+    on extend passes (built, run to their results and committed; the decode pass before one is committed first), so
+    that a decoding request's time per token splits into its decode passes and the prefills between them."""
 
     def __init__(self):
         self.steps = 0
         self.step_s = 0.0
+        self.extend_s = 0.0
         self.forward_s = 0.0
         self.device_wait_s = 0.0
         self.send_s = 0.0
@@ -86,7 +89,8 @@ class HostTiming:
 
     def stats(self) -> dict:
         return dict(num_steps=self.steps, step_time_s_total=self.step_s, forward_time_s_total=self.forward_s,
-                    device_wait_s_total=self.device_wait_s, send_time_s_total=self.send_s)
+                    device_wait_s_total=self.device_wait_s, send_time_s_total=self.send_s,
+                    extend_time_s_total=self.extend_s)
 
 
 class Scheduler:
@@ -223,7 +227,9 @@ class Scheduler:
             self._commit(prev.reqs, prev.output, slots=prev.slots)
         batch = self._admit() if self._admission_due() else []
         if batch:
+            start = time.perf_counter()
             self._run_extend(batch, self._mix_in_running(batch))
+            self.timing.extend_s += time.perf_counter() - start
         elif self.running:
             for victim in self.decode.retract(self.running):
                 self.waiting.insert(0, victim)

@@ -154,3 +154,25 @@ def test_one_decode_step_between_checks_is_the_cpu_default():
     run_to_end(sched, record)
     # a request ends, a slot frees, and the next step admits: extends come one decode pass apart
     assert "DED" in "".join(kinds), kinds
+
+
+def test_extend_time_is_counted_in_the_steps_that_run_extends():
+    """stats extend_time_s_total: the part of step() spent on extend passes; it grows in the steps that run one (by
+    at most their own time) and in no other."""
+    sched = scheduler(max_total_tokens=8192, max_running_requests=4)
+    add(sched, 10, prompt_len=40, max_new=lambda i: 2 + i % 4)
+    grew_with_extend = grew_without = 0
+    while sched.has_work():
+        before = sched.get_stats()
+        sched.step()
+        after = sched.get_stats()
+        extend_s = after["extend_time_s_total"] - before["extend_time_s_total"]
+        step_s = after["step_time_s_total"] - before["step_time_s_total"]
+        if after["num_forward_extend"] > before["num_forward_extend"]:
+            assert 0 < extend_s <= step_s
+            grew_with_extend += 1
+        else:
+            grew_without += extend_s > 0
+    assert grew_with_extend >= 3 and grew_without == 0
+    stats = sched.get_stats()
+    assert 0 < stats["extend_time_s_total"] < stats["step_time_s_total"]
