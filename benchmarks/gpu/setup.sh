@@ -13,6 +13,8 @@
 #                split -n 2 <gguf> part_a  (then part_aa -> .gpu/a, part_ab -> .gpu/b; sha256sum of the whole)
 #   .gpu/trees/REF/   a commit's files (git archive REF | tar -x -C .gpu/trees/REF), for core_before_after.sh
 #                when the device copy has no git history
+# A call brings back at most 8 files from $OUT (two folders down): a script that writes more (the serving ones do)
+# wants its command to end with `cd $OUT && tar czf out.tgz --remove-files *`.
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
