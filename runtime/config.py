@@ -292,9 +292,6 @@ class ServerArgs:
         if self.calculate_kv_scales and self.kv_cache_dtype != "fp8_e4m3":
             raise ValueError(f"calculate_kv_scales sets the scales of an fp8_e4m3 KV cache; kv_cache_dtype is "
                              f"{self.kv_cache_dtype!r} (give --kv-cache-dtype fp8_e4m3, or drop the flag)")
-        if self.kv_cache_dtype.startswith("fp8") and self.attention_backend == "flashinfer":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype} with attention_backend='flashinfer' is not "
-                             "supported; use attention_backend='triton' (or 'torch') for an fp8 KV cache")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give the API key once: --api-key or --api-key-file")
 

@@ -1,6 +1,6 @@
 """FlashInferAttnBackend vs TorchAttnBackend: extend over cached prefixes, decode (eager and under CUDA graphs
 captured by the real CudaGraphRunner, replayed at padded batch sizes), sliding window, soft cap, GQA 1/3/4/8,
-head_dim 64 and 128, bf16.
+head_dim 64 and 128, bf16, and fp8 KV caches (e5m2; e4m3 with per-layer scales).
 
 The whole module is skipped where flashinfer is not installed (CI). The construction checks and the kv-indices
 kernel run on CPU too (the kernel under TRITON_INTERPRET=1); the cases marked `gpu` need CUDA.
@@ -54,7 +54,7 @@ def runner_for(h, h_kv, d, dtype=BF16, device=DEVICE, **extra):
     (dict(d=96), "head_dim"),
     (dict(dv=64), "equal key and value head dims"),
     (dict(arch="mla"), "MLA"),
-    (dict(token_to_kv_pool=SimpleNamespace(is_fp8=True, dtype=BF16, cache_dtype=torch.float8_e4m3fn)), "fp8"),
+    (dict(token_to_kv_pool=SimpleNamespace(dtype=BF16, cache_dtype=torch.float16)), "model dtype .* or fp8"),
     (dict(device=torch.device("cpu")), "CUDA device"),
 ])
 def test_unsupported_configurations_are_rejected_at_construction(kwargs, match):
@@ -128,12 +128,14 @@ class Setup:
     """A KV pool and req_to_token table shared by both backends; requests live at rows of req_to_token, their
     tokens at random, non-contiguous KV slots (slot 0 stays the dummy)."""
 
-    def __init__(self, h, h_kv, d, layer_opts, num_slots=24_000, max_reqs=8, max_context=2304, seed=0):
+    def __init__(self, h, h_kv, d, layer_opts, num_slots=24_000, max_reqs=8, max_context=2304, seed=0,
+                 kv_cache_dtype=None, kv_scales=(1.0, 1.0)):
         self.h, self.h_kv, self.d = h, h_kv, d
         self.gen = torch.Generator().manual_seed(seed)
         self.layers = [RadixAttention(i, h, d, h_kv, scaling=d ** -0.5, sliding_window=w, logit_cap=cap)
                        for i, (w, cap) in enumerate(layer_opts)]
-        self.pool = MHAKVPool(num_slots, BF16, h_kv, d, len(self.layers), DEVICE)
+        self.pool = MHAKVPool(num_slots, BF16, h_kv, d, len(self.layers), DEVICE, kv_cache_dtype=kv_cache_dtype,
+                              k_scale=kv_scales[0], v_scale=kv_scales[1])
         self.r2t = ReqToTokenPool(max_reqs, max_context, DEVICE)
         self.free = (torch.randperm(num_slots, generator=self.gen) + 1).tolist()
         self.filled = [0] * max_reqs
@@ -262,6 +264,33 @@ def test_gpu_layers_with_different_windows_in_one_batch():
     assert len(fi._variants) == 2
 
 
+# fp8 KV: both backends read the same fp8 values (the torch reference upcasts and scales them), so the tolerance is
+# the bf16 one. e4m3 with scales far from 1 (k 0.5, v 4): dropping either scale in FlashInfer moves the output by
+# far more than TOL. (Each new dtype pair JIT-compiles FlashInfer modules: e4m3 at D128 is in the graph case below.)
+FP8_KV_CASES = {
+    "e5m2_gqa4_d128": ("fp8_e5m2", (1.0, 1.0), 32, 8, 128, -1, 0.0),
+    "e4m3_scaled_mha_d64_window_cap": ("fp8_e4m3", (0.5, 4.0), 8, 8, 64, 48, 5.0),
+}
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("name", list(FP8_KV_CASES))
+def test_gpu_fp8_kv_extend_and_decode(name):
+    kv_dtype, scales, h, h_kv, d, window, cap = FP8_KV_CASES[name]
+    s = Setup(h, h_kv, d, [(window, cap)], kv_cache_dtype=kv_dtype, kv_scales=scales)
+    assert s.pool.is_fp8 and s.pool.kv_scales(0) == scales
+    fi = FlashInferAttnBackend(runner_for(h, h_kv, d, token_to_kv_pool=s.pool))
+    assert fi.kv_is_fp8 and fi.kv_dtype == s.pool.cache_dtype
+    rows, prefix, new = [3, 0, 6], [0, 300, 1100], [129, 1, 64]
+    for r, p in zip(rows, prefix):
+        s.fill_prefix(r, p)
+    errs = s.compare(fi, s.batch(ForwardMode.EXTEND, rows, new), s.qkv(sum(new)))
+    for _ in range(2):
+        errs += s.compare(fi, s.batch(ForwardMode.DECODE, rows, [1] * len(rows)), s.qkv(len(rows)))
+    assert max(errs) <= TOL, errs
+
+
 # ---------------------------------------------------------------------------------- GPU: CUDA graphs
 
 
@@ -294,6 +323,8 @@ GRAPH_CASES = {
     "gqa8_d128": (32, 4, 128, [(-1, 0.0)]),  # tensor-core decode wrappers in graph mode
     "mha_d64": (8, 8, 64, [(-1, 0.0)]),  # CUDA-core decode wrappers in graph mode
     "gqa8_d64_two_windows_cap": (32, 4, 64, [(32, 5.0), (200, 5.0)]),
+    # fp8_e4m3 KV with scales: the scales are host floats the captured graphs hold
+    "gqa8_d128_fp8_e4m3_scaled": (32, 4, 128, [(-1, 0.0)], "fp8_e4m3", (0.5, 4.0)),
 }
 
 
@@ -304,9 +335,9 @@ GRAPH_CASES = {
 def test_gpu_decode_cuda_graph_capture_and_padded_replay(name):
     from braid.runtime.model_executor.cuda_graph import CudaGraphRunner
 
-    h, h_kv, d, layer_opts = GRAPH_CASES[name]
+    h, h_kv, d, layer_opts, *kv = GRAPH_CASES[name]
     max_bs = 8
-    s = Setup(h, h_kv, d, layer_opts)
+    s = Setup(h, h_kv, d, layer_opts, **dict(zip(("kv_cache_dtype", "kv_scales"), kv)))
     model = TinyModel(s, max_bs)
     runner = runner_for(h, h_kv, d, token_to_kv_pool=s.pool, model=model, req_to_token_pool=s.r2t,
                         server_args=SimpleNamespace(cuda_graph_max_bs=max_bs, enable_torch_compile=False))

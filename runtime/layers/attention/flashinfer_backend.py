@@ -25,10 +25,14 @@ indices / last-page-length buffers shared by all of them. Capture plans outside 
 the new indptr and indices into those buffers and plans again (FlashInfer's graph-mode schedule keeps the
 launch shape of a batch size fixed and puts what changes into device memory the captured kernels read).
 
+FP8 KV caches (--kv-cache-dtype fp8_e5m2 / fp8_e4m3): the wrappers are planned with the cache's fp8 dtype for the
+keys and values (queries and output in the model dtype) and read the pool's fp8 views; each layer's
+(k_scale, v_scale) go to run() (FlashInfer multiplies the softmax scale by k_scale and the output by v_scale).
+
 What it reads from the model runner:
   model_runner.device, .dtype (fp16 or bf16: FlashInfer has no fp32 kernels), .model_config (head_dim,
-  v_head_dim, attention_arch), .server_args.kv_cache_dtype, .token_to_kv_pool (its cache dtype), .model (its
-  RadixAttention layers), all through getattr. Per layer: layer_id, num_heads, num_kv_heads, head_dim,
+  v_head_dim, attention_arch), .token_to_kv_pool (its cache dtype and per-layer KV scales; without a pool,
+  .server_args.kv_cache_dtype), .model (its RadixAttention layers), all through getattr. Per layer: layer_id, num_heads, num_kv_heads, head_dim,
   v_head_dim, scaling, logit_cap (0 = off), sliding_window (-1 = off).
 """
 
@@ -50,6 +54,7 @@ except Exception as e:  # an import that fails for any reason (missing package, 
 from braid.runtime.layers import pdl
 from braid.runtime.layers.attention.base import AttentionBackend
 from braid.runtime.layers.attention.triton_ops.kv_indices import build_kv_indices, csr_indptr, window_kv_spans
+from braid.runtime.layers.dtypes import kv_cache_dtype
 
 if TYPE_CHECKING:
     from braid.runtime.core import ForwardBatch
@@ -57,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = ["FlashInferAttnBackend", "FlashInferMetadata"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
 # from this query/KV head ratio on, decode runs FlashInfer's tensor-core (prefill) kernel instead of the CUDA-core
@@ -138,15 +144,16 @@ class FlashInferAttnBackend(AttentionBackend):
                              f"float32 kernels); this model runs in {dtype}: pass --dtype bfloat16 or use "
                              f"attention_backend='triton'")
         self.dtype = dtype
-        kv_name = getattr(server_args, "kv_cache_dtype", None)
-        kv_dtype = getattr(pool, "cache_dtype", None) or dtype
-        if getattr(pool, "is_fp8", False) or (isinstance(kv_name, str) and kv_name.startswith("fp8")):
-            raise ValueError("attention_backend='flashinfer' in braid does not read fp8 KV caches; "
-                             "use kv_cache_dtype='auto' or attention_backend='triton'")
-        if kv_dtype != dtype:
-            raise ValueError(f"attention_backend='flashinfer' needs the KV cache in the model dtype {dtype}, "
-                             f"got {kv_dtype}; use kv_cache_dtype='auto'")
+        kv_dtype = getattr(pool, "cache_dtype", None) or kv_cache_dtype(getattr(server_args, "kv_cache_dtype", None),
+                                                                         dtype)
+        if kv_dtype != dtype and kv_dtype not in FP8_KV_DTYPES:
+            raise ValueError(f"attention_backend='flashinfer' reads KV caches in the model dtype {dtype} or fp8 "
+                             f"(e4m3, e5m2), got {kv_dtype}")
         self.kv_dtype = kv_dtype
+        # an fp8 cache's values times the layer's (k_scale, v_scale) are the stored K and V: FlashInfer folds k_scale
+        # into the softmax scale and multiplies the output by v_scale (host floats, fixed once calibrated, so the
+        # CUDA graphs captured after calibration hold them)
+        self.kv_is_fp8 = kv_dtype in FP8_KV_DTYPES
 
         # head counts come from the layers themselves (already divided by TP); only the dims are checked here
         self.head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // int(mc.num_attention_heads))
@@ -364,7 +371,11 @@ class FlashInferAttnBackend(AttentionBackend):
         if save_kv_cache:
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k.reshape(-1, h_kv, d), v.reshape(-1, h_kv, dv))
         w = self._wrapper(md, layer)
-        o = w.run(q.reshape(-1, h, d), self._paged_kv(pool, layer.layer_id), enable_pdl=self.enable_pdl)
+        scales = {}
+        if self.kv_is_fp8:
+            k_scale, v_scale = pool.kv_scales(layer.layer_id)
+            scales = dict(k_scale=k_scale, v_scale=v_scale)
+        o = w.run(q.reshape(-1, h, d), self._paged_kv(pool, layer.layer_id), enable_pdl=self.enable_pdl, **scales)
         return o.view(-1, h * dv)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True) -> torch.Tensor:
