@@ -1,4 +1,5 @@
-"""FP8 accuracy on SmolLM2-135M-Instruct (CPU): FP8 weights and each FP8 KV cache against the fp32 baseline.
+"""FP8 accuracy on SmolLM2-135M-Instruct (CPU), or random weights of a larger config: FP8 weights and each FP8 KV cache
+against the fp32 baseline.
 
 The baseline (fp32 weights, fp32 KV, torch attention) continues 64 prompts greedily for 64 tokens. Each variant
 then
@@ -12,13 +13,20 @@ bf16 weights (and KV) are measured the same way as the reference point for "how 
 computes for decode batches of up to 16 rows (the weight-only GEMV and small-batch kernels); the CPU path, like the
 GPU's larger batches and prefill, quantizes activations per token.
 
-    python benchmarks/fp8_accuracy.py [--prompts 64] [--tokens 64] [--variants e4m3 ...]
+    python benchmarks/fp8_accuracy.py [--prompts 64] [--tokens 64] [--variants e4m3 ...] [--model-config JSON]
+
+--model-config runs a model of that config's shapes with random weights (load_format dummy) instead of SmolLM2's,
+with SmolLM2's tokenizer and chat template for the prompts (the config's vocabulary must be SmolLM2's 49,152):
+benchmarks/configs/llama-1b-class-smollm2-vocab.json is Llama-3.2-1B's shapes, where each output is a sum over 2,048
+or 8,192 products instead of SmolLM2's 576 or 1,536.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import math
 import statistics
 import time
 from unittest import mock
@@ -59,8 +67,24 @@ def _unquantized_rows(x, static_scale=None):
     return x, torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
 
 
+MODEL = {}  # --model-config: load_format and model_config for every engine
+EMBEDDING_STD = [None]  # --embedding-std
+
+
+@torch.no_grad()
 def _engine(**kw) -> Engine:
-    return Engine(model_path="smollm2", attention_backend="torch", log_level="warning", max_total_tokens=16384, **kw)
+    engine = Engine(model_path="smollm2", attention_backend="torch", log_level="warning", max_total_tokens=16384,
+                    **MODEL, **kw)
+    if EMBEDDING_STD[0] is not None:
+        # the same random table in every engine (the dummy loader's seed), rescaled: with tied embeddings the logits
+        # are the final normed hidden state times this table, so their spread across the vocabulary follows its std
+        model = engine.scheduler.runner.model
+        if not model.tie_word_embeddings:
+            raise ValueError("--embedding-std needs a config with tied embeddings")
+        embedding = model.model.embed_tokens.weight
+        embedding.mul_(EMBEDDING_STD[0] / embedding.float().std().item())
+        model.lm_head.prepack_weights()  # the CPU's packed copy of the (tied) LM head, from the rescaled table
+    return engine
 
 
 def greedy(engine: Engine, prompts, tokens: int) -> list[list[int]]:
@@ -109,15 +133,32 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--variants", nargs="+", metavar="TEXT",
                         help="only the variants whose name contains one of these (default: all)")
+    parser.add_argument("--model-config", help="a config JSON: random weights of its shapes instead of SmolLM2's")
+    parser.add_argument("--embedding-std", type=float,
+                        help="with --model-config and tied embeddings: rescale the random embedding table to this "
+                             "std, so that the logits spread (the dummy loader's ~0.012 leaves a 2,048-wide model's "
+                             "next-token distribution nearly uniform, where fp8 noise moves nothing that matters)")
     args = parser.parse_args()
+    EMBEDDING_STD[0] = args.embedding_std
+    if args.model_config:
+        with open(args.model_config) as f:
+            config = json.load(f)
+        if config.get("vocab_size") != 49152:
+            raise ValueError(f"--model-config needs SmolLM2's vocabulary of 49152 (its tokenizer makes the prompts); "
+                             f"{args.model_config} has {config.get('vocab_size')}")
+        MODEL.update(load_format="dummy", model_config=json.dumps(config))
+    model_name = f"random weights of {args.model_config}'s shapes" if args.model_config else "SmolLM2-135M-Instruct"
     started = time.perf_counter()
     with _engine() as engine:
         prompts = chat_prompts(engine, args.prompts)
         base_out = greedy(engine, prompts, args.tokens)
         base_lps, base_argmax = teacher_forced(engine, prompts, base_out)
     self_check = compare(base_lps, base_out, base_lps, base_argmax, base_out)
+    chosen = [lp for row in base_lps for lp in row]
     print(f"baseline fp32: teacher-forced top-1 agreement with its own greedy output {self_check['top1_agreement']:.4f}"
-          f" (should be 1)", flush=True)
+          f" (should be 1); its greedy tokens' mean probability {statistics.fmean(math.exp(lp) for lp in chosen):.4f}"
+          f" (how peaked its distributions are), {len({t for row in base_out for t in row})} distinct tokens in its "
+          f"{sum(map(len, base_out))} greedy ones", flush=True)
     rows = []
     for name, kw in VARIANTS.items():
         if args.variants and not any(text in name for text in args.variants):
@@ -132,7 +173,7 @@ def main() -> None:
         row = {"variant": name, **compare(base_lps, base_out, lps, argmax, free), "s": time.perf_counter() - t0}
         rows.append(row)
         print(row, flush=True)
-    print(f"\nSmolLM2-135M-Instruct, CPU, {args.prompts} prompts x {args.tokens} greedy tokens, against fp32 weights + "
+    print(f"\n{model_name}, CPU, {args.prompts} prompts x {args.tokens} greedy tokens, against fp32 weights + "
           f"fp32 KV (torch attention); {time.perf_counter() - started:.0f} s\n")
     print("| variant | teacher-forced top-1 agreement | mean abs dlogprob (chosen tokens) | free-running agreement | "
           "mean common prefix (tokens) |")
