@@ -32,8 +32,8 @@ keys and values (queries and output in the model dtype) and read the pool's fp8 
 What it reads from the model runner:
   model_runner.device, .dtype (fp16 or bf16: FlashInfer has no fp32 kernels), .model_config (head_dim,
   v_head_dim, attention_arch), .token_to_kv_pool (its cache dtype and per-layer KV scales; without a pool,
-  .server_args.kv_cache_dtype), .model (its RadixAttention layers), all through getattr. Per layer: layer_id, num_heads, num_kv_heads, head_dim,
-  v_head_dim, scaling, logit_cap (0 = off), sliding_window (-1 = off).
+  .server_args.kv_cache_dtype), .model (its RadixAttention layers), all through getattr. Per layer: layer_id,
+  num_heads, num_kv_heads, head_dim, v_head_dim, scaling, logit_cap (0 = off), sliding_window (-1 = off).
 """
 
 from __future__ import annotations
