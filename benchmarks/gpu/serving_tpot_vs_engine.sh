@@ -98,10 +98,17 @@ for i, r in enumerate(runs, 1):
     # while any run; per token R dt / tokens over it (extend passes between decode steps included), its mean
     # batch weighted by time (mean decode tokens per pass weighs the tail's many small fast passes alike) and its
     # mean context (KV held / running)
-    samples = [json.loads(line) for line in open(f"{out}/samples_{i}.jsonl")]
+    try:
+        samples = [json.loads(line) for line in open(f"{out}/samples_{i}.jsonl")]
+    except (OSError, ValueError):
+        samples = []
     spans = list(zip(samples, samples[1:]))
     queued = [(a, b) for a, b in spans if a["num_waiting_reqs"] > 0 and b["num_waiting_reqs"] > 0]
     steady = queued if len(queued) >= 10 else [(a, b) for a, b in spans if a["num_running_reqs"] > 0]
+    if len(steady) < 4:
+        print(f"run {i}: too few samples of the server's counters ({len(samples)}) for a steady phase")
+        plan.append(None)
+        continue
     held = sum((a["num_running_reqs"] + b["num_running_reqs"]) / 2 * (b["t"] - a["t"]) for a, b in steady)
     seconds = sum(b["t"] - a["t"] for a, b in steady)
     tokens = sum(b["num_generated_tokens_total"] - a["num_generated_tokens_total"] for a, b in steady)
