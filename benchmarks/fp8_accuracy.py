@@ -67,22 +67,19 @@ def _unquantized_rows(x, static_scale=None):
     return x, torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
 
 
-MODEL = {}  # --model-config: load_format and model_config for every engine
-EMBEDDING_STD = [None]  # --embedding-std
-
-
 @torch.no_grad()
-def _engine(**kw) -> Engine:
+def _engine(embedding_std=None, **kw) -> Engine:
+    """kw: the variant's and --model-config's ServerArgs; embedding_std: --embedding-std."""
     engine = Engine(model_path="smollm2", attention_backend="torch", log_level="warning", max_total_tokens=16384,
-                    **MODEL, **kw)
-    if EMBEDDING_STD[0] is not None:
+                    **kw)
+    if embedding_std is not None:
         # the same random table in every engine (the dummy loader's seed), rescaled: with tied embeddings the logits
         # are the final normed hidden state times this table, so their spread across the vocabulary follows its std
         model = engine.scheduler.runner.model
         if not model.tie_word_embeddings:
             raise ValueError("--embedding-std needs a config with tied embeddings")
         embedding = model.model.embed_tokens.weight
-        embedding.mul_(EMBEDDING_STD[0] / embedding.float().std().item())
+        embedding.mul_(embedding_std / embedding.float().std().item())
         model.lm_head.prepack_weights()  # the CPU's packed copy of the (tied) LM head, from the rescaled table
     return engine
 
@@ -139,17 +136,17 @@ def main() -> None:
                              "std, so that the logits spread (the dummy loader's ~0.012 leaves a 2,048-wide model's "
                              "next-token distribution nearly uniform, where fp8 noise moves nothing that matters)")
     args = parser.parse_args()
-    EMBEDDING_STD[0] = args.embedding_std
+    model = dict(embedding_std=args.embedding_std)  # for every engine
     if args.model_config:
         with open(args.model_config) as f:
             config = json.load(f)
         if config.get("vocab_size") != 49152:
             raise ValueError(f"--model-config needs SmolLM2's vocabulary of 49152 (its tokenizer makes the prompts); "
                              f"{args.model_config} has {config.get('vocab_size')}")
-        MODEL.update(load_format="dummy", model_config=json.dumps(config))
+        model.update(load_format="dummy", model_config=json.dumps(config))
     model_name = f"random weights of {args.model_config}'s shapes" if args.model_config else "SmolLM2-135M-Instruct"
     started = time.perf_counter()
-    with _engine() as engine:
+    with _engine(**model) as engine:
         prompts = chat_prompts(engine, args.prompts)
         base_out = greedy(engine, prompts, args.tokens)
         base_lps, base_argmax = teacher_forced(engine, prompts, base_out)
@@ -167,7 +164,7 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             if name == "fp8 weights, x unquantized":
                 stack.enter_context(mock.patch.object(fp8, "quantize_rows", _unquantized_rows))
-            engine = stack.enter_context(_engine(**kw))
+            engine = stack.enter_context(_engine(**model, **kw))
             lps, argmax = teacher_forced(engine, prompts, base_out)
             free = greedy(engine, prompts, args.tokens)
         row = {"variant": name, **compare(base_lps, base_out, lps, argmax, free), "s": time.perf_counter() - t0}

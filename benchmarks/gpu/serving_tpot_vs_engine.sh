@@ -61,7 +61,7 @@ done
 stop_server
 echo "=== engine steps at $(( $(date +%s) - START )) s"
 python3 - "$OUT" "${RUN_LIST[@]}" <<'PY'
-import json, subprocess, sys
+import json, sys
 out, RUN_NAMES = sys.argv[1], sys.argv[2:]
 runs = [json.loads(line) for line in open(f"{out}/serving.jsonl")]
 plan = []
@@ -70,8 +70,8 @@ for i, r in enumerate(runs, 1):
         plan.append(None)
         continue
     little = r["output_throughput"] * r["mean_tpot_ms"] / 1e3
-    b, a = (json.load(open(f"{out}/{when}_{i}.json")) for when in ("before", "after"))
-    d = lambda k: (a.get(k) or 0) - (b.get(k) or 0)
+    before, after = (json.load(open(f"{out}/{when}_{i}.json")) for when in ("before", "after"))
+    d = lambda k: (after.get(k) or 0) - (before.get(k) or 0)
     # each request's first token comes from its extend pass
     decode_tokens = d("num_generated_tokens_total") - r["completed"]
     counted = decode_tokens / max(d("num_forward_decode"), 1)
@@ -112,15 +112,15 @@ for i, r in enumerate(runs, 1):
     held = sum((a["num_running_reqs"] + b["num_running_reqs"]) / 2 * (b["t"] - a["t"]) for a, b in steady)
     seconds = sum(b["t"] - a["t"] for a, b in steady)
     tokens = sum(b["num_generated_tokens_total"] - a["num_generated_tokens_total"] for a, b in steady)
-    batch = held / max(seconds, 1e-9)
+    batch = held / seconds
     context = sum(a["kv_used_tokens"] for a, _ in steady) / max(sum(a["num_running_reqs"] for a, _ in steady), 1)
     per_token_ms = 1e3 * held / max(tokens, 1)
     # the same without the extend passes (the prefill the workload brings): what the decode passes alone cost
-    extend_s = sum(b["extend_time_s_total"] - a["extend_time_s_total"] for a, b in steady)
-    decode_ms = per_token_ms * (1 - extend_s / max(seconds, 1e-9))
+    extend_share = sum(b["extend_time_s_total"] - a["extend_time_s_total"] for a, b in steady) / seconds
+    decode_ms = per_token_ms * (1 - extend_share)
     print(f"run {i}: steady phase ({'queue non-empty' if steady is queued else 'any running'}) {seconds:.1f} s: "
           f"batch {batch:.0f} (time-weighted), context {context:.0f}, {per_token_ms:.2f} ms per token, of which "
-          f"extend passes {per_token_ms - decode_ms:.2f} ms ({100 * extend_s / max(seconds, 1e-9):.0f}% of the time)")
+          f"extend passes {per_token_ms - decode_ms:.2f} ms ({100 * extend_share:.0f}% of the time)")
     plan.append(dict(name=f"ShareGPT {RUN_NAMES[i - 1]}", batch=min(max(1, round(batch)), 512),
                      context=int(context), steady_ms=per_token_ms, decode_ms=decode_ms))
 json.dump(plan, open(f"{out}/plan.json", "w"))
