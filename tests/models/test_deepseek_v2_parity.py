@@ -436,22 +436,15 @@ def test_padded_static_extend_equals_eager(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_engine_greedy_equal_with_extend_graphs(tmp_path):
     """On CUDA (fp32, Triton, MoE kernels): the engine's greedy tokens with DeepSeek-V2 extends replayed from CUDA
-    graphs (--cuda-graph-max-extend-tokens given) equal the eager extends', prefixes from the radix cache included."""
-    from braid.runtime import Engine
+    graphs equal the eager extends', prefixes from the radix cache included."""
     from byte_tokenizer import byte_tokenizer
+    from extend_graph_runs import greedy_eager_and_graphed
 
     _checkpoint(tmp_path, q_lora=True)
     byte_tokenizer().save_pretrained(tmp_path)
     shared = _prompt(7, 30)
     prompts = [_prompt(s, n) for s, n in ((1, 5), (2, 40), (3, 90))] + [shared + [9 + i] * (i + 1) for i in range(4)]
-    greedy = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
-    outputs, graphed = [], []
-    for tokens in (0, 256):
-        with Engine(model_path=str(tmp_path), log_level="warning", device="cuda", dtype="float32",
-                    max_total_tokens=4096, cuda_graph_max_extend_tokens=tokens) as e:
-            first = e.generate(input_ids=prompts, sampling_params=greedy)
-            again = e.generate(input_ids=prompts[3:], sampling_params=greedy)
-            outputs.append([r["output_ids"] for r in first + again])
-            graphed.append(e.scheduler.get_stats()["num_forward_extend_graphed"])
+    outputs, graphed = greedy_eager_and_graphed(str(tmp_path), prompts, reused_from=3, graph_tokens=256,
+                                                max_new_tokens=10)
     assert outputs[0] == outputs[1]
     assert graphed[0] == 0 and graphed[1] > 0

@@ -14,6 +14,7 @@ from braid.runtime.layers.attention.triton_backend import TritonAttnBackend
 from braid.runtime.model_executor.cuda_graph import ExtendCudaGraphRunner, extend_token_buckets
 from braid.runtime.model_executor.model_runner import ModelRunner
 from byte_tokenizer import byte_tokenizer
+from extend_graph_runs import greedy_eager_and_graphed
 
 
 @pytest.fixture(scope="module")
@@ -178,22 +179,13 @@ def test_gpu_engine_greedy_equal_with_extend_graphs(tiny_llama):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_gemma2_greedy_equal_with_extend_graphs(tiny_gemma2):
-    """On CUDA: Gemma-2 over the window-trimmed pool, extends replayed from graphs (the flag given) == eager, with
-    prompts and cached prefixes longer than the window."""
-    from braid.runtime import Engine
-
+    """On CUDA: Gemma-2 over the window-trimmed pool, extends replayed from graphs == eager, with prompts and cached
+    prefixes longer than the window."""
     gen = torch.Generator().manual_seed(5)
     shared = torch.randint(3, 300, (40,), generator=gen).tolist()
     prompts = [torch.randint(3, 300, (n,), generator=gen).tolist() for n in (7, 30, 90)]
     prompts += [shared + [7 + i] * (i + 1) for i in range(4)]
-    greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    outputs, graphed = [], []
-    for tokens in (0, 512):
-        with Engine(model_path=tiny_gemma2, log_level="warning", device="cuda", dtype="float32",
-                    attention_backend="triton", max_total_tokens=4096, cuda_graph_max_extend_tokens=tokens) as e:
-            first = e.generate(input_ids=prompts, sampling_params=greedy)
-            again = e.generate(input_ids=prompts[3:], sampling_params=greedy)
-            outputs.append([r["output_ids"] for r in first + again])
-            graphed.append(e.scheduler.get_stats()["num_forward_extend_graphed"])
+    outputs, graphed = greedy_eager_and_graphed(tiny_gemma2, prompts, reused_from=3, graph_tokens=512,
+                                                max_new_tokens=24, attention_backend="triton")
     assert outputs[0] == outputs[1]
     assert graphed[0] == 0 and graphed[1] > 0

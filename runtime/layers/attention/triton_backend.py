@@ -64,6 +64,7 @@ class TritonAttnMetadata:
 
 class TritonAttnBackend(AttentionBackend):
     supports_extend_cuda_graph = True
+
     def __init__(self, model_runner, num_kv_splits: Optional[int] = None):
         self.device = torch.device(getattr(model_runner, "device", "cuda"))
         mc = model_runner.model_config
