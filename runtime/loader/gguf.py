@@ -35,13 +35,16 @@ _GEMMA2_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+_GEMMA3_BLOCK_NAMES = {**_GEMMA2_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 # general.architecture -> (HF architecture, HF model_type, block tensor names)
 _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", _LLAMA_BLOCK_NAMES),
     "mistral": ("LlamaForCausalLM", "llama", _LLAMA_BLOCK_NAMES),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", _LLAMA_BLOCK_NAMES),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", _GEMMA2_BLOCK_NAMES),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", _GEMMA3_BLOCK_NAMES),
 }
+_GEMMA_MODEL_TYPES = ("gemma2", "gemma3_text")  # RMSNorm weights stored as 1 + w
 # HF Gemma2Config's soft-caps, for a GGUF that does not state them (llama.cpp's converter writes both)
 _GEMMA2_DEFAULT_CAPS = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
@@ -102,7 +105,8 @@ def _read_gguf_config(path: str) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": int(g("attention.head_count_kv", heads)),
         "head_dim": int(g("attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6 if arch == "gemma2" else 1e-5)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon",
+                                1e-6 if model_type in _GEMMA_MODEL_TYPES else 1e-5)),
         "rope_theta": float(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 4096)),
         "vocab_size": int(vocab),
@@ -114,6 +118,8 @@ def _read_gguf_config(path: str) -> dict:
     }
     if arch == "gemma2":
         cfg.update(_gemma2_config(g, cfg))
+    if arch == "gemma3":
+        cfg.update(_gemma3_config(g, cfg))
     return cfg
 
 
@@ -163,13 +169,34 @@ def iter_gguf_tensors(path: str, config: dict) -> Iterator[tuple[str, torch.Tens
     for t in r.tensors:
         hf = _hf_name(t.name, block_names)
         arr = dequantize_tensor(t)
-        if model_type == "gemma2" and hf.endswith("norm.weight"):
+        if model_type in _GEMMA_MODEL_TYPES and hf.endswith("norm.weight"):
             arr = arr - 1  # llama.cpp stores Gemma's RMSNorm weight w as 1 + w (its norm multiplies by the weight)
         elif permute and hf.endswith("q_proj.weight"):
             arr = _unpermute_rope(arr, config["num_attention_heads"])
         elif permute and hf.endswith("k_proj.weight"):
             arr = _unpermute_rope(arr, config["num_key_value_heads"])
         yield hf, arr.contiguous()
+
+
+def _gemma3_config(g, cfg: dict) -> dict:
+    """What a Gemma-3 GGUF adds, with llama.cpp's implicit rules: the window on five layers of every six (unless the
+    file states the pattern), window layers' rope theta 10,000 unscaled, the global layers' rope as stated (linear
+    scaling in the larger models), the query scale 1/sqrt(head_dim) except the 62-layer 27B's 1/sqrt(hidden / heads);
+    no soft-caps."""
+    window = g("attention.sliding_window")
+    pattern = int(g("attention.sliding_window_pattern", 6))
+    layers = cfg["num_hidden_layers"]
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else cfg["head_dim"]
+    out = {"sliding_window": int(window) if window is not None else None, "query_pre_attn_scalar": scalar,
+           "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
+           "attn_logit_softcapping": None, "final_logit_softcapping": None, "rope_local_base_freq": 10000.0,
+           "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]}
+    scaling_type, factor = g("rope.scaling.type"), g("rope.scaling.factor")
+    if scaling_type not in (None, "none"):
+        if scaling_type != "linear":
+            raise ValueError(f"Gemma-3 GGUF rope scaling {scaling_type!r} is not supported (linear only)")
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    return out
 
 
 def gguf_dequantized_dir(path: str, config: dict) -> str:

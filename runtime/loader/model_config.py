@@ -1,8 +1,8 @@
 """ModelConfig: a frozen, typed view of a checkpoint's config.json (or of a GGUF's metadata in the same shape).
 
 Models read only this. Family facts that config.json leaves implicit (Qwen2's qkv bias, Gemma-2's window on even
-layers, DeepSeek's interleaved rope) are settled here, so no model checks `model_type`. The raw dict stays in
-`hf` for the weight readers (GGUF) and the HF reference in benchmarks.
+layers, Gemma-3's q/k norms and window pattern, DeepSeek's interleaved rope) are settled here, so no model checks
+`model_type`. The raw dict stays in `hf` for the weight readers (GGUF) and the HF reference in benchmarks.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ _HF_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 # used when config.json has no `architectures` (configs built in tests, dummy configs)
 _DEFAULT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
 }
 _INTERLEAVED_ROPE_FAMILIES = ("deepseek_v2", "deepseek_v3")
-_TIED_BY_DEFAULT_FAMILIES = ("gemma", "gemma2")
+_TIED_BY_DEFAULT_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+_QK_NORM_FAMILIES = ("gemma3_text",)
 
 
 @dataclass(frozen=True)
@@ -137,9 +138,9 @@ def _parse(raw: dict, context_length: Optional[int], path: Optional[str], disabl
         raise ValueError(f"--disable-mla applies to models with multi-head latent attention (DeepSeek-V2); this "
                          f"config (model_type {family!r}) has none")
     head_dim = int(text.get("head_dim") or hidden // heads)
-    rope = _parse_rope(text, family, mla.qk_rope_head_dim if mla else head_dim)
+    rope, window_rope = _parse_ropes(text, family, mla.qk_rope_head_dim if mla else head_dim)
     moe = _parse_moe(text, need)
-    layers = _parse_layers(text, family, num_layers, heads, kv_heads, head_dim, mla, moe, rope)
+    layers = _parse_layers(text, family, num_layers, heads, kv_heads, head_dim, mla, moe, rope, window_rope)
     eos = raw.get("eos_token_id", text.get("eos_token_id"))
     qkv_bias = family == "qwen2" or bool(text.get("attention_bias", False))
     if text.get("use_bidirectional_attention"):
@@ -196,11 +197,29 @@ def _parse_mla(text: dict, need) -> Optional[MLASpec]:
                    q_lora_rank=text.get("q_lora_rank"))
 
 
-def _parse_rope(text: dict, family: str, head_dim: int) -> RopeSpec:
+def _parse_ropes(text: dict, family: str, head_dim: int) -> tuple[RopeSpec, Optional[RopeSpec]]:
+    """-> (the rope of the full-attention layers, the sliding-window layers' own rope or None where they share it).
+    Ropes per layer type come keyed by layer type in `rope_parameters` (transformers 5) or, in Gemma-3's older
+    configs, as `rope_local_base_freq` (the window layers' theta, unscaled; rope_theta and rope_scaling are the
+    global layers')."""
     params = text.get("rope_scaling") or text.get("rope_parameters") or {}
     if _HF_LAYER_TYPES.keys() & params.keys():
-        raise ValueError("rope parameters per layer type are not supported")
-    theta = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        if params.keys() - _HF_LAYER_TYPES.keys():
+            raise ValueError(f"rope_parameters mixes layer types with other keys: {sorted(params)}")
+        full, sliding = params.get("full_attention"), params.get("sliding_attention")
+        full_rope = _rope_spec(full or sliding, text, family, head_dim)
+        sliding_rope = _rope_spec(sliding, text, family, head_dim) if full and sliding else None
+        return full_rope, None if sliding_rope == full_rope else sliding_rope
+    full_rope = _rope_spec(params, text, family, head_dim)
+    local_theta = text.get("rope_local_base_freq")
+    if local_theta is None or float(local_theta) == full_rope.theta and full_rope.scaling_type == "none":
+        return full_rope, None
+    return full_rope, _rope_spec({"rope_theta": local_theta}, text, family, head_dim)
+
+
+def _rope_spec(params: dict, text: dict, family: str, head_dim: int) -> RopeSpec:
+    """One rope from HF's rope parameters (rope_scaling's or rope_parameters' shape; rope_theta there or in text)."""
+    theta = params.get("rope_theta") or text.get("rope_theta") or 10000.0
     hf_type = params.get("rope_type") or params.get("type") or "default"
     if hf_type not in _HF_ROPE_TYPES:
         raise ValueError(f"rope scaling type {hf_type!r} is not supported; expected one of {sorted(_HF_ROPE_TYPES)}")
@@ -209,6 +228,8 @@ def _parse_rope(text: dict, family: str, head_dim: int) -> RopeSpec:
         raise ValueError("yarn rope with attention_factor or truncate=false is not supported")
     scaling = {k: params[k] for k in ("factor", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
                                       "mscale", "mscale_all_dim") if params.get(k) is not None}
+    if hf_type == "default":
+        scaling = {}  # rope_parameters may carry a factor of 1.0 beside the default type
     original = params.get("original_max_position_embeddings")
     return RopeSpec(theta=float(theta), rotary_dim=int(head_dim * text.get("partial_rotary_factor", 1.0)),
                     max_position=int(text.get("max_position_embeddings") or 4096),
@@ -241,6 +262,9 @@ def _window_flags(text: dict, family: str, num_layers: int) -> list[bool]:
         return [_HF_LAYER_TYPES[t] for t in layer_types]
     if family == "gemma2":
         return [i % 2 == 0 for i in range(num_layers)]
+    if family == "gemma3_text":  # every pattern-th layer global (HF's default 6)
+        pattern = int(text.get("sliding_window_pattern") or text.get("_sliding_window_pattern") or 6)
+        return [(i + 1) % pattern != 0 for i in range(num_layers)]
     if family == "qwen2":
         if not text.get("use_sliding_window", False):
             return [False] * num_layers
@@ -249,7 +273,8 @@ def _window_flags(text: dict, family: str, num_layers: int) -> list[bool]:
 
 
 def _parse_layers(text: dict, family: str, num_layers: int, heads: int, kv_heads: int, head_dim: int,
-                  mla: Optional[MLASpec], moe: Optional[MoESpec], rope: RopeSpec) -> tuple[LayerSpec, ...]:
+                  mla: Optional[MLASpec], moe: Optional[MoESpec], rope: RopeSpec,
+                  window_rope: Optional[RopeSpec]) -> tuple[LayerSpec, ...]:
     logit_cap = float(text.get("attn_logit_softcapping") or 0.0)
     if mla is not None:
         qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
@@ -263,7 +288,8 @@ def _parse_layers(text: dict, family: str, num_layers: int, heads: int, kv_heads
     window = text.get("sliding_window")
     flags = _window_flags(text, family, num_layers)
     return tuple(LayerSpec("mha", heads, kv_heads, head_dim, head_dim, scaling, window if flags[i] else None,
-                           logit_cap, moe is not None and moe.is_moe_layer(i)) for i in range(num_layers))
+                           logit_cap, moe is not None and moe.is_moe_layer(i), window_rope if flags[i] else None,
+                           qk_norm=family in _QK_NORM_FAMILIES) for i in range(num_layers))
 
 
 def _parse_vision(raw: dict) -> Optional[VisionConfig]:

@@ -39,10 +39,11 @@ def tensor_parallel_heads(layer_id: int, spec: LayerSpec) -> tuple[int, int, int
 
 
 class Attention(nn.Module):
-    """qkv projection -> rotary -> paged attention -> o projection, for one multi-head (MHA/GQA) layer."""
+    """qkv projection -> (q/k head norms) -> rotary -> paged attention -> o projection, for one multi-head (MHA/GQA)
+    layer. `rope` is the model's; a LayerSpec with its own (Gemma-3's window layers) overrides it."""
 
     def __init__(self, layer_id: int, spec: LayerSpec, rope: RopeSpec, hidden_size: int, qkv_bias: bool = False,
-                 out_bias: bool = False):
+                 out_bias: bool = False, rms_norm_eps: float = 1e-6, norm_unit_offset: bool = False):
         super().__init__()
         if spec.attention != "mha":
             raise ValueError(f"layer {layer_id} is {spec.attention!r} attention; this block builds 'mha' layers")
@@ -58,8 +59,12 @@ class Attention(nn.Module):
                                                            (kv_first * spec.v_head_dim, self.v_size)])
         self.o_proj = RowParallelLinear(spec.num_heads * spec.v_head_dim, hidden_size, bias=out_bias,
                                         shard_range=(q_first * spec.v_head_dim, self.num_heads * spec.v_head_dim))
+        rope = spec.rope or rope
         self.rotary_emb = get_rope(spec.head_dim, rope.rotary_dim, rope.max_position, rope.theta, rope.scaling_dict(),
                                    rope.is_neox_style)
+        self.head_dim = spec.head_dim
+        self.q_norm = RMSNorm(spec.head_dim, rms_norm_eps, norm_unit_offset) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, rms_norm_eps, norm_unit_offset) if spec.qk_norm else None
         self.attn = RadixAttention(layer_id, self.num_heads, spec.head_dim, self.num_kv_heads, scaling=spec.scaling,
                                    sliding_window=spec.sliding_window or -1, logit_cap=spec.logit_cap,
                                    v_head_dim=spec.v_head_dim)
@@ -70,6 +75,9 @@ class Attention(nn.Module):
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb) -> torch.Tensor:
         # qkv: [T, H*D + Hkv*D + Hkv*Dv], the qkv_proj output -> [T, hidden]
         q, k, v = qkv.split([self.q_size, self.k_size, self.v_size], dim=-1)
+        if self.q_norm is not None:  # per head: [T * H, D] rows
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape[0], -1)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape[0], -1)
         return self.o_proj(self.attn(q, k, v, fb, rotary=self.rotary_emb, positions=positions))
 
 
@@ -97,10 +105,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x, self.act))
 
 
-def attention_and_mlp(layer_id: int, spec: LayerSpec, config: ModelConfig) -> tuple[Attention, GatedMLP]:
-    """One layer's MHA/GQA attention and gated MLP as the config describes them (biases, activation, rope)."""
+def attention_and_mlp(layer_id: int, spec: LayerSpec, config: ModelConfig,
+                      norm_unit_offset: bool = False) -> tuple[Attention, GatedMLP]:
+    """One layer's MHA/GQA attention and gated MLP as the config describes them (biases, activation, rope, q/k
+    norms; `norm_unit_offset`: the family's norms multiply by 1 + weight)."""
     attention = Attention(layer_id, spec, config.rope, config.hidden_size, qkv_bias=config.attention_bias,
-                          out_bias=config.attention_out_bias)
+                          out_bias=config.attention_out_bias, rms_norm_eps=config.rms_norm_eps,
+                          norm_unit_offset=norm_unit_offset)
     return attention, GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=config.mlp_bias)
 
 

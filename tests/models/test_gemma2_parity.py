@@ -28,11 +28,12 @@ def _config(**overrides):
 
 
 def _save(path, cfg, seed=0):
-    """A random Gemma2ForCausalLM saved with save_pretrained; returned in eager attention for the reference."""
+    """A random model of cfg's class (Gemma2ForCausalLM here, Gemma3ForCausalLM in test_gemma3.py) saved with
+    save_pretrained; returned in eager attention for the reference."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.Gemma2ForCausalLM(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # larger weights than HF's init: logits far from uniform, both soft-caps reached
         for name, p in model.named_parameters():
             p.normal_(0, 0.5 if name.endswith("norm.weight") else 0.25)
