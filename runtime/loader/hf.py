@@ -19,6 +19,15 @@ def hf_config(folder: str) -> dict:
         return json.load(f)
 
 
+def hf_generation_config(folder: str) -> dict:
+    """generation_config.json's contents, or {} when the folder has none."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def _safetensors_files(folder: str) -> list[str]:
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
     if not files:

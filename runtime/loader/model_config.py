@@ -114,11 +114,22 @@ class ModelConfig:
         return model_dtype(requested, device)
 
     @classmethod
-    def from_hf(cls, raw: dict, server_args=None, path: Optional[str] = None) -> "ModelConfig":
-        return _parse(raw, getattr(server_args, "context_length", None), path, getattr(server_args, "disable_mla", False))
+    def from_hf(cls, raw: dict, server_args=None, path: Optional[str] = None,
+                generation_config: Optional[dict] = None) -> "ModelConfig":
+        """raw: config.json's dict; generation_config: generation_config.json's, whose eos_token_id (a chat model's
+        end-of-turn, e.g. Gemma's <end_of_turn>) ends generation too, as in HF, vLLM and SGLang."""
+        return _parse(raw, getattr(server_args, "context_length", None), path, getattr(server_args, "disable_mla", False),
+                      generation_config or {})
 
 
-def _parse(raw: dict, context_length: Optional[int], path: Optional[str], disable_mla: bool = False) -> ModelConfig:
+def _eos_ids(*values) -> tuple[int, ...]:
+    """The ids of several eos_token_id fields (an int, a list or None), in order, once each."""
+    ids = [i for v in values if v is not None for i in (v if isinstance(v, (list, tuple)) else [v])]
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def _parse(raw: dict, context_length: Optional[int], path: Optional[str], disable_mla: bool = False,
+           generation_config: Optional[dict] = None) -> ModelConfig:
     text = raw.get("text_config") or raw
     family = text.get("model_type") or raw.get("model_type") or "llama"
 
@@ -141,7 +152,7 @@ def _parse(raw: dict, context_length: Optional[int], path: Optional[str], disabl
     rope, window_rope = _parse_ropes(text, family, mla.qk_rope_head_dim if mla else head_dim)
     moe = _parse_moe(text, need)
     layers = _parse_layers(text, family, num_layers, heads, kv_heads, head_dim, mla, moe, rope, window_rope)
-    eos = raw.get("eos_token_id", text.get("eos_token_id"))
+    eos = _eos_ids(raw.get("eos_token_id", text.get("eos_token_id")), (generation_config or {}).get("eos_token_id"))
     qkv_bias = family == "qwen2" or bool(text.get("attention_bias", False))
     if text.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (an encoder-style variant) is not supported: braid runs causal "
@@ -162,7 +173,7 @@ def _parse(raw: dict, context_length: Optional[int], path: Optional[str], disabl
         intermediate_size=int(need("intermediate_size")),
         vocab_size=int(need("vocab_size")),
         context_len=int(context_length or text.get("max_position_embeddings") or 4096),
-        eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ()),
+        eos_token_ids=eos,
         hidden_act=_HF_HIDDEN_ACTS[act],
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings",
