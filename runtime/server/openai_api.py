@@ -32,7 +32,7 @@ from braid.runtime.server.protocol import (
 from braid.runtime.server.request_handle import RequestHandle, drain, merge_steps
 from braid.runtime.server.tokenizer_manager import TokenizerManager
 from braid.runtime.server.tools import (ToolPlan, ToolStream, history_for_template, parse_auto, parse_constrained,
-                                        plan_tools, template_knows_tools)
+                                        plan_tools, template_knows_tools, template_refuses_system)
 
 
 def finish_reason_name(reason: Optional[dict]) -> Optional[str]:
@@ -237,7 +237,8 @@ class OpenAIServing:
         self.tm.check_admission()  # before the chat template's work
         chat_template = getattr(self.tm.tokenizer, "chat_template", None)
         native_tools = template_knows_tools(chat_template)
-        messages = history_for_template(messages, req.messages, plan, native_tools)
+        messages = history_for_template(messages, req.messages, plan, native_tools,
+                                        system_role=not template_refuses_system(chat_template))
         tools = ([{"type": "function", "function": f} for f in plan.functions]
                  if plan is not None and native_tools and plan.choice != "none" else None)
         prompt = await self.tm.apply_chat_template(messages, tools=tools, **chat_template_options(req))

@@ -61,6 +61,9 @@ def _call_schema(function: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
+_FUNCTION_KEYS = {"name", "description", "parameters", "strict"}  # strict: see plan_tools
+
+
 def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Optional[bool]) -> Optional[ToolPlan]:
     """Check tools and tool_choice (400s name the parameter); None when the request has no tools."""
     if not tools:
@@ -81,6 +84,13 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
         if params is not None and not isinstance(params, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
                               param=f"tools.{i}.function.parameters")
+        unknown = sorted(set(tool) - {"type", "function"}) + sorted(f"function.{k}" for k in set(fn) - _FUNCTION_KEYS)
+        if unknown:
+            raise bad_request(f"tools[{i}] has keys braid does not take: {', '.join(unknown)}", param=f"tools.{i}")
+        if fn.get("strict") and tool_choice in (None, "auto"):
+            raise bad_request(f"tools[{i}].function.strict: calls are held to their schemas only under tool_choice "
+                              '"required" or a named function (under "auto" they are parsed from free text)',
+                              param=f"tools.{i}.function.strict")
         functions.append({k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None})
     if len({f["name"] for f in functions}) != len(functions):
         raise bad_request("tools: function names must be distinct", param="tools")
@@ -101,11 +111,20 @@ def template_knows_tools(chat_template: Optional[str]) -> bool:
     return bool(chat_template) and re.search(r"\btools\b", chat_template) is not None
 
 
+# `{% if ...['role'] == 'system' %}{{ raise_exception(...) }}`: Gemma-2's templates (and --chat-template gemma-it)
+_RAISES_ON_SYSTEM = re.compile(r"""['"]system['"]\s*-?%\}\s*\{\{-?\s*raise_exception""")
+
+
+def template_refuses_system(chat_template: Optional[str]) -> bool:
+    return bool(chat_template) and _RAISES_ON_SYSTEM.search(chat_template) is not None
+
+
 def history_for_template(messages: list[dict], raw_messages: list, plan: Optional[ToolPlan],
-                         native_tools: bool) -> list[dict]:
+                         native_tools: bool, system_role: bool = True) -> list[dict]:
     """Messages with earlier tool calls and tool results: as the template wants them (native_tools), or in braid's
-    <tool_call> format with tool results as user turns; plus braid's tool system message when the template cannot
-    render the tools itself."""
+    <tool_call> format with tool results as user turns; plus braid's tool instructions when the template cannot
+    render the tools itself: a system message, or the head of the first user turn for a template without a system
+    role (a turn of its own would break the user/model alternation such templates check)."""
     out = []
     for m, raw in zip(messages, raw_messages):
         calls = raw.tool_calls or []
@@ -124,7 +143,10 @@ def history_for_template(messages: list[dict], raw_messages: list, plan: Optiona
         out.append(m)
     if plan is not None and plan.choice != "none" and not native_tools:
         text = _SYSTEM_PROMPT.format(tools="\n".join(json.dumps(f, ensure_ascii=False) for f in plan.functions))
-        if out and out[0]["role"] == "system":
+        first_user = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
+        if not system_role and first_user is not None:
+            out[first_user] = {**out[first_user], "content": text + "\n\n" + out[first_user]["content"]}
+        elif out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + text}
         else:
             out.insert(0, {"role": "system", "content": text})

@@ -8,6 +8,7 @@ save_pretrained, its vocabulary the tokenizer's size, <end_of_turn> among its EO
 """
 
 import copy
+import json
 import openai
 import pytest
 import torch
@@ -84,3 +85,21 @@ def test_system_role_is_refused_with_400(client):
     with pytest.raises(openai.BadRequestError, match="system role"):
         client.chat.completions.create(model="default", max_tokens=4,
                                        messages=[{"role": "system", "content": "Be brief."}, *MESSAGES])
+
+
+def test_tools_on_a_template_without_system_role(client, gemma_folder):
+    """braid's tool instructions open the first user turn instead of a system message the template would refuse:
+    the request is served, and its prompt holds the instructions inside Gemma's first user turn."""
+    from braid.runtime.server.tools import template_refuses_system
+
+    folder, tok = gemma_folder
+    assert template_refuses_system(tok.chat_template)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"enum": ["Oslo", "Paris"]}}, "required": ["city"]}}}]
+    r = client.chat.completions.create(model="default", messages=MESSAGES[:1], tools=tools, tool_choice="required",
+                                       max_tokens=40, temperature=0)
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Oslo", "Paris")
+    plain = client.chat.completions.create(model="default", messages=MESSAGES[:1], max_tokens=1, temperature=0)
+    assert r.usage.prompt_tokens > plain.usage.prompt_tokens + 20

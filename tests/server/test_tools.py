@@ -54,6 +54,12 @@ def test_tool_definitions_and_choice_are_validated():
     bad_name = [{"type": "function", "function": {"name": "has space"}}]
     assert status_param(lambda: plan_tools(bad_name, None, None)) == (400, "tools.0.function.name")
     assert status_param(lambda: plan_tools(TOOLS + TOOLS[:1], None, None)) == (400, "tools")
+    extra_key = [{"type": "function", "function": {**TOOLS[0]["function"], "examples": []}}]
+    assert status_param(lambda: plan_tools(extra_key, None, None)) == (400, "tools.0")
+    assert status_param(lambda: plan_tools([{**TOOLS[0], "cache": True}], None, None)) == (400, "tools.0")
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    assert status_param(lambda: plan_tools(strict, "auto", None)) == (400, "tools.0.function.strict")
+    assert plan_tools(strict, "required", None).constrained  # held to the schema: strict is what it does
 
 
 def test_parsing_whole_outputs():
@@ -125,6 +131,10 @@ def test_history_is_rendered_in_braids_format_or_given_to_the_template():
     assert not template_knows_tools("{% for m in messages %}{{ m.content }}{% endfor %}")
     assert template_knows_tools("{% if tools %}{{ tools | tojson }}{% endif %}")
     assert history_for_template(messages, raw, plan_tools(TOOLS, "none", None), False)[0]["role"] == "user"
+    # a template without a system role (Gemma's): the instructions open the first user turn, the turns alternate
+    no_system = history_for_template(messages, raw, plan, native_tools=False, system_role=False)
+    assert [m["role"] for m in no_system] == ["user", "assistant", "user"]
+    assert no_system[0]["content"] == fallback[0]["content"] + "\n\nWeather?"
 
 
 TOOLS_TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
