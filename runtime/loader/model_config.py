@@ -1,8 +1,9 @@
 """ModelConfig: a frozen, typed view of a checkpoint's config.json (or of a GGUF's metadata in the same shape).
 
 Models read only this. Family facts that config.json leaves implicit (Qwen2's qkv bias, Gemma-2's window on even
-layers, Gemma-3's q/k norms and window pattern, DeepSeek's interleaved rope) are settled here, so no model checks
-`model_type`. The raw dict stays in `hf` for the weight readers (GGUF) and the HF reference in benchmarks.
+layers, Gemma-3's and Qwen3's q/k norms, Gemma-3's window pattern, DeepSeek's interleaved rope) are settled here, so
+no model checks `model_type`. The raw dict stays in `hf` for the weight readers (GGUF) and the HF reference in
+benchmarks.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ _HF_LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 # used when config.json has no `architectures` (configs built in tests, dummy configs)
 _DEFAULT_ARCHITECTURES = {
     "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-    "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
-    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM", "llava_onevision": "LlavaOnevisionForConditionalGeneration",
 }
 _INTERLEAVED_ROPE_FAMILIES = ("deepseek_v2", "deepseek_v3")
 _TIED_BY_DEFAULT_FAMILIES = ("gemma", "gemma2", "gemma3_text")
-_QK_NORM_FAMILIES = ("gemma3_text",)
+_QK_NORM_FAMILIES = ("gemma3_text", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,8 @@ class ModelConfig:
                 generation_config: Optional[dict] = None) -> "ModelConfig":
         """raw: config.json's dict; generation_config: generation_config.json's, whose eos_token_id (a chat model's
         end-of-turn, e.g. Gemma's <end_of_turn>) ends generation too, as in HF, vLLM and SGLang."""
-        return _parse(raw, getattr(server_args, "context_length", None), path, getattr(server_args, "disable_mla", False),
-                      generation_config or {})
+        return _parse(raw, getattr(server_args, "context_length", None), path,
+                      getattr(server_args, "disable_mla", False), generation_config or {})
 
 
 def _eos_ids(*values) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
-"""Llama family: Llama 2/3 (llama3 rope scaling), Mistral (sliding window), Qwen2 (qkv bias), SmolLM2 (tied embeddings).
+"""Llama family: Llama 2/3 (llama3 rope scaling), Mistral (sliding window), Qwen2 (qkv bias), Qwen3 (q/k norms),
+SmolLM2 (tied embeddings).
 
-The variants differ only in ModelConfig fields (LayerSpec.sliding_window, attention_bias, rope scaling,
+The variants differ only in ModelConfig fields (LayerSpec.sliding_window and qk_norm, attention_bias, rope scaling,
 tie_word_embeddings): every layer is the pre-norm block of an MHA/GQA attention and a gated MLP.
 """
 

@@ -8,6 +8,7 @@ _MODELS = {
     "LlamaForCausalLM": ("braid.runtime.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("braid.runtime.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("braid.runtime.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("braid.runtime.models.llama", "LlamaForCausalLM"),
     "DeepseekV2ForCausalLM": ("braid.runtime.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "LlavaOnevisionForConditionalGeneration": ("braid.runtime.models.llava_onevision",
                                                "LlavaOnevisionForConditionalGeneration"),

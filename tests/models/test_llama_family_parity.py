@@ -1,4 +1,5 @@
-"""Llama-family variants on tiny random configs: braid loads HF's safetensors and matches HF's logits and greedy tokens."""
+"""Llama-family variants (Qwen3 included) on tiny random configs: braid loads HF's safetensors and matches HF's logits
+and greedy tokens."""
 
 import pytest
 import torch
@@ -14,6 +15,8 @@ VARIANTS = {
     "qwen2_qkv_bias": dict(model_type="qwen2", cls="Qwen2ForCausalLM", extra=dict()),
     "mistral_sliding_window": dict(model_type="mistral", cls="MistralForCausalLM", extra=dict(sliding_window=16)),
     "smollm_tied": dict(model_type="llama", cls="LlamaForCausalLM", extra=dict(tie_word_embeddings=True)),
+    # q/k RMSNorms per head, a head_dim other than hidden / heads
+    "qwen3_qk_norm": dict(model_type="qwen3", cls="Qwen3ForCausalLM", extra=dict(head_dim=24)),
 }
 
 
@@ -37,6 +40,10 @@ def _make_checkpoint(tmp_path, variant):
             for layer in model.model.layers:
                 layer.self_attn.q_proj.bias.normal_(0, 0.5)
                 layer.self_attn.k_proj.bias.normal_(0, 0.5)
+        if spec["model_type"] == "qwen3":
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.5)
+                layer.self_attn.k_norm.weight.normal_(1, 0.5)
     model.save_pretrained(tmp_path, safe_serialization=True)
     return model
 
