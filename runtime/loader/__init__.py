@@ -61,8 +61,9 @@ def _tensor_parallel_range(model: torch.nn.Module):
     return rank_range
 
 
-_TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Gemma2ForCausalLM",
-                                  "DeepseekV2ForCausalLM", "LlavaOnevisionForConditionalGeneration")
+_TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "DeepseekV2ForCausalLM",
+                                  "LlavaOnevisionForConditionalGeneration")
 
 
 def check_tensor_parallel_support(model_config: ModelConfig, tp_size: int) -> None:

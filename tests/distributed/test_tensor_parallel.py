@@ -53,17 +53,44 @@ def test_tiny_llama_with_one_kv_head_replicated_over_two_ranks_equals_one_rank(t
     assert len(set(single[0])) > 1  # not a degenerate repetition that any model would produce
 
 
-def test_tiny_gemma2_over_two_ranks_equals_one_rank(tmp_path):
+def _gemma_config(family: str):
     import transformers
 
-    cfg = transformers.Gemma2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    max_position_embeddings=256, sliding_window=16, query_pre_attn_scalar=24,
-                                    attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=16,
+                  query_pre_attn_scalar=24)
+    if family == "gemma2":
+        return transformers.Gemma2Config(**common, attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    # Gemma-3: q/k head norms (replicated on every rank), the window layers' own rope
+    return transformers.Gemma3TextConfig(**common, layer_types=["sliding_attention", "full_attention",
+                                                                "sliding_attention"],
+                                         rope_parameters={"full_attention": {"rope_type": "default",
+                                                                             "rope_theta": 100000.0},
+                                                          "sliding_attention": {"rope_type": "default",
+                                                                                "rope_theta": 1000.0}})
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_tiny_gemma_over_two_ranks_equals_one_rank(tmp_path, family):
+    import transformers
+
     torch.manual_seed(0)
-    path = _save(transformers.Gemma2ForCausalLM(cfg), tmp_path)
+    path = _save(transformers.AutoModelForCausalLM.from_config(_gemma_config(family)), tmp_path)
     prompts = _prompt_ids(512, (9, 40))  # past the 16-token window
     assert _greedy_ids(path, 2, prompts) == _greedy_ids(path, 1, prompts)
+
+
+def test_tiny_qwen3_over_two_ranks_equals_one_rank(tmp_path):
+    import transformers
+
+    cfg = transformers.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = _save(transformers.Qwen3ForCausalLM(cfg), tmp_path)
+    prompts = _prompt_ids(512)
+    single = _greedy_ids(path, 1, prompts)
+    assert _greedy_ids(path, 2, prompts) == single and len(set(single[0])) > 1
 
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
