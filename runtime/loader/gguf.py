@@ -35,12 +35,14 @@ _GEMMA2_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_GEMMA3_BLOCK_NAMES = {**_GEMMA2_BLOCK_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_GEMMA3_BLOCK_NAMES = {**_GEMMA2_BLOCK_NAMES, **_QK_NORM_NAMES}
 # general.architecture -> (HF architecture, HF model_type, block tensor names)
 _ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", _LLAMA_BLOCK_NAMES),
     "mistral": ("LlamaForCausalLM", "llama", _LLAMA_BLOCK_NAMES),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", _LLAMA_BLOCK_NAMES),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", {**_LLAMA_BLOCK_NAMES, **_QK_NORM_NAMES}),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", _GEMMA2_BLOCK_NAMES),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", _GEMMA3_BLOCK_NAMES),
 }

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from braid.runtime import Engine
-from test_gemma2_parity import LogitTrace, _check, _engine, _prompts, _run, _save, triton_on_cpu  # noqa: F401
+from test_gemma2_parity import (LogitTrace, _check, _engine, _metadata_only_gguf, _prompts, _run, _save,  # noqa: F401
+                                triton_on_cpu)
 
 WINDOW = 16
 VOCAB = 512
@@ -122,6 +123,36 @@ def test_head_norms_and_window_rope_change_the_output(tmp_path, checkpoint):
         diff = (torch.stack([logits for *_, logits in trace.rows]) - base_logits).abs().max()
         assert diff > 0.1, (folder.name, diff)
     del hf
+
+
+def test_gguf_metadata_follows_llama_cpp(tmp_path):
+    """What a Gemma-3 GGUF leaves implicit, by llama.cpp's rules: five window layers to one global (or the stated
+    pattern), window layers' theta 10,000, the 62-layer 27B's query scale hidden / heads, linear rope scaling as
+    stated for the global layers; no soft-caps."""
+    import gguf
+
+    from braid.runtime.loader.gguf import _read_gguf_config
+
+    _metadata_only_gguf(str(tmp_path / "27b.gguf"), "gemma3", 62, 5376, 32, 128)
+    big = _read_gguf_config(str(tmp_path / "27b.gguf"))
+    assert big["query_pre_attn_scalar"] == 168 and big["layer_types"][:6] == ["sliding_attention"] * 5 + [
+        "full_attention"]
+    assert (big["rope_local_base_freq"], big["final_logit_softcapping"]) == (10000.0, None)
+    assert "rope_scaling" not in big
+    path = str(tmp_path / "4b.gguf")
+    writer = gguf.GGUFWriter(path, "gemma3")
+    for add, value in ((writer.add_block_count, 4), (writer.add_embedding_length, 64), (writer.add_head_count, 4),
+                       (writer.add_feed_forward_length, 128), (writer.add_key_length, 16), (writer.add_vocab_size, 8),
+                       (writer.add_rope_scaling_factor, 8.0)):
+        add(value)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    writer.add_uint32("gemma3.attention.sliding_window_pattern", 2)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    four = _read_gguf_config(path)
+    assert four["query_pre_attn_scalar"] == 16 and four["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
+    assert four["layer_types"] == ["sliding_attention", "full_attention"] * 2
 
 
 # ------------------------------------------------------------------------------------ real weights: Gemma-3-270M

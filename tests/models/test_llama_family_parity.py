@@ -64,3 +64,49 @@ def test_variant_matches_hf(tmp_path, variant):
         got = torch.tensor([lp for lp, _ in r["meta_info"]["input_token_logprobs"][1:]])
         want = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
         assert torch.allclose(got, want, atol=2e-4), (variant, (got - want).abs().max())
+
+
+def test_qwen3_gguf_matches_hf(tmp_path):
+    """A Qwen3 GGUF (llama.cpp's tensor names, q/k norms as attn_q_norm / attn_k_norm, no rope permutation, head_dim
+    from key_length) loads into braid's model: its tensors equal the HF model's it was written from, and so do greedy
+    tokens. (transformers' own GGUF reader is no reference here: it leaves head_dim at hidden / heads.)"""
+    import gguf
+
+    from braid.runtime.loader.gguf import gguf_config, iter_gguf_tensors
+
+    hf = _make_checkpoint(tmp_path / "hf", "qwen3_qk_norm")
+    cfg = hf.config
+    path = str(tmp_path / "qwen3.gguf")
+    writer = gguf.GGUFWriter(path, "qwen3")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_vocab_size(cfg.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, cfg.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.float().numpy())
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+
+    config = gguf_config(path)
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 24
+    theirs = hf.state_dict()
+    ours = dict(iter_gguf_tensors(path, config))
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        torch.testing.assert_close(tensor, theirs[name], rtol=0, atol=0, msg=name)
+    prompt = torch.randint(0, 49152, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    with Engine(model_path=path, tokenizer_path="smollm2", log_level="warning") as engine:
+        out = engine.generate(input_ids=prompt, sampling_params={"temperature": 0, "max_new_tokens": 12,
+                                                                 "ignore_eos": True})
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+    assert out["output_ids"] == ref[0, len(prompt):].tolist()
