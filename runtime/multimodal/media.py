@@ -188,7 +188,34 @@ def _read_source(source: str, limits: MediaLimits, param: str) -> bytes:
         return _read_file(urllib.parse.unquote(urllib.parse.urlsplit(source).path), limits, param)
     if scheme and len(scheme) > 1:  # "c:" would be a Windows drive, not a scheme
         raise MediaError(f"media URL scheme {scheme!r} is not supported (data:, file:, http(s):)", param)
+    if not _may_be_path(source, limits):
+        raise MediaError("media must be a data URL (data:image/png;base64,<base64 bytes>), an http(s) URL or a file "
+                         f"path; got {_describe(source)}", param)
     return _read_file(source, limits, param)
+
+
+_BASE64_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=\n\r")
+
+
+def _is_raw_base64(source: str) -> bool:
+    """Long and only base64's characters: no file name (which may start with "/": a JPEG's base64 starts "/9j/")."""
+    return len(source) >= 64 and set(source) <= _BASE64_CHARS
+
+
+def _may_be_path(source: str, limits: MediaLimits) -> bool:
+    """Whether `source` can be meant as a file path, so that the answer may be about local files. With local files
+    disabled, only what looks like one counts: a directory or a file extension (absolute, ./, ../ included)."""
+    if not source.strip() or _is_raw_base64(source):
+        return False
+    return limits.allowed_local_path is not None or any(c in source for c in "/\\.") or source.startswith("~")
+
+
+def _describe(source: str) -> str:
+    if not source.strip():
+        return "an empty string"
+    if _is_raw_base64(source):
+        return "raw base64; prefix it with data:image/<format>;base64,"
+    return "a string that is none of these"
 
 
 def _decode_data_url(url: str, limits: MediaLimits, param: str) -> bytes:

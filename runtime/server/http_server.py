@@ -117,7 +117,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     tm.check_accepting()
     body = await read_json(request)
     req = parse_generate(body)
-    token_text = tm.token_text if body.get("return_text_in_logprobs", False) else None
+    token_text = tm.token_text if req.return_text_in_logprobs else None
     prepared = await prepare_generate(tm, req)
     handles: list[RequestHandle] = []
     try:

@@ -25,6 +25,7 @@ from braid.runtime.server.protocol import (
     json_bytes,
     openai_sampling_overrides,
     parse_openai,
+    request_ids,
     requested_n,
     sse_event,
     TextChunkTemplate,
@@ -77,8 +78,8 @@ def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], dict[str
                     else:  # the whole {"url", "detail"} / {"frames"} object; the template gets its placeholder
                         media.setdefault(_MEDIA_PARTS[kind][1], []).append(payload)
                         pieces.append(_MEDIA_PLACEHOLDERS[kind])
-                else:
-                    raise bad_request(f"messages[{i}].content: unsupported content part {kind!r}",
+                else:  # parse_openai checked each part's shape
+                    raise bad_request(f"messages[{i}].content: content part {kind!r} is malformed",
                                       param=f"messages.{i}.content")
             text = "".join(pieces)
         d = {"role": "system" if m.role == "developer" else m.role, "content": text}
@@ -377,11 +378,12 @@ class OpenAIServing:
         for p in prompts:  # all before any is tokenized
             if isinstance(p, str):
                 self.tm.check_prompt_chars(len(p), "prompt")
+        rids = request_ids(req.rid, len(prompts))
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         out = []
-        for p in prompts:
+        for i, p in enumerate(prompts):
             prepared = await self.tm.prepare(p, overrides, param_names=_param_names(req, "prompt"),
-                                             rid=req.rid if len(prompts) == 1 else None, stream=req.stream,
+                                             rid=rids[i] if rids else None, stream=req.stream,
                                              add_special_tokens=add_special, max_new_tokens_fills_context=True,
                                              **lps.prepare_options())
             out.append((prepared, p if isinstance(p, str) else await self.tm.detokenize(p)))

@@ -25,7 +25,13 @@ SAMPLING_FIELDS = frozenset(SamplingParams.field_names())
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # top-level keys are checked by _check_parameter_names
+
+
+class _Strict(BaseModel):
+    """A nested object: a key it does not define is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(BaseModel):
@@ -35,17 +41,24 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
-class ResponseFormat(_Base):
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[dict] = None
+    json_schema: Optional[dict] = None  # {name, schema, strict, description}: checked by _check_response_format
 
 
 class ChatMessage(_Base):
+    """A key it does not define is a 400 naming it unless null (an SDK's model_dump() of a reply sends its unset
+    fields, e.g. annotations, as null): _check_message."""
+
     role: str
     content: Union[str, list[dict], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[dict]] = None  # an assistant turn that called tools
     tool_call_id: Optional[str] = None  # a tool turn: the call it answers
+    # OpenAI's, not rendered into the prompt: accepted only when they ask for nothing (see _check_message)
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
 
 
 class _OpenAIRequest(_Base):
@@ -95,27 +108,27 @@ class ChatCompletionRequest(_OpenAIRequest):
 
 class CompletionRequest(_OpenAIRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    rid: Union[str, list[str], None] = None  # a list: one per prompt, as /generate
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
     echo: bool = False
 
 
-# Top-level parameters accepted and deliberately without effect (docs/api.md lists them).
-ACCEPTED_NO_OPS = frozenset({"user"})
+# Top-level parameters accepted and deliberately without effect (docs/api.md lists them) -> the type they must have.
+ACCEPTED_NO_OPS = {"user": str}
 # vLLM's guided-decoding backends: braid has one constrained-decoding engine (regex FSM over the tokenizer, the
 # method of outlines), and every name selects it.
 GUIDED_DECODING_BACKENDS = ("braid", "outlines", "lm-format-enforcer", "xgrammar")
-# Parameters other servers take that braid does not implement -> the value that means "off" (accepted, since it
-# asks for nothing), or _NEVER when any value is refused.
-_NEVER = object()
+# Parameters other servers take that braid does not implement -> the values besides null that ask for nothing
+# (accepted); any other value is a 400.
 NOT_SUPPORTED = {
-    "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
-    "guided_grammar": _NEVER, "suffix": None, "functions": _NEVER, "function_call": _NEVER, "echo": False,
-    "chat_template": _NEVER, "documents": _NEVER,
-    "mm_processor_kwargs": _NEVER, "truncate_prompt_tokens": None, "priority": 0, "request_id": _NEVER,
-    "return_tokens_as_token_ids": False, "logits_processors": _NEVER, "store": False, "metadata": _NEVER,
-    "modalities": _NEVER, "audio": _NEVER, "prediction": _NEVER, "reasoning_effort": _NEVER,
-    "service_tier": _NEVER, "web_search_options": _NEVER,
+    "use_beam_search": (False,), "length_penalty": (1.0,), "early_stopping": (False,),
+    "guided_grammar": (), "suffix": ("",), "functions": ([],), "function_call": ("none",), "echo": (False,),
+    "chat_template": (), "documents": ([],),
+    "mm_processor_kwargs": ({},), "truncate_prompt_tokens": (), "priority": (0,), "request_id": (),
+    "return_tokens_as_token_ids": (False,), "logits_processors": ([],), "store": (False,), "metadata": ({},),
+    "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
+    "service_tier": ("auto", "default"), "web_search_options": (),
 }
 _WHY_NOT = {"guided_grammar": "; grammars other than regex and JSON schema have no compiler in braid (use "
                               "guided_regex or guided_json)",
@@ -133,25 +146,137 @@ def parse_openai(model_cls: type[_OpenAIRequest], body: Any) -> Any:
         req = model_cls.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        param = ".".join(str(p) for p in err.get("loc", ()) if not _is_union_tag(p)) or None
+        loc = [p for p in err.get("loc", ()) if not _is_union_tag(p)]
+        param = ".".join(str(p) for p in loc) or None
+        if err.get("type") == "extra_forbidden":
+            where = ".".join(str(p) for p in loc[:-1])
+            raise bad_request(f"unknown key {loc[-1]!r} in {where}", param=param, code="unknown_parameter") from None
         raise bad_request(f"{param}: {err.get('msg')}" if param else str(err.get("msg")), param=param) from None
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+    if req.rid == "":
+        raise bad_request("rid must not be empty", param="rid")
+    if req.response_format is not None:
+        _check_response_format(req.response_format)
+    for i, message in enumerate(getattr(req, "messages", ())):
+        _check_message(message, i)
     return req
 
 
 def _check_parameter_names(model_cls: type[_OpenAIRequest], body: dict) -> None:
     """400 naming the first parameter braid would not act on: unknown, or known and not supported."""
-    known = set(model_cls.model_fields) | SAMPLING_FIELDS | _VLLM_EXTRAS | ACCEPTED_NO_OPS
+    known = set(model_cls.model_fields) | SAMPLING_FIELDS | _VLLM_EXTRAS
     for name, value in body.items():
         if name in known:
             continue
+        if name in ACCEPTED_NO_OPS:
+            if value is not None and not isinstance(value, ACCEPTED_NO_OPS[name]):
+                raise bad_request(f"{name} must be a string, got {_json_type(value)}", param=name)
+            continue
         if name in NOT_SUPPORTED:
-            off = NOT_SUPPORTED[name]
-            if off is not _NEVER and (value is None or value == off):
+            if _asks_for_nothing(value, NOT_SUPPORTED[name]):
                 continue
-            raise bad_request(f"{name} is not supported{_WHY_NOT.get(name, '')}", param=name, code="unsupported_parameter")
+            raise bad_request(f"{name} is not supported{_WHY_NOT.get(name, '')}", param=name,
+                              code="unsupported_parameter")
         raise bad_request(f"unknown parameter {name!r}", param=name, code="unknown_parameter")
+
+
+def _json_type(value: Any) -> str:
+    for kind, name in ((bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"),
+                       (list, "an array"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def _asks_for_nothing(value: Any, off_values: tuple) -> bool:
+    """null, or one of `off_values` (a boolean matches only a boolean: 0 is no `false`)."""
+    return value is None or any(value == off and isinstance(value, bool) == isinstance(off, bool)
+                                for off in off_values)
+
+
+_JSON_SCHEMA_SPEC = {"name": str, "schema": (dict, bool), "strict": bool, "description": str}
+
+
+def _check_response_format(rf: ResponseFormat) -> None:
+    """json_schema only with type json_schema, holding only OpenAI's keys (name and description are labels, like a
+    schema's annotations; strict: braid always enforces the schema)."""
+    if rf.json_schema is None:
+        return
+    if rf.type != "json_schema":
+        raise bad_request(f"response_format.json_schema applies only to type 'json_schema', not {rf.type!r}",
+                          param="response_format.json_schema")
+    for key, value in rf.json_schema.items():
+        param = f"response_format.json_schema.{key}"
+        if key not in _JSON_SCHEMA_SPEC:
+            raise bad_request(f"unknown key {key!r} in response_format.json_schema (name, schema, strict, "
+                              "description)", param=param, code="unknown_parameter")
+        expected = _JSON_SCHEMA_SPEC[key]
+        if value is not None and (not isinstance(value, expected) or (expected is str and isinstance(value, bool))):
+            kind = "an object" if key == "schema" else "a boolean" if expected is bool else "a string"
+            raise bad_request(f"{param} must be {kind}, got {_json_type(value)}", param=param)
+
+
+# message keys OpenAI defines that braid does not render -> why, and the values besides null that ask for nothing
+_UNRENDERED_MESSAGE_KEYS = {"function_call": ("use tool_calls", ()),
+                            "refusal": ("braid does not put refusals into the prompt", ("",)),
+                            "audio": ("braid has no audio output to refer to", ())}
+# content part type -> the keys its payload object may have (None: the payload is a string)
+_CONTENT_PARTS = {"text": None, "image_url": ("url", "detail"), "video_url": ("frames", "url", "num_frames"),
+                  "input_audio": ("data", "format", "url")}
+_PART_SHAPES = {"text": '{"type": "text", "text": "..."}',
+                "image_url": '{"type": "image_url", "image_url": {"url": "data:image/png;base64,...", "detail"?}}',
+                "video_url": '{"type": "video_url", "video_url": {"frames": [url, ...]} or {"url", "num_frames"?}}',
+                "input_audio": '{"type": "input_audio", "input_audio": {"data", "format"}}'}
+
+
+def _check_message(message: ChatMessage, i: int) -> None:
+    for key, value in (message.model_extra or {}).items():
+        if value is not None:
+            raise bad_request(f"unknown key {key!r} in messages.{i}", param=f"messages.{i}.{key}",
+                              code="unknown_parameter")
+    for key, (why, off_values) in _UNRENDERED_MESSAGE_KEYS.items():
+        if not _asks_for_nothing(getattr(message, key), off_values):
+            raise bad_request(f"messages[{i}].{key} is not supported ({why})", param=f"messages.{i}.{key}",
+                              code="unsupported_parameter")
+    if isinstance(message.content, list):
+        for j, part in enumerate(message.content):
+            _check_content_part(part, f"messages.{i}.content.{j}")
+
+
+def _check_content_part(part: dict, where: str) -> None:
+    """400 naming what is wrong with a content part's shape (its media are checked when loaded)."""
+    kind = part.get("type")
+    if not isinstance(kind, str) or kind not in _CONTENT_PARTS:
+        raise bad_request(f"{where}: content part type {kind!r} is not supported (text, image_url, video_url, "
+                          "input_audio)", param=f"{where}.type")
+    for key in part:
+        if key not in ("type", kind):
+            raise bad_request(f"{where}: unknown key {key!r} in a content part of type {kind!r}; the shape is "
+                              f"{_PART_SHAPES[kind]}", param=f"{where}.{key}", code="unknown_parameter")
+    payload, keys = part.get(kind), _CONTENT_PARTS[kind]
+    if keys is None:
+        if not isinstance(payload, str):
+            raise bad_request(f"{where}: content part 'text' needs a string 'text', got {_json_type(payload)}",
+                              param=f"{where}.text")
+        return
+    if not isinstance(payload, dict):
+        raise bad_request(f"{where}: content part {kind!r} needs an object as {kind!r}, got "
+                          f"{_json_type(payload)}; the shape is {_PART_SHAPES[kind]}", param=f"{where}.{kind}")
+    for key in payload:
+        if key not in keys:
+            raise bad_request(f"{where}: unknown key {key!r} in {kind} ({', '.join(keys)})",
+                              param=f"{where}.{kind}.{key}", code="unknown_parameter")
+    if kind == "image_url" and not isinstance(payload.get("url"), str):
+        raise bad_request(f"{where}: image_url.url must be a string (a data URL: data:image/png;base64,...), got "
+                          f"{_json_type(payload.get('url'))}", param=f"{where}.image_url.url")
+    if kind == "video_url":
+        if ("frames" in payload) == ("url" in payload):
+            raise bad_request(f"{where}: video_url needs exactly one of frames (a list of image URLs) and url (a video "
+                              "file)", param=f"{where}.video_url")
+        if "frames" in payload and "num_frames" in payload:
+            raise bad_request(f"{where}: video_url.num_frames applies to a video file (url), not to frames",
+                              param=f"{where}.video_url.num_frames")
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -361,6 +486,7 @@ class GenerateRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False  # each logprob entry gets its token's text
     rids: Optional[list[str]] = None
     image_data: list[Any] = field(default_factory=list)  # one entry per prompt
     is_video: bool = False  # modalities says image_data holds video frames
@@ -410,14 +536,7 @@ def parse_generate(body: Any) -> GenerateRequest:
         raise bad_request("sampling_params must be an object (or a list with one object per prompt)",
                           param="sampling_params")
 
-    rid = body.get("rid")
-    rids = None
-    if rid is not None:
-        rids = [rid] if isinstance(rid, str) else rid
-        if not (isinstance(rids, list) and all(isinstance(r, str) and r for r in rids) and len(rids) == len(prompts)):
-            raise bad_request("rid must be a string (or a list with one string per prompt)", param="rid")
-        if len(set(rids)) != len(rids):
-            raise bad_request("rid values must be distinct", param="rid")
+    rids = request_ids(body.get("rid"), len(prompts))
 
     modalities = body.get("modalities")
     if modalities is not None and not (isinstance(modalities, list) and all(m in _MODALITIES for m in modalities)):
@@ -428,14 +547,45 @@ def parse_generate(body: Any) -> GenerateRequest:
     images = _per_prompt(body.get("image_data"), is_batch, len(prompts))
     videos = _per_prompt(body.get("video_data"), is_batch, len(prompts))
 
-    for name in ("stream", "return_logprob"):
-        if not isinstance(body.get(name, False), bool):
-            raise bad_request(f"{name} must be a boolean", param=name)
-    return GenerateRequest(prompts=prompts, is_batch=is_batch, sampling_params=sps, stream=body.get("stream", False),
-                           return_logprob=body.get("return_logprob", False),
-                           logprob_start_len=body.get("logprob_start_len", -1),
-                           top_logprobs_num=body.get("top_logprobs_num", 0), rids=rids, image_data=images,
-                           is_video="video" in (modalities or ()), video_data=videos)
+    for name in ("stream", "return_logprob", "return_text_in_logprobs"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise bad_request(f"{name} must be a boolean, got {_json_type(body[name])}", param=name)
+    return_logprob = bool(body.get("return_logprob"))
+    if not return_logprob:
+        for name, off in _LOGPROB_OPTIONS.items():
+            if not _asks_for_nothing(body.get(name), (off,)):
+                raise bad_request(f"{name} needs return_logprob to be true", param=name)
+    return GenerateRequest(prompts=prompts, is_batch=is_batch, sampling_params=sps, stream=bool(body.get("stream")),
+                           return_logprob=return_logprob,
+                           logprob_start_len=_or_default(body.get("logprob_start_len"), -1),
+                           top_logprobs_num=_or_default(body.get("top_logprobs_num"), 0),
+                           return_text_in_logprobs=bool(body.get("return_text_in_logprobs")), rids=rids,
+                           image_data=images, is_video="video" in (modalities or ()), video_data=videos)
+
+
+# /generate's options that only shape the logprobs return_logprob asks for -> their value that asks for nothing
+_LOGPROB_OPTIONS = {"top_logprobs_num": 0, "logprob_start_len": -1, "return_text_in_logprobs": False}
+
+
+def _or_default(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def request_ids(rid: Any, count: int) -> Optional[list[str]]:
+    """`rid` of /generate and /v1/completions: one non-empty string per prompt, all distinct; for one prompt a
+    string (or a list of one), for a batch a list (a single string would name several requests)."""
+    if rid is None:
+        return None
+    if isinstance(rid, str) and count > 1:
+        raise bad_request(f"a batch of {count} prompts needs rid as a list of {count} strings, one per prompt",
+                          param="rid")
+    rids = [rid] if isinstance(rid, str) else rid
+    if not (isinstance(rids, list) and all(isinstance(r, str) and r for r in rids) and len(rids) == count):
+        raise bad_request("rid must be a non-empty string (or a list with one non-empty string per prompt)",
+                          param="rid")
+    if len(set(rids)) != len(rids):
+        raise bad_request("rid values must be distinct", param="rid")
+    return rids
 
 
 def _per_prompt(data: Any, is_batch: bool, count: int) -> list:

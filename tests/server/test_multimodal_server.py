@@ -95,11 +95,13 @@ def test_video_frames_and_local_file(llava_server):
 
 EXPECTED = {"not_an_image": "not a readable image", "too_many_pixels": "at most 40000 pixels",
             "too_many_frames": "at most 4 frames", "outside_dir": "outside the allowed directory",
-            "remote": "remote media URLs are disabled", "bad_detail": "detail must be", "mark_count": "marks 2 image"}
+            "remote": "remote media URLs are disabled", "bad_detail": "detail must be", "mark_count": "marks 2 image",
+            "raw_base64": "got raw base64; prefix it with data:image/<format>;base64,",
+            "empty": "must be a data URL (data:image/png;base64,"}
 
 
 @pytest.mark.parametrize("case", ["not_an_image", "too_many_pixels", "too_many_frames", "outside_dir", "remote",
-                                  "bad_detail", "mark_count"])
+                                  "bad_detail", "mark_count", "raw_base64", "empty"])
 def test_bad_media_is_a_400_and_leaks_nothing(llava_server, case):
     text_url = "data:image/png;base64," + base64.b64encode(b"this is not an image at all").decode()
     bodies = {
@@ -111,10 +113,13 @@ def test_bad_media_is_a_400_and_leaks_nothing(llava_server, case):
         "remote": {"text": "<image>", "image_data": "http://127.0.0.1:1/x.png"},
         "bad_detail": None,
         "mark_count": {"text": "<image> <image>", "image_data": _data_url(test_image(20, 20, seed=0))},
+        "raw_base64": {"text": "<image>", "image_data": _data_url(test_image(20, 20, seed=0)).split(",", 1)[1]},
+        "empty": None,
     }
-    if case == "bad_detail":
+    chat_parts = {"bad_detail": {"url": text_url, "detail": "ultra"}, "empty": {"url": ""}}
+    if case in chat_parts:
         r = llava_server.post("/v1/chat/completions", json={"model": "default", "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": text_url, "detail": "ultra"}}]}]})
+            {"type": "image_url", "image_url": chat_parts[case]}]}]})
     else:
         r = llava_server.post("/generate", json={**bodies[case], "sampling_params": GREEDY})
     assert r.status_code == 400, r.text
