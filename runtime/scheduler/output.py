@@ -11,6 +11,7 @@ import torch
 from braid.runtime.core import FinishReason, Req, ReqOutput
 
 _NEVER = 1 << 62  # an output length no request reaches
+_REPLACEMENT = "\ufffd"  # what decode makes of a cut multi-byte character
 
 
 class FinishTable:
@@ -56,7 +57,7 @@ class FinishTable:
         that then hold out_lens [B] (int64) tokens; slots [B] int64."""
         hit = (out_lens >= self.out_limit[slots]) | self.slow[slots]
         hit |= torch.isin(token_ids, self.eos) & (out_lens >= self.eos_from[slots])
-        hit |= (self.stop_ids[slots] == token_ids.unsqueeze(1)).any(dim=1)
+        hit |= (self.stop_ids[slots] == token_ids.unsqueeze(1)).any(dim=1) & (out_lens >= self.min_new[slots])
         return hit
 
     def reserved_tokens(self, slots: torch.Tensor, out_lens: torch.Tensor, ratio: float) -> int:
@@ -139,12 +140,14 @@ class OutputProcessor:
         sp = req.sampling_params
         if req.grammar is not None:
             req.grammar.accept_token(tok)
-        if not sp.ignore_eos and tok in self.eos_token_ids and len(req.output_ids) >= sp.min_new_tokens:
-            return FinishReason("stop", matched=tok)
-        if sp.stop_token_ids and tok in sp.stop_token_ids:
-            return FinishReason("stop", matched=tok)
-        if sp.stop and (matched := self._match_stop_str(req)) is not None:
-            return FinishReason("stop", matched=matched)
+        # as vLLM: nothing but the length ends a request before min_new_tokens (EOS and stop ids are also masked)
+        if len(req.output_ids) >= sp.min_new_tokens:
+            if not sp.ignore_eos and tok in self.eos_token_ids:
+                return FinishReason("stop", matched=tok)
+            if sp.stop_token_ids and tok in sp.stop_token_ids:
+                return FinishReason("stop", matched=tok)
+            if sp.stop and (matched := self._match_stop_str(req)) is not None:
+                return FinishReason("stop", matched=matched)
         if req.grammar is not None and req.grammar.is_terminated():
             return FinishReason("stop", matched=None)
         return self._length_reason(req)
@@ -170,8 +173,18 @@ class OutputProcessor:
             while num_tokens < max_tokens and len(tail) < needed:
                 num_tokens = min(max_tokens, 2 * num_tokens)
                 tail = self.tokenizer.decode(ids[-num_tokens:], skip_special_tokens=False)
+        # min_new_tokens: a stop string counts only if it ends in the text of the min_new_tokens-th token or later
+        # (it may begin earlier), as in vLLM, which checks no stop string before min_tokens tokens are out and from
+        # then on searches each step's new text plus the len(stop) - 1 characters before it (vLLM 0.6 searched one
+        # character more, so a stop ending just before the min_tokens-th token matched too; later vLLM fixed that).
+        held_off_end = req.sampling_params.min_new_tokens - 1
+        tail_start = len(ids) - num_tokens
+        held_off_chars = 0
+        if tail_start < held_off_end:  # a character cut at the boundary belongs to the text after it
+            held_off = self.tokenizer.decode(ids[tail_start:held_off_end], skip_special_tokens=False)
+            held_off_chars = len(held_off.rstrip(_REPLACEMENT))
         for s in stops:
-            if s in tail:
+            if tail.find(s, max(0, held_off_chars - len(s) + 1)) != -1:
                 return s
         return None
 

@@ -105,6 +105,11 @@ class IncrementalDetokenizer:
         self._prefix_trackers = [_StopPrefixTracker(s) for s in self.stops]
         self._trackers_stale = False
         self.chars_searched = 0  # characters passed to stop searches so far (the per-update cost, for tests)
+        # min_new_tokens: a stop string counts only if it ends in the text of the min_new_tokens-th token or later
+        # (the scheduler's rule, OutputProcessor._match_stop_str); the text before it is searched by nobody, but a
+        # tail of it that may begin a stop string is still held back
+        self.min_new_tokens = sampling_params.min_new_tokens if self.stops else 0
+        self._held_off_chars: Optional[int] = None  # characters of the first min_new_tokens - 1 tokens' text
 
     def _decode(self, ids) -> str:
         if self._backend_decode is not None:
@@ -132,6 +137,12 @@ class IncrementalDetokenizer:
         text = self.decoded
         if self.stopped_at is not None or not self.stops:
             return
+        if self.min_new_tokens > 1:
+            # raising `scanned` past the held-off text leaves it out of the search; stale trackers re-read the tail
+            floor = self._stop_search_floor()
+            if self.scanned < floor:
+                self.scanned = floor
+                self._trackers_stale = True
         if self.scanned >= len(text) and not self._trackers_stale:
             return
         for s in self.stops:
@@ -154,6 +165,14 @@ class IncrementalDetokenizer:
         self._trackers_stale = False
         self.scanned = len(text)
 
+    def _stop_search_floor(self) -> int:
+        if len(self.ids) < self.min_new_tokens:
+            return len(self.decoded)
+        if self._held_off_chars is None:
+            held_off = self._decode(self.ids[:self.min_new_tokens - 1])
+            self._held_off_chars = len(held_off.rstrip(_REPLACEMENT))  # a cut character belongs to the text after
+        return self._held_off_chars
+
     def _visible(self, final: bool) -> str:
         self._scan()
         text = self.decoded
@@ -165,6 +184,8 @@ class IncrementalDetokenizer:
         return text[: len(text) - hold]
 
     def update(self, offset: int, new_ids: list[int]) -> str:
+        if offset < self.min_new_tokens - 1:  # jump-forward rewrote held-off tokens
+            self._held_off_chars = None
         if offset < len(self.ids):
             del self.ids[offset:]
         self.ids.extend(new_ids)
@@ -182,7 +203,7 @@ class IncrementalDetokenizer:
         return delta
 
     def finish(self) -> str:
-        """Flush the rest. Callers leave a matched stop token out of the ids they feed in."""
+        """Flush the rest. Callers leave a matched stop token out of the ids they feed in unless no_stop_trim."""
         ids = self.ids
         self._replace_decoded(self._decode(ids).rstrip(_REPLACEMENT) if ids else "")
         visible = self._visible(final=True)

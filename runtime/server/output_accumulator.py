@@ -1,6 +1,6 @@
 """Folding a choice's scheduler outputs into its result: ids (jump-forward may rewrite recent ones), text
-(detokenized incrementally, stop token and stop strings trimmed), logprobs and usage. The Engine and the
-server's request handles both use `OutputAccumulator`; an output may carry any number of new tokens."""
+(detokenized incrementally, stop token and stop strings trimmed unless no_stop_trim), logprobs and usage. The Engine
+and the server's request handles both use `OutputAccumulator`; an output may carry any number of new tokens."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ class OutputAccumulator:
         self.index = index
         self.snapshot_ids = snapshot_ids  # updates carry a copy of output_ids (the native stream sends them all)
         self.detokenizer = IncrementalDetokenizer(tokenizer, sampling_params)
+        # no_stop_trim (vLLM's include_stop_str_in_output) keeps a matched stop token's text too, as in vLLM and
+        # SGLang; an EOS token's text is empty anyway unless skip_special_tokens is off
+        self.keep_stop_token = sampling_params.no_stop_trim
         self.return_logprob = return_logprob
         self.output_ids: list[int] = []
         self.text = ""  # text emitted so far (stop strings trimmed, no partial characters)
@@ -89,8 +92,10 @@ class OutputAccumulator:
         self.completion_tokens_wo_jump_forward = out.completion_tokens_wo_jump_forward
         detok_ids = new_ids
         matched = (out.finish_reason or {}).get("matched")
-        if out.finished and isinstance(matched, int) and new_ids and new_ids[-1] == matched:
-            detok_ids = new_ids[:-1]  # the stop token is no part of the text: never show it to the detokenizer
+        if (out.finished and isinstance(matched, int) and new_ids and new_ids[-1] == matched
+                and not self.keep_stop_token):
+            # the stop token (EOS or a stop_token_ids entry) is no part of the text: never show it to the detokenizer
+            detok_ids = new_ids[:-1]
         delta = self.detokenizer.update(offset, detok_ids)
         if out.finished:
             self.finish_reason = out.finish_reason or dict(ABORTED)

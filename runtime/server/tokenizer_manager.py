@@ -34,11 +34,12 @@ from braid.runtime.scheduler import process as scheduler_process
 from braid.runtime.server.errors import APIError, bad_request, internal, retry_later, too_many_requests, unavailable
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.prepare import RequestError, ServedModel, prepare_request
-from braid.runtime.server.request_handle import RequestHandle
+from braid.runtime.server.request_handle import DEADLINE_GRACE_S, RequestHandle
 
 logger = logging.getLogger("braid.server")
 
 SHUTDOWN_ABORT_MESSAGE = "the server is shutting down; the text is what was generated before"
+ABORT_GRACE_S = DEADLINE_GRACE_S  # how long /abort_request waits for the scheduler's abort output
 
 
 class SchedulerStartError(RuntimeError):
@@ -363,12 +364,20 @@ class TokenizerManager:
             asyncio.get_running_loop().create_task(self._send_quietly(M.AbortReq(rid)))
 
     async def abort(self, rid: str) -> bool:
+        """/abort_request. The scheduler's abort output carries the tokens generated so far (a non-streamed request
+        has received none yet), so the request ends with it (or with its own finish, had it just finished); only if
+        the scheduler reports neither within ABORT_GRACE_S (it never had the request) does it end here."""
         handle = self.handles.get(rid)
         if handle is None:
             return False
         await self._send_msg(M.AbortReq(rid))
-        handle.abort_locally()
+        asyncio.get_running_loop().call_later(ABORT_GRACE_S, self._abort_if_unanswered, handle)
         return True
+
+    @staticmethod
+    def _abort_if_unanswered(handle: RequestHandle) -> None:
+        if not handle.released and handle.scheduler_finished < handle.n:
+            handle.abort_locally()
 
     async def flush_cache(self) -> bool:
         return (await self._call(lambda rid: M.FlushCacheReq(rid))).ok
