@@ -236,6 +236,32 @@ def test_window_covers_the_last_w_keys(tmp_path, triton_on_cpu):
             assert (row[p - 1] - want[p - 1]).abs().max() < ATOL and (row[p] - want[p]).abs().max() < ATOL, backend
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_window_layers_skip_old_keys_not_mask_them(checkpoint, triton_on_cpu, backend):
+    """Window layers never read a key older than their window, in extend over a cached prefix and in decode: with
+    one KV pool (no trimming) the window layers' K and V of a cached prefix's old positions are set to NaN, and
+    the follow-up request's tokens and logits still equal HF's (a masked read would carry NaN through 0 * NaN)."""
+    path, hf = checkpoint
+    prefix, tail = _prompts([60, 9], seed=8)
+    with _engine(path, backend, disable_window_kv_trimming=True) as engine:
+        engine.generate(input_ids=prefix, sampling_params={**GREEDY, "max_new_tokens": 1})
+        slots, _ = engine.scheduler.tree_cache.match_prefix(prefix)
+        assert len(slots) >= len(prefix) - 1
+        old = slots[: len(prefix) - WINDOW].long()  # out of every later query's window
+        pool = engine.scheduler.kv_pool
+        window_layers = [i for i, spec in enumerate(engine.scheduler.model_config.layers) if spec.sliding_window]
+        for layer in window_layers:
+            pool.get_key_buffer(layer)[old] = float("nan")
+            pool.get_value_buffer(layer)[old] = float("nan")
+        follow_up = prefix + tail
+        trace = LogitTrace(engine)
+        res = engine.generate(input_ids=follow_up, sampling_params={**GREEDY, "max_new_tokens": 12})
+        trace.close()
+    (start, _), = trace.extend_runs()
+    assert start >= len(prefix) - 1  # the prefix came from the cache
+    _check(hf, [follow_up], [res], trace, 12)
+
+
 def test_soft_caps_are_active(tmp_path, checkpoint):
     """Removing either soft-cap changes braid's logits; with them, logits stay inside the final cap and the
     returned logprobs are the log-softmax of the capped logits."""

@@ -37,15 +37,21 @@ class TorchAttnBackend(AttentionBackend):
                             v.view(*slots.shape, *v.shape[1:]), dtype)
 
     def _decode_kv(self, layer, fb, meta: "_DecodeMetadata", dtype):
-        """k, v [B, L, Hkv, D]: views of the pool when the batch is one sequence in consecutive slots, else a gather."""
+        """(k, v [B, L, Hkv, D], mask [B, 1, 1, L]): a window layer's L <= W keys are each sequence's last ones
+        (gathered); otherwise views of the pool when the batch is one sequence in consecutive slots, else a
+        gather."""
+        if 0 < layer.sliding_window < meta.max_len:
+            slots, mask = meta.window(layer.sliding_window)
+            return (*self._kv(layer, fb, slots, dtype), mask)
         pool = fb.token_to_kv_pool
+        mask = meta.mask()
         if _is_window_layer(pool, layer):
-            return self._kv(layer, fb, meta.window_slots(pool), dtype, translated=True)
+            return (*self._kv(layer, fb, meta.window_slots(pool), dtype, translated=True), mask)
         if meta.first_slot is None:
-            return self._kv(layer, fb, meta.slots, dtype)
+            return (*self._kv(layer, fb, meta.slots, dtype), mask)
         k = pool.get_key_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0)
         v = pool.get_value_buffer(layer.layer_id).narrow(0, meta.first_slot, meta.max_len).unsqueeze(0)
-        return _dequantized(pool, layer.layer_id, k, v, dtype)
+        return (*_dequantized(pool, layer.layer_id, k, v, dtype), mask)
 
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True):
         self._save(layer, fb, k, v, save_kv_cache)
@@ -60,8 +66,10 @@ class TorchAttnBackend(AttentionBackend):
             n = fb.extend_seq_lens_cpu[i]
             prefix = fb.extend_prefix_lens_cpu[i]
             total = prefix + n
-            slots = req_to_token[fb.req_pool_indices[i], :total].long()
-            kk, vv = self._kv(layer, fb, slots, q.dtype)  # [total, Hkv, D]
+            # a window layer reads keys from the first query's window on (p - W, p] (skipped, not masked)
+            kv_start = max(0, prefix - layer.sliding_window + 1) if layer.sliding_window > 0 else 0
+            slots = req_to_token[fb.req_pool_indices[i], kv_start:total].long()
+            kk, vv = self._kv(layer, fb, slots, q.dtype)  # [total - kv_start, Hkv, D]
             # on CPU, SDPA gets 4-D inputs: with 3-D ones it falls back to its math path (6x slower at 1k tokens);
             # without a cached prefix or a window that cuts in, the mask is plain causal and is_causal cheaper.
             # On GPU the math path stays: this backend is the reference the fused kernels are checked against
@@ -70,8 +78,8 @@ class TorchAttnBackend(AttentionBackend):
             mask = None
             if not causal:
                 q_pos = torch.arange(prefix, total, device=q.device).unsqueeze(1)
-                k_pos = torch.arange(total, device=q.device).unsqueeze(0)
-                mask = k_pos <= q_pos  # [n, total]
+                k_pos = torch.arange(kv_start, total, device=q.device).unsqueeze(0)
+                mask = k_pos <= q_pos  # [n, total - kv_start]
                 if layer.sliding_window > 0:
                     mask &= k_pos > q_pos - layer.sliding_window
             if layer.logit_cap <= 0:
@@ -87,7 +95,7 @@ class TorchAttnBackend(AttentionBackend):
             qi = qh[start:start + n].float().transpose(0, 1)  # [H, n, D]
             kk = kk.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, total, D]
             vv = vv.float().repeat_interleave(group, dim=1).transpose(0, 1)
-            scores = torch.matmul(qi, kk.transpose(1, 2)) * layer.scaling  # [H, n, total]
+            scores = torch.matmul(qi, kk.transpose(1, 2)) * layer.scaling  # [H, n, total - kv_start]
             probs = _scores_to_probs(scores, mask, layer.logit_cap)
             out[start:start + n] = torch.matmul(probs, vv).transpose(0, 1).reshape(n, H * Dv).to(q.dtype)
             start += n
@@ -107,16 +115,15 @@ class TorchAttnBackend(AttentionBackend):
         if not isinstance(meta, _DecodeMetadata) or meta.batch_size != B:
             meta = fb.attn_metadata = _DecodeMetadata(fb)
         if layer.logit_cap <= 0:
-            kk, vv = self._decode_kv(layer, fb, meta, q.dtype)  # [B, L, Hkv, D]
-            # one sequence without a window attends to all of its L keys: no mask needed (CPU only, so that on GPU
-            # the reference keeps the kernel choice the fused backends were checked against)
-            lone = B == 1 and layer.sliding_window <= 0 and q.device.type == "cpu"
-            mask = None if lone else meta.mask(layer.sliding_window)
+            kk, vv, mask = self._decode_kv(layer, fb, meta, q.dtype)  # [B, L, Hkv, D] x 2, [B, 1, 1, L]
+            # one sequence that attends to all of its L keys needs no mask (CPU only, so that on GPU the reference
+            # keeps the kernel choice the fused backends were checked against)
+            if B == 1 and q.device.type == "cpu" and bool(mask.all()):
+                mask = None
             out = F.scaled_dot_product_attention(q.view(B, H, 1, D), kk.transpose(1, 2), vv.transpose(1, 2),
                                                  attn_mask=mask, scale=layer.scaling, enable_gqa=group > 1)
             return out.reshape(B, H * Dv)
-        mask = meta.mask(layer.sliding_window)
-        kk, vv = self._decode_kv(layer, fb, meta, torch.float32)  # [B, L, Hkv, D]
+        kk, vv, mask = self._decode_kv(layer, fb, meta, torch.float32)  # [B, L, Hkv, D] x 2, [B, 1, 1, L]
         qh = q.view(B, Hkv, group, D).float()
         scores = torch.einsum("bhgd,blhd->bhgl", qh, kk) * layer.scaling
         probs = _scores_to_probs(scores, mask, layer.logit_cap)
@@ -141,7 +148,8 @@ def _dequantized(pool, layer_id: int, k: torch.Tensor, v: torch.Tensor, dtype) -
 
 
 class _DecodeMetadata:
-    """Per decode batch: KV slots [B, L] (L = longest sequence) and the valid-key masks per sliding window."""
+    """Per decode batch: KV slots [B, L] (L = longest sequence) and their valid-key mask; per sliding window W < L,
+    the slots of each sequence's last W keys and their mask."""
 
     def __init__(self, fb):
         B = fb.batch_size
@@ -151,7 +159,8 @@ class _DecodeMetadata:
         self.slots = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :self.max_len].long()
         self._k_pos = torch.arange(self.max_len, device=self.slots.device).view(1, 1, 1, self.max_len)
         self._seq = fb.seq_lens.view(B, 1, 1, 1).to(self._k_pos.dtype)
-        self._masks: dict = {}
+        self._mask: Optional[torch.Tensor] = None
+        self._windows: dict = {}
         self._window_slots: Optional[torch.Tensor] = None
         # a lone sequence whose slots are one consecutive run (the ring allocator hands them out in order) is
         # read through views of the pool instead of gathered per layer; checked on CPU only (no device sync)
@@ -168,12 +177,20 @@ class _DecodeMetadata:
             self._window_slots = pool.window_slots(self.slots)
         return self._window_slots
 
-    def mask(self, sliding_window: int) -> torch.Tensor:
+    def mask(self) -> torch.Tensor:
         """[B, 1, 1, L] bool, True where the key is attended."""
-        m = self._masks.get(sliding_window)
-        if m is None:
-            m = self._k_pos < self._seq
-            if sliding_window > 0:
-                m &= self._k_pos >= self._seq - sliding_window
-            self._masks[sliding_window] = m
-        return m
+        if self._mask is None:
+            self._mask = self._k_pos < self._seq
+        return self._mask
+
+    def window(self, sliding_window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [B, W] of positions seq - W .. seq - 1 (from 0 for shorter sequences), mask [B, 1, 1, W]) for
+        W < L: a window layer reads these keys only."""
+        got = self._windows.get(sliding_window)
+        if got is None:
+            seq = self._seq.view(-1, 1)
+            pos = (seq - sliding_window).clamp(min=0) + self._k_pos.view(1, -1)[:, :sliding_window]  # [B, W]
+            valid = pos < seq
+            slots = self.slots.gather(1, pos.clamp(max=self.max_len - 1))
+            got = self._windows[sliding_window] = (slots, valid.view(self.batch_size, 1, 1, sliding_window))
+        return got
