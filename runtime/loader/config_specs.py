@@ -72,7 +72,7 @@ class LayerSpec:
     logit_cap: float = 0.0
     is_moe: bool = False
     rope: Optional[RopeSpec] = None  # this layer's own rope (Gemma-3's window layers); None: ModelConfig.rope
-    qk_norm: bool = False  # an RMSNorm over head_dim on each query and key head before rope (Gemma-3)
+    qk_norm: bool = False  # an RMSNorm over head_dim on each query and key head before rope (Gemma-3, Qwen3)
 
     def __post_init__(self):
         if self.attention not in ("mha", "mla"):

@@ -3,8 +3,9 @@
 LayerSpec), a final logit soft-cap in the LM head (so sampling and logprobs see capped logits), four (1 + w) RMSNorms
 per layer computed in fp32, embeddings times sqrt(hidden) in the weight dtype, a GELU-tanh gated MLP, tied embeddings.
 
-Gemma-3 (text): the same layers with a (1 + w) RMSNorm on every query and key head before rope, the window layers'
-own rope theta, five window layers to one global by default and no soft-caps; all of it in LayerSpec.
+Gemma-3 (text; Gemma3ForCausalLM checkpoints, model_type gemma3_text) is this class too: the same layers with a (1 + w)
+RMSNorm on every query and key head before rope, the window layers' own rope theta, five window layers to one global
+by default and no soft-caps; all of it in LayerSpec.
 """
 
 from __future__ import annotations
@@ -76,8 +77,3 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
         c = self.model_config
         return SandwichNormDecoderLayer(*attention_and_mlp(layer_id, spec, c, self.norm_unit_offset), c.hidden_size,
                                         c.rms_norm_eps)
-
-
-class Gemma3ForCausalLM(Gemma2ForCausalLM):
-    """Gemma-3's text model (Gemma3ForCausalLM checkpoints, model_type gemma3_text): Gemma-2's blocks as its
-    LayerSpecs shape them."""

@@ -13,7 +13,7 @@ _MODELS = {
     "LlavaOnevisionForConditionalGeneration": ("braid.runtime.models.llava_onevision",
                                                "LlavaOnevisionForConditionalGeneration"),
     "Gemma2ForCausalLM": ("braid.runtime.models.gemma2", "Gemma2ForCausalLM"),
-    "Gemma3ForCausalLM": ("braid.runtime.models.gemma2", "Gemma3ForCausalLM"),
+    "Gemma3ForCausalLM": ("braid.runtime.models.gemma2", "Gemma2ForCausalLM"),
 }
 
 
