@@ -1,5 +1,5 @@
-"""FP8 accuracy on SmolLM2-135M-Instruct (CPU), or random weights of a larger config: FP8 weights and each FP8 KV cache
-against the fp32 baseline.
+"""FP8 accuracy on SmolLM2-135M-Instruct (CPU), another real model, or random weights of a larger config: FP8 weights and
+each FP8 KV cache against the fp32 baseline.
 
 The baseline (fp32 weights, fp32 KV, torch attention) continues 64 prompts greedily for 64 tokens. Each variant
 then
@@ -14,6 +14,10 @@ computes for decode batches of up to 16 rows (the weight-only GEMV and small-bat
 GPU's larger batches and prefill, quantizes activations per token.
 
     python benchmarks/fp8_accuracy.py [--prompts 64] [--tokens 64] [--variants e4m3 ...] [--model-config JSON]
+                                      [--model-path gemma3-270m]
+
+--model-path runs another real model (a folder, a GGUF, or 'gemma3-270m'); prompts go through its chat template,
+or are the plain requests when it has none (a base model).
 
 --model-config runs a model of that config's shapes with random weights (load_format dummy) instead of SmolLM2's,
 with SmolLM2's tokenizer and chat template for the prompts (the config's vocabulary must be SmolLM2's 49,152):
@@ -57,6 +61,8 @@ VARIANTS = {
 def chat_prompts(engine: Engine, count: int) -> list[list[int]]:
     tok = engine.tokenizer
     texts = [t.format(s) for t in TEMPLATES for s in SUBJECTS][:count]
+    if not getattr(tok, "chat_template", None):  # a base model: the requests as plain text after BOS
+        return [tok.encode(text) for text in texts]
     rendered = [tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                         tokenize=False) for text in texts]
     return [tok.encode(text, add_special_tokens=False) for text in rendered]
@@ -68,9 +74,9 @@ def _unquantized_rows(x, static_scale=None):
 
 
 @torch.no_grad()
-def _engine(embedding_std=None, **kw) -> Engine:
+def _engine(embedding_std=None, model_path="smollm2", **kw) -> Engine:
     """kw: the variant's and --model-config's ServerArgs; embedding_std: --embedding-std."""
-    engine = Engine(model_path="smollm2", attention_backend="torch", log_level="warning", max_total_tokens=16384,
+    engine = Engine(model_path=model_path, attention_backend="torch", log_level="warning", max_total_tokens=16384,
                     **kw)
     if embedding_std is not None:
         # the same random table in every engine (the dummy loader's seed), rescaled: with tied embeddings the logits
@@ -130,13 +136,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--variants", nargs="+", metavar="TEXT",
                         help="only the variants whose name contains one of these (default: all)")
+    parser.add_argument("--model-path", default="smollm2", help="a real model instead of SmolLM2 (folder, GGUF, "
+                        "or 'gemma3-270m')")
     parser.add_argument("--model-config", help="a config JSON: random weights of its shapes instead of SmolLM2's")
     parser.add_argument("--embedding-std", type=float,
                         help="with --model-config and tied embeddings: rescale the random embedding table to this "
                              "std, so that the logits spread (the dummy loader's ~0.012 leaves a 2,048-wide model's "
                              "next-token distribution nearly uniform, where fp8 noise moves nothing that matters)")
     args = parser.parse_args()
-    model = dict(embedding_std=args.embedding_std)  # for every engine
+    model = dict(embedding_std=args.embedding_std, model_path=args.model_path)  # for every engine
+    if args.model_config and args.model_path != "smollm2":
+        raise ValueError("--model-config and --model-path exclude each other")
     if args.model_config:
         with open(args.model_config) as f:
             config = json.load(f)
@@ -144,7 +154,8 @@ def main() -> None:
             raise ValueError(f"--model-config needs SmolLM2's vocabulary of 49152 (its tokenizer makes the prompts); "
                              f"{args.model_config} has {config.get('vocab_size')}")
         model.update(load_format="dummy", model_config=json.dumps(config))
-    model_name = f"random weights of {args.model_config}'s shapes" if args.model_config else "SmolLM2-135M-Instruct"
+    model_name = (f"random weights of {args.model_config}'s shapes" if args.model_config else
+                  "SmolLM2-135M-Instruct" if args.model_path == "smollm2" else args.model_path)
     started = time.perf_counter()
     with _engine(**model) as engine:
         prompts = chat_prompts(engine, args.prompts)
