@@ -125,15 +125,39 @@ def _read_gguf_config(path: str) -> dict:
     return cfg
 
 
-def _gemma2_config(g, cfg: dict) -> dict:
-    """What a Gemma-2 GGUF adds: window, soft-caps, activation and the query scale. GGUF has no key for the scale;
-    llama.cpp's rule is 1/sqrt(hidden / heads) for the 46-layer 27B and 1/sqrt(head_dim) otherwise, which is what
-    query_pre_attn_scalar says in every released Gemma-2 config (2B and 9B: 256 = head_dim; 27B: 144 = 4608 / 32)."""
-    caps = {key: float(g(key, default)) for key, default in _GEMMA2_DEFAULT_CAPS.items()}
+def _gemma_attention(g, cfg: dict, largest_model_layers: int) -> dict:
+    """The window, query scale and activation of a Gemma GGUF. GGUF has no key for the scale; llama.cpp's rule is
+    1/sqrt(hidden / heads) for the largest model (Gemma-2 27B: 46 layers, 144 = 4608 / 32; Gemma-3 27B: 62 layers,
+    168 = 5376 / 32) and 1/sqrt(head_dim) otherwise, which is what query_pre_attn_scalar says in every released
+    config."""
     window = g("attention.sliding_window")
-    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if cfg["num_hidden_layers"] == 46 else cfg["head_dim"]
+    largest = cfg["num_hidden_layers"] == largest_model_layers
+    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if largest else cfg["head_dim"]
     return {"sliding_window": int(window) if window is not None else None, "query_pre_attn_scalar": scalar,
-            "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh", **caps}
+            "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh"}
+
+
+def _gemma2_config(g, cfg: dict) -> dict:
+    """What a Gemma-2 GGUF adds: window, soft-caps, activation and the query scale."""
+    caps = {key: float(g(key, default)) for key, default in _GEMMA2_DEFAULT_CAPS.items()}
+    return {**_gemma_attention(g, cfg, 46), **caps}
+
+
+def _gemma3_config(g, cfg: dict) -> dict:
+    """What a Gemma-3 GGUF adds, with llama.cpp's implicit rules: the window on five layers of every six (unless the
+    file states the pattern), window layers' rope theta 10,000 unscaled, the global layers' rope as stated (linear
+    scaling in the larger models), the query scale as for Gemma-2 (the largest model has 62 layers); no soft-caps."""
+    pattern = int(g("attention.sliding_window_pattern", 6))
+    layers = cfg["num_hidden_layers"]
+    out = {**_gemma_attention(g, cfg, 62), "attn_logit_softcapping": None, "final_logit_softcapping": None,
+           "rope_local_base_freq": 10000.0,
+           "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]}
+    scaling_type, factor = g("rope.scaling.type"), g("rope.scaling.factor")
+    if scaling_type not in (None, "none"):
+        if scaling_type != "linear":
+            raise ValueError(f"Gemma-3 GGUF rope scaling {scaling_type!r} is not supported (linear only)")
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    return out
 
 
 def _hf_name(name: str, block_names: dict) -> str:
@@ -178,27 +202,6 @@ def iter_gguf_tensors(path: str, config: dict) -> Iterator[tuple[str, torch.Tens
         elif permute and hf.endswith("k_proj.weight"):
             arr = _unpermute_rope(arr, config["num_key_value_heads"])
         yield hf, arr.contiguous()
-
-
-def _gemma3_config(g, cfg: dict) -> dict:
-    """What a Gemma-3 GGUF adds, with llama.cpp's implicit rules: the window on five layers of every six (unless the
-    file states the pattern), window layers' rope theta 10,000 unscaled, the global layers' rope as stated (linear
-    scaling in the larger models), the query scale 1/sqrt(head_dim) except the 62-layer 27B's 1/sqrt(hidden / heads);
-    no soft-caps."""
-    window = g("attention.sliding_window")
-    pattern = int(g("attention.sliding_window_pattern", 6))
-    layers = cfg["num_hidden_layers"]
-    scalar = cfg["hidden_size"] // cfg["num_attention_heads"] if layers == 62 else cfg["head_dim"]
-    out = {"sliding_window": int(window) if window is not None else None, "query_pre_attn_scalar": scalar,
-           "hidden_activation": "gelu_pytorch_tanh", "hidden_act": "gelu_pytorch_tanh",
-           "attn_logit_softcapping": None, "final_logit_softcapping": None, "rope_local_base_freq": 10000.0,
-           "layer_types": ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]}
-    scaling_type, factor = g("rope.scaling.type"), g("rope.scaling.factor")
-    if scaling_type not in (None, "none"):
-        if scaling_type != "linear":
-            raise ValueError(f"Gemma-3 GGUF rope scaling {scaling_type!r} is not supported (linear only)")
-        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
-    return out
 
 
 def gguf_dequantized_dir(path: str, config: dict) -> str:
