@@ -11,6 +11,7 @@ import torch
 
 from braid.runtime import Engine
 from byte_tokenizer import byte_tokenizer
+from gguf_files import gguf_writer, write_hf_tensors
 
 WINDOW = 16
 VOCAB = 512
@@ -329,31 +330,14 @@ def _write_gemma2_gguf(path, hf, cfg, with_tokenizer=False):
     template too)."""
     import gguf
 
-    writer = gguf.GGUFWriter(path, "gemma2")
+    writer = gguf_writer(path, "gemma2", cfg)
     if with_tokenizer:
         _add_sentencepiece_tokenizer(writer, cfg.vocab_size)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
     writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
     writer.add_sliding_window(cfg.sliding_window)
-    writer.add_vocab_size(cfg.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA2, cfg.num_hidden_layers)
-    for name, tensor in hf.state_dict().items():
-        if name == "lm_head.weight":
-            continue
-        data = tensor.float().numpy()
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data + 1 if name.endswith("norm.weight") else data)
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
-    writer.close()
+    write_hf_tensors(writer, gguf.MODEL_ARCH.GEMMA2, hf, skip=("lm_head.weight",),
+                     convert=lambda name, data: data + 1 if name.endswith("norm.weight") else data)
 
 
 def test_gemma2_gguf_matches_hf(tmp_path):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from braid.runtime import Engine
+from gguf_files import gguf_writer, write_hf_tensors
 
 VARIANTS = {
     "llama3_rope_scaling": dict(model_type="llama", cls="LlamaForCausalLM", extra=dict(
@@ -77,23 +78,7 @@ def test_qwen3_gguf_matches_hf(tmp_path):
     hf = _make_checkpoint(tmp_path / "hf", "qwen3_qk_norm")
     cfg = hf.config
     path = str(tmp_path / "qwen3.gguf")
-    writer = gguf.GGUFWriter(path, "qwen3")
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_vocab_size(cfg.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, cfg.num_hidden_layers)
-    for name, tensor in hf.state_dict().items():
-        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), tensor.float().numpy())
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
-    writer.close()
+    write_hf_tensors(gguf_writer(path, "qwen3", cfg), gguf.MODEL_ARCH.QWEN3, hf)
 
     config = gguf_config(path)
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 24

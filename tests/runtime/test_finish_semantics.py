@@ -12,19 +12,10 @@ from braid.runtime.core import ReqOutput
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.scheduler.output import OutputProcessor
 from braid.runtime.server.output_accumulator import OutputAccumulator
+from test_stop_strings import REPLACEMENT, ByteTokenizer, random_stops, smollm2_tokenizer  # noqa: F401
 
-REPLACEMENT = "\ufffd"
 NEWLINE = 198  # SmolLM2's "\n"
 THE = 260  # SmolLM2's " the"
-
-
-class ByteTokenizer:
-    """Each token a few bytes, some of them halves of multi-byte characters: a character or a stop can span tokens."""
-
-    PIECES = [b"a", b"b", b"c", b"ab", b"ba", b"abc", b" ", b"\n", b"\xc3", b"\xa9", "\u00e9".encode(), b"aa", b"cab"]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return b"".join(self.PIECES[i] for i in ids).decode("utf-8", errors="replace")
 
 
 def held_off_chars(tokenizer, ids: list[int], min_new_tokens: int) -> int:
@@ -68,19 +59,11 @@ def test_detokenizer_holds_off_stops_until_min_new_tokens_on_random_byte_streams
     rng = random.Random(seed)
     tokenizer = ByteTokenizer()
     ids = [rng.randrange(len(ByteTokenizer.PIECES)) for _ in range(rng.randint(1, 40))]
-    stops = ["".join(rng.choices(["a", "b", "c", " ", "\n", "\u00e9"], k=rng.randint(1, 4)))
-             for _ in range(rng.randint(1, 3))]
-    sp = SamplingParams(stop=stops, min_new_tokens=rng.randint(0, len(ids) + 2), no_stop_trim=rng.random() < 0.5)
+    sp = SamplingParams(stop=random_stops(rng, 4), min_new_tokens=rng.randint(0, len(ids) + 2),
+                        no_stop_trim=rng.random() < 0.5)
     acc = feed(tokenizer, sp, ids, {"type": "length", "matched": None}, rng)
     expected = tokenizer.decode(ids).rstrip(REPLACEMENT)[:naive_stop_end(tokenizer, ids, sp)]
     assert acc.text == expected, (ids, sp)
-
-
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    from braid.runtime.loader.tokenizer import load_tokenizer
-
-    return load_tokenizer("smollm2")
 
 
 WORDS = ["the", " cat", " sat", "\n", "\n\n", " on", " mat", ".", " caf\u00e9", " \U0001f642", "Answer:", " ###"]

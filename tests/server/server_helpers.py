@@ -1,6 +1,7 @@
 """Shared by the server tests: the session server's settings and SSE reading (the server itself: tests/real_server.py)."""
 
 import json
+import time
 
 import requests
 
@@ -40,3 +41,14 @@ def metric_values(text: str) -> dict:
                 name += '{le="' + sample.split('le="', 1)[1].split('"', 1)[0] + '"}'
             values[name] = values.get(name, 0.0) + float(value.replace("+Inf", "inf"))
     return values
+
+
+def wait_idle(server, timeout_s: float = 30) -> dict:
+    """/get_server_info once no request runs or waits and no KV slot is used (fails after timeout_s)."""
+    deadline = time.time() + timeout_s
+    while True:
+        info = server.get("/get_server_info").json()
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_used_tokens"] == 0:
+            return info
+        assert time.time() < deadline, f"requests still running or KV still held: {info}"
+        time.sleep(0.2)

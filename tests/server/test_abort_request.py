@@ -14,22 +14,13 @@ from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server import messages as M
 from braid.runtime.server import tokenizer_manager as tm_module
 from braid.runtime.server.tokenizer_manager import TokenizerManager
+from server_helpers import wait_idle
 
 MAX_TOKENS = 400
 
 
 def generated_tokens(server) -> int:
     return server.get("/get_server_info").json()["num_generated_tokens_total"]
-
-
-def wait_idle(server, timeout_s: float = 30) -> dict:
-    deadline = time.time() + timeout_s
-    while True:
-        info = server.get("/get_server_info").json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_used_tokens"] == 0:
-            return info
-        assert time.time() < deadline, f"requests still running after the abort: {info}"
-        time.sleep(0.2)
 
 
 def abort_after_a_few_tokens(server, path: str, body: dict, rid: str) -> dict:

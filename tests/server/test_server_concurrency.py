@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 import openai
 
-from server_helpers import API_KEY, metric_values
+from server_helpers import API_KEY, metric_values, wait_idle
 
 PROMPTS = ["Write a word that rhymes with cat.", "What is 2 + 2?", "Name a planet.", "Say something about dogs."]
 MAX_TOKENS = 8
@@ -40,16 +40,6 @@ async def leave_early(client, model: str, i: int) -> int:
             break
     await stream.close()  # drops the connection mid-stream
     return seen
-
-
-def wait_idle(server, timeout_s: float = 30) -> dict:
-    deadline = time.time() + timeout_s
-    while True:
-        info = server.get("/get_server_info").json()
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_used_tokens"] == 0:
-            return info
-        assert time.time() < deadline, f"requests still running after the clients left: {info}"
-        time.sleep(0.2)
 
 
 def test_non_streaming_client_that_hangs_up_is_aborted(server):
