@@ -294,6 +294,9 @@ class ServerArgs:
                              f"{self.kv_cache_dtype!r} (give --kv-cache-dtype fp8_e4m3, or drop the flag)")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give the API key once: --api-key or --api-key-file")
+        if self.attention_backend == "torch" and not self.disable_cuda_graph:
+            # the torch backend runs attention with host-side loops over requests, which a graph cannot replay
+            object.__setattr__(self, "disable_cuda_graph", True)
 
     # ---- derived ----
     @property

@@ -73,6 +73,8 @@ class ModelRunner:
         self._graphs_after_calibration = False
         if server_args.calculate_kv_scales:
             self.token_to_kv_pool.calibrate_kv_scales_on_next_store()
+        if self.device.type == "cuda" and self.attn_backend_name == "torch":
+            logger.info("CUDA graphs off: the torch attention backend cannot be captured")
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
             if server_args.calculate_kv_scales:
                 # the captured kernels would keep the scales of capture time

@@ -42,11 +42,11 @@ def first_config(variant: str, **changes) -> Fp8GemvConfig:
     return Fp8GemvConfig(**{**config.__dict__, **changes})
 
 
-def make_case(rows, k, seed, x_scale=1.0):
+def make_case(rows, k, seed, x_scale=1.0, m=1):
     if HAS_CUDA and not HAS_FP8_GPU:
         pytest.skip("the fp8 GEMV variants need sm90 on CUDA (fp8 wgmma, e4m3x2 -> f16x2)")
     gen = torch.Generator(DEVICE).manual_seed(seed)  # made where they are used: the 8B shapes are big for a CPU
-    x = (torch.randn(1, k, generator=gen, device=DEVICE) * x_scale).to(torch.bfloat16)
+    x = (torch.randn(m, k, generator=gen, device=DEVICE) * x_scale).to(torch.bfloat16)
     w_q, w_scale = quantize_weight_per_channel(torch.randn(rows, k, generator=gen, device=DEVICE) * k ** -0.5)
     return x, w_q, w_scale
 
@@ -54,19 +54,45 @@ def make_case(rows, k, seed, x_scale=1.0):
 def check(y, x, w_q, w_scale, silu_mul, bound):
     """y within the worst-case bound (C, F) (+ the output's rounding) of the dequantized product, per output; and,
     as the bound is loose for random signs, a relative RMS error near the typical one (a 5% slip fails it)."""
-    assert y.shape == (1, w_q.shape[0] // 2 if silu_mul else w_q.shape[0])
+    assert y.shape == (x.shape[0], w_q.shape[0] // 2 if silu_mul else w_q.shape[0])
     excess, _ = fp8_gemv_error_excess(y, x, w_q, w_scale, silu_mul, bound, out_rounding=OUT_ROUNDING)
     assert excess <= 1.0, excess
     ref = x.double() @ (w_q.double() * w_scale.double()[:, None]).t()
     if silu_mul:
         gate, up = ref.chunk(2, dim=-1)
         ref = torch.nn.functional.silu(gate) * up
-    rms = ((y.double() - ref).norm() / ref.norm()).item()
+    rms = (((y.double() - ref).norm(dim=1) / ref.norm(dim=1)) ** 2).mean().sqrt().item()  # rows weigh alike
     # e4m3 x: 2**-4 per value at most, ~2.4% RMS on y (the interpreter's rounding up to ~7%); silu(gate) * up
     # carries both factors' errors and silu's elasticity (up to ~1.3), ~3.8% measured on the H200; fp16 products:
     # ~2**-11 each, below the bf16 output's rounding
     e4m3_rms = (0.05 if silu_mul else 0.035) if HAS_CUDA else 0.1
     assert rms < (e4m3_rms if bound[0] >= 2 ** -4 else 0.01), rms
+
+
+@pytest.mark.parametrize("m,rows,k,silu_mul", [(2, 96, 128, False), (5, 70, 200, False), (16, 2 * 40, 160, True)])
+def test_tc_variant_takes_up_to_16_rows_of_x(m, rows, k, silu_mul):
+    """Small decode batches: x's rows are the tensor-core operand's columns, each row with its own e4m3 scales; every
+    row within the bound, and each row's result equals that row alone through the batch-1 kernel (the other rows
+    change nothing, split-K partials included)."""
+    x, w_q, w_scale = make_case(rows, k, seed=rows + k + m, m=m)
+    x[1] *= 300.0  # rows of very different magnitudes: one shared scale would flush the small rows to zero
+    config = first_config("tc")
+    y = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=config)
+    assert y.dtype == torch.bfloat16
+    check(y, x, w_q, w_scale, silu_mul, error_bound(config))
+    for i in range(m):
+        torch.testing.assert_close(y[i:i + 1], fp8_gemv(x[i:i + 1], w_q, w_scale, silu_mul=silu_mul, config=config),
+                                   rtol=0, atol=0)
+    assert fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul).shape == y.shape  # the small-batch default tile
+
+
+def test_more_than_one_row_takes_the_tc_variant_only():
+    x, w_q, w_scale = make_case(96, 128, seed=3, m=4)
+    with pytest.raises(ValueError, match="'tc' variant only"):
+        fp8_gemv(x, w_q, w_scale, config=first_config("f16"))
+    x17, _, _ = make_case(96, 128, seed=3, m=17)
+    with pytest.raises(ValueError, match="fp8_gemv needs"):
+        fp8_gemv(x17, w_q, w_scale)
 
 
 @pytest.mark.parametrize("variant", FP8_GEMV_VARIANTS)
@@ -107,7 +133,7 @@ def test_fp8_gemv_tc_split_k_resets_its_counters():
 def test_fp8_gemv_refuses_bad_inputs():
     x, w_q, w_scale = make_case(16, 64, seed=1)
     with pytest.raises(ValueError, match="fp8_gemv needs"):
-        fp8_gemv(x.expand(2, 64), w_q, w_scale)
+        fp8_gemv(x.repeat(1, 2)[:, ::2], w_q, w_scale)  # K not of unit stride
     with pytest.raises(ValueError, match="fp8_gemv needs"):
         fp8_gemv(x, w_q, w_scale[:8])
     with pytest.raises(ValueError, match="fp8_gemv needs"):

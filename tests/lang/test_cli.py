@@ -190,6 +190,7 @@ def test_sglang_spellings_map_onto_braids_fields(capsys):
                                       "--load-balance-method", "shortest_queue"], capsys)
     assert (server_args.tp_size, server_args.dp_size, server_args.torch_compile_max_bs) == (2, 3, 8)
     assert server_args.attention_backend == "torch"
+    assert server_args.disable_cuda_graph  # the torch backend cannot be captured: graphs off, as SGLang does
     assert server_args.model_config_overrides() == {"rope_theta": 5.0}
     assert notices == ["--enable-mla (an SGLang flag) has no effect: MLA is on by default for DeepSeek-V2 models "
                        "(--disable-mla turns it off)",

@@ -16,8 +16,9 @@ per shard by writing each shard's scale on its rows: exact, no requantization. A
 Multiplication (`apply`), y = act(x @ W^T + b) in x's dtype:
 - CUDA, one row of x (batch-1 decode), no bias: braid's Triton GEMV (gemv.py) streams the fp8 weight and
   multiplies by the row scales, SiLU-and-mul fused for a [gate; up] weight, launched with PDL; x stays bf16.
-- CUDA, 2..16 rows (small decode batches), no bias: fp8_kernels.small_batch_gemm, the same weight-only stream with
-  tensor-core dots, SiLU-and-mul fused. Both follow --disable-decode-gemv (then _scaled_mm below).
+- CUDA, 2..16 rows (small decode batches), no bias: fp8_kernels.fp8_gemv's tensor-core variant, one launch that
+  streams W once through fp8 dots against x's rows (each rounded to e4m3 per row and chunk in the kernel),
+  SiLU-and-mul fused. Both follow --disable-decode-gemv (then _scaled_mm below).
 - CUDA otherwise: x quantized per token (or by the static scale) in one Triton launch, then torch._scaled_mm
   with row-wise scales (sm90 supports them with a bf16 output; so fp8 on CUDA needs --dtype bfloat16), or
   tensor-wise when the activation scale is static and every row of W has the same scale.
@@ -44,8 +45,8 @@ from braid.runtime.layers import cpu_gemm, gemv
 from braid.runtime.layers.activation import SiluAndMul
 from braid.runtime.layers.quantization.base import LinearMethod
 from braid.runtime.layers.quantization.fp8_kernels import (FP8_DTYPE, SMALL_BATCH_MAX_ROWS, check_fp8_device,
-                                                           quantize_rows, quantize_weight_per_channel, scaled_mm,
-                                                           small_batch_gemm)
+                                                           fp8_gemv, quantize_rows, quantize_weight_per_channel,
+                                                           scaled_mm)
 
 __all__ = ["Fp8LinearMethod", "use_fp8_linears", "split_kv_cache_scales"]
 
@@ -175,7 +176,7 @@ class Fp8LinearMethod(LinearMethod):
                 if gemv.fp8_supports(x, weight, scale):
                     y = gemv.gemv(x, weight, silu_mul=fused, weight_scale=scale)
                 elif x.shape[0] > 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1:
-                    y = small_batch_gemm(x, weight, scale, silu_mul=fused)
+                    y = fp8_gemv(x, weight, scale, silu_mul=fused)
                 if y is not None:
                     return y if fused or act is None else act(y)
             x_q, x_scale = quantize_rows(x, layer.input_scale)

@@ -318,15 +318,24 @@ def _f16_chunk(w, u, x, acc, acc_up, SILU_MUL: tl.constexpr, BIT_DEQUANT: tl.con
 
 
 @triton.jit
-def _scaled_activation_store(y, y_up, w_scale_ptr, y_ptr, rows, row_mask, N, SILU_MUL: tl.constexpr):
-    """y, y_up: [BLOCK_N] fp32 row sums of the unscaled weight -> times the row scales, SiLU-and-mul (gate and up
-    rounded to the output dtype where the unfused path rounds them), stored."""
-    y = y * tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)
+def _scaled_activation_store(y, y_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, SILU_MUL: tl.constexpr,
+                             X_ROWS: tl.constexpr):
+    """y, y_up: fp32 sums of the unscaled weight rows `rows` ([BLOCK_N]; X_ROWS: [BLOCK_N, 16], x's 16 rows) -> times
+    the row scales, SiLU-and-mul (gate and up rounded to the output dtype where the unfused path rounds them),
+    stored at out_ptrs (y's shape) where out_mask."""
+    scale = tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)
+    if X_ROWS:
+        scale = scale[:, None]
+    y = y * scale
+    out_dtype = out_ptrs.dtype.element_ty
     if SILU_MUL:
-        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = (y_up * tl.load(w_scale_ptr + N + rows, mask=row_mask, other=0.0)).to(y_ptr.dtype.element_ty)
+        scale_up = tl.load(w_scale_ptr + N + rows, mask=row_mask, other=0.0)
+        if X_ROWS:
+            scale_up = scale_up[:, None]
+        gate = y.to(out_dtype).to(tl.float32)
+        up = (y_up * scale_up).to(out_dtype)
         y = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
-    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(out_ptrs, y.to(out_dtype), mask=out_mask)
 
 
 @triton.jit
@@ -360,8 +369,8 @@ def _fp8_gemv_f16_rows(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stri
             u = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         acc, acc_up = _f16_chunk(w, u, x, acc, acc_up, SILU_MUL, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP)
-    _scaled_activation_store(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), w_scale_ptr, y_ptr, rows, row_mask, N,
-                             SILU_MUL)
+    _scaled_activation_store(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), w_scale_ptr, y_ptr + rows, rows, row_mask,
+                             row_mask, N, SILU_MUL, False)
 
 
 @triton.jit
@@ -381,23 +390,23 @@ def _fp8_gemv_f16_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, n
 
 
 @triton.jit
-def _e4m3_x_tile(x_ptr, kk, k_mask, BLOCK_K: tl.constexpr):
-    """x[kk] (masked to 0) rounded to e4m3 with the chunk's own scale (max |x| at 448) -> (the chunk broadcast to
-    a [BLOCK_K, 16] tensor-core operand, its scale)."""
-    x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+def _e4m3_x_tiles(x_ptr, x_row_stride, x_rows, row_mask, kk, k_mask):
+    """x[x_rows, kk] (masked to 0), each row rounded to e4m3 with its own scale for the chunk (max |x| at 448) ->
+    (the tensor-core operand [BLOCK_K, 16], column m = row m of x; the scales [16])."""
+    x = tl.load(x_ptr + x_rows[None, :] * x_row_stride + kk[:, None], mask=k_mask[:, None] & row_mask[None, :],
+                other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0
-    xq = (x / scale).to(tl.float8e4nv)
-    return tl.broadcast_to(xq[:, None], (BLOCK_K, 16)), scale
+    return (x / scale[None, :]).to(tl.float8e4nv), scale
 
 
 @triton.jit
-def _fp8_gemv_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr, N, K, w_row_stride,
-                        SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr):
-    # program (pid_n, pid_k): rows [pid_n * BLOCK_N, +BLOCK_N) (and the up rows N further) over the pid_k-th of
-    # SPLIT_K ranges of K (whole BLOCK_K chunks); partial_ptr: [SPLIT_K, N (2N with SILU_MUL)] fp32, each
-    # program's row sums; count_ptr: [cdiv(N, BLOCK_N)] int32, zero between calls (the last program of a row tile
-    # resets its counter)
+def _fp8_gemv_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, x_row_stride,
+                        w_row_stride, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    # program (pid_n, pid_k): weight rows [pid_n * BLOCK_N, +BLOCK_N) (and the up rows N further) against all M <= 16
+    # rows of x, over the pid_k-th of SPLIT_K ranges of K (whole BLOCK_K chunks); partial_ptr: [SPLIT_K, 16, N (2N
+    # with SILU_MUL)] fp32, each program's sums; count_ptr: [cdiv(N, BLOCK_N)] int32, zero between calls (the last
+    # program of a row tile resets its counter)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     let_next_kernel_launch(USE_PDL)
@@ -407,6 +416,8 @@ def _fp8_gemv_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr
     cols = tl.arange(0, BLOCK_K)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
+    x_rows = tl.arange(0, 16)
+    x_row_mask = x_rows < M
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + (k_start + cols)[None, :]
     up_offset = N.to(tl.int64) * w_row_stride
     # the first weight tile streams before the wait for x (PDL; no kernel of the step writes W)
@@ -418,47 +429,47 @@ def _fp8_gemv_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr
         u = tl.load(w_ptrs + up_offset, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
     wait_for_previous_kernel(USE_PDL)
-    xb, x_scale = _e4m3_x_tile(x_ptr, kk, k_mask, BLOCK_K)
-    acc = tl.dot(w, xb, out_dtype=tl.float32) * x_scale  # [BLOCK_N, 16], every column the same
+    xq, x_scale = _e4m3_x_tiles(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask)
+    acc = tl.dot(w, xq, out_dtype=tl.float32) * x_scale[None, :]  # [BLOCK_N, 16]: column m for x's row m
     acc_up = acc
     if SILU_MUL:
-        acc_up = tl.dot(u, xb, out_dtype=tl.float32) * x_scale
+        acc_up = tl.dot(u, xq, out_dtype=tl.float32) * x_scale[None, :]
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
         kk = k0 + cols
         k_mask = kk < k_end
-        xb, x_scale = _e4m3_x_tile(x_ptr, kk, k_mask, BLOCK_K)
+        xq, x_scale = _e4m3_x_tiles(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask)
         w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        acc += tl.dot(w, xb, out_dtype=tl.float32) * x_scale
+        acc += tl.dot(w, xq, out_dtype=tl.float32) * x_scale[None, :]
         if SILU_MUL:
             u = tl.load(w_ptrs + up_offset, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
                         eviction_policy="evict_first")
-            acc_up += tl.dot(u, xb, out_dtype=tl.float32) * x_scale
-    y = tl.max(acc, axis=1)
-    y_up = tl.max(acc_up, axis=1)
+            acc_up += tl.dot(u, xq, out_dtype=tl.float32) * x_scale[None, :]
+    out_mask = row_mask[:, None] & x_row_mask[None, :]
+    out_ptrs = y_ptr + x_rows[None, :] * N + rows[:, None]  # y [M, N]
     if SPLIT_K == 1:
-        _scaled_activation_store(y, y_up, w_scale_ptr, y_ptr, rows, row_mask, N, SILU_MUL)
+        _scaled_activation_store(acc, acc_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, SILU_MUL, True)
     else:
         split_stride = 2 * N if SILU_MUL else N
-        tl.store(partial_ptr + pid_k * split_stride + rows, y, mask=row_mask)
+        tile = partial_ptr + x_rows[None, :] * split_stride + rows[:, None]  # split 0's [BLOCK_N, 16] sums
+        tl.store(tile + pid_k * 16 * split_stride, acc, mask=out_mask)
         if SILU_MUL:
-            tl.store(partial_ptr + pid_k * split_stride + N + rows, y_up, mask=row_mask)
+            tl.store(tile + pid_k * 16 * split_stride + N, acc_up, mask=out_mask)
         # every thread's stores precede one thread's release of the counter (as CUTLASS's semaphores do)
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             # the last of the row tile: the sums in split order (the same result every call, whichever program
             # is last), read from L2 where the others' stores are; then the counter back to zero
-            y = tl.zeros_like(y)
-            y_up = tl.zeros_like(y_up)
+            acc = tl.zeros_like(acc)
+            acc_up = tl.zeros_like(acc_up)
             for split in tl.static_range(SPLIT_K):
-                y += tl.load(partial_ptr + split * split_stride + rows, mask=row_mask, other=0.0,
-                             cache_modifier=".cg")
+                acc += tl.load(tile + split * 16 * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
                 if SILU_MUL:
-                    y_up += tl.load(partial_ptr + split * split_stride + N + rows, mask=row_mask, other=0.0,
-                                    cache_modifier=".cg")
+                    acc_up += tl.load(tile + split * 16 * split_stride + N, mask=out_mask, other=0.0,
+                                      cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
-            _scaled_activation_store(y, y_up, w_scale_ptr, y_ptr, rows, row_mask, N, SILU_MUL)
+            _scaled_activation_store(acc, acc_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, SILU_MUL, True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -500,27 +511,27 @@ class Fp8GemvConfig:
 def fp8_gemv_error_excess(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                           silu_mul: bool, error_bound: tuple[float, float], out_rounding: float = 2 ** -8
                           ) -> tuple[float, float]:
-    """(max over outputs of |y - ref| / bound (<= 1: within), max |y - ref|), ref = act(x @ (weight *
+    """x [M, K], y [M, N] -> (max over outputs of |y - ref| / bound (<= 1: within), max |y - ref|), ref = act(x @ (weight *
     weight_scale[:, None])^T) unrounded (float64 on CPU, fp32 in 2048-row blocks on CUDA), bound = C * sum_k
     |w_k x_k| + F * max|x| * sum_k |w_k| + out_rounding * |ref| for error_bound = (C, F) (Fp8GemvConfig.error_bound),
     carried through silu(gate) * up with |silu'| <= 1.1. NaN or inf in y: (inf, inf)."""
     relative, floor = error_bound
     dtype = torch.float32 if x.is_cuda else torch.float64
-    xf = x.to(dtype)[0]
+    xf = x.to(dtype)  # [M, K]: each row its own bound (its own max |x|)
     ref, bound = [], []
     for start in range(0, weight.shape[0], 2048):
         w = weight[start:start + 2048].to(dtype) * weight_scale[start:start + 2048].to(dtype)[:, None]
-        ref.append(w @ xf)
-        bound.append(w.abs() @ (relative * xf.abs() + floor * xf.abs().max()))
-    ref = torch.cat(ref)
-    bound = torch.cat(bound) + out_rounding * ref.abs()
+        ref.append(xf @ w.t())
+        bound.append((relative * xf.abs() + floor * xf.abs().amax(dim=1, keepdim=True)) @ w.abs().t())
+    ref = torch.cat(ref, dim=1)
+    bound = torch.cat(bound, dim=1) + out_rounding * ref.abs()
     if silu_mul:
-        gate, up = ref.chunk(2)
-        gate_err, up_err = bound.chunk(2)
+        gate, up = ref.chunk(2, dim=1)
+        gate_err, up_err = bound.chunk(2, dim=1)
         silu = torch.nn.functional.silu(gate)
         ref = silu * up
         bound = 1.1 * gate_err * (up.abs() + up_err) + (silu.abs() + 1.1 * gate_err) * up_err + out_rounding * ref.abs()
-    err = (y.to(dtype)[0] - ref).abs()
+    err = (y.to(dtype) - ref).abs()
     if not torch.isfinite(err).all():
         return float("inf"), float("inf")
     return (err / (bound + 1e-30)).max().item(), err.max().item()
@@ -556,6 +567,13 @@ MEASURED_FP8_GEMV_CONFIGS = {
 }
 
 
+# 2..16 rows of x (small decode batches): the "tc" variant with x's rows as the tensor-core operand's columns. The
+# default tile until benchmarks/gpu/fp8_small_batch_gemm.py measures per shape (then MEASURED_FP8_SMALL_BATCH_CONFIGS,
+# keyed like MEASURED_FP8_GEMV_CONFIGS).
+SMALL_BATCH_TC_CONFIG = Fp8GemvConfig("tc", 64, 256, 4, 4, split_k=0)
+MEASURED_FP8_SMALL_BATCH_CONFIGS: dict = {}
+
+
 def measured_fp8_gemv_config(device: torch.device, rows: int, k: int, silu_mul: bool) -> Optional[Fp8GemvConfig]:
     """The MEASURED_FP8_GEMV_CONFIGS entry for this CUDA device's name and a [rows, K] weight, or None."""
     return measured_table(MEASURED_FP8_GEMV_CONFIGS, device).get((rows, k, bool(silu_mul)))
@@ -578,14 +596,14 @@ def _split_k(config: Fp8GemvConfig, n: int, k: int, device: torch.device) -> int
     return split
 
 
-_tc_workspaces: dict = {}  # (device, splits, rows, tiles) -> (fp32 [splits * rows], int32 [tiles] zero between calls)
+_tc_workspaces: dict = {}  # (device, splits, rows, tiles) -> (fp32 [splits * 16 * rows], int32 [tiles] zero between calls)
 
 
 def _tc_workspace(device: torch.device, splits: int, rows: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     # kept forever: a CUDA graph that captured a launch holds its pointers
     key = (str(device), splits, rows, tiles)
     if key not in _tc_workspaces:
-        _tc_workspaces[key] = (torch.empty(splits * rows, dtype=torch.float32, device=device),
+        _tc_workspaces[key] = (torch.empty(splits * 16 * rows, dtype=torch.float32, device=device),
                                torch.zeros(tiles, dtype=torch.int32, device=device))
     return _tc_workspaces[key]
 
@@ -597,9 +615,9 @@ def _launch_fp8_gemv(config: Fp8GemvConfig, x, weight, weight_scale, y, n, k, si
         tiles = triton.cdiv(n, config.block_n)
         partial, count = (_tc_workspace(x.device, split, weight.shape[0], tiles) if split > 1
                           else (weight_scale, weight_scale))
-        _fp8_gemv_tc_kernel[(tiles, split)](x, weight, weight_scale, y, partial, count, n, k, weight.stride(0),
-                                            SILU_MUL=silu_mul, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                                            SPLIT_K=split, **launch)
+        _fp8_gemv_tc_kernel[(tiles, split)](x, weight, weight_scale, y, partial, count, x.shape[0], n, k, x.stride(0),
+                                            weight.stride(0), SILU_MUL=silu_mul, BLOCK_N=config.block_n,
+                                            BLOCK_K=config.block_k, SPLIT_K=split, **launch)
     else:
         blocks = triton.cdiv(n, config.block_n)
         programs = min(blocks, config.programs or blocks)
@@ -640,23 +658,31 @@ def _tune(key, candidates, run, excess) -> Fp8GemvConfig:
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, silu_mul: bool = False,
              config: Optional[Fp8GemvConfig] = None) -> torch.Tensor:
-    """x: [1, K] bf16/fp16; weight: e4m3 [N, K] (or [2N, K] = [gate; up] with silu_mul), unit stride along K;
-    weight_scale: fp32 [rows] -> y [1, N] = act(x @ (weight * weight_scale[:, None])^T) in x's dtype.
+    """x: [M, K] bf16/fp16, 1 <= M <= 16; weight: e4m3 [N, K] (or [2N, K] = [gate; up] with silu_mul), unit stride
+    along K; weight_scale: fp32 [rows] -> y [M, N] = act(x @ (weight * weight_scale[:, None])^T) in x's dtype.
 
-    config: one variant and tile (benchmarks); by default the fastest of fp8_gemv_candidates() for this shape,
-    timed on its first call (the CUDA-graph runner's warm-up passes make it before capture). CUDA, or CPU tensors
-    under TRITON_INTERPRET=1 (there the first candidate, or config)."""
+    config: one variant and tile (benchmarks; M > 1 takes "tc" only). By default, at M = 1 the fastest of
+    fp8_gemv_candidates() for this shape, timed on its first call (the CUDA-graph runner's warm-up passes make it
+    before capture); at M > 1 the "tc" tile of MEASURED_FP8_SMALL_BATCH_CONFIGS, else SMALL_BATCH_TC_CONFIG. CUDA, or
+    CPU tensors under TRITON_INTERPRET=1 (there the first candidate, or config)."""
     rows, k = weight.shape
-    if not (x.dim() == 2 and x.shape == (1, k) and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+    m = x.shape[0] if x.dim() == 2 else 0
+    if not (x.dim() == 2 and 1 <= m <= SMALL_BATCH_MAX_ROWS and x.shape[1] == k
+            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
             and weight.dtype == FP8_DTYPE and weight.stride(1) == 1 and weight_scale.dtype == torch.float32
             and weight_scale.is_contiguous() and weight_scale.numel() == rows and not (silu_mul and rows % 2)
             and x.device == weight.device == weight_scale.device):
-        raise ValueError(f"fp8_gemv needs x [1, K] bf16/fp16, an e4m3 weight [N, K] ([2N, K] with silu_mul) and an "
-                         f"fp32 scale per row; got {tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} {weight.dtype}, "
-                         f"{tuple(weight_scale.shape)} {weight_scale.dtype}")
+        raise ValueError(f"fp8_gemv needs x [1..{SMALL_BATCH_MAX_ROWS}, K] bf16/fp16, an e4m3 weight [N, K] ([2N, K] "
+                         f"with silu_mul) and an fp32 scale per row; got {tuple(x.shape)} {x.dtype}, "
+                         f"{tuple(weight.shape)} {weight.dtype}, {tuple(weight_scale.shape)} {weight_scale.dtype}")
+    if m > 1 and config is not None and config.variant != "tc":
+        raise ValueError(f"fp8_gemv of {m} rows of x takes the 'tc' variant only, got {config}")
     n = rows // 2 if silu_mul else rows
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     silu_mul = bool(silu_mul)
+    if config is None and m > 1:
+        config = (measured_table(MEASURED_FP8_SMALL_BATCH_CONFIGS, x.device).get((rows, k, silu_mul))
+                  or SMALL_BATCH_TC_CONFIG)
     if config is None:
         key = (str(x.device), n, k, silu_mul, x.dtype, pdl.enabled(x.device))
         config = _tuned.get(key)
