@@ -1,12 +1,9 @@
-"""FP8 on the Llama-3-8B-shaped dummy model (H200), the parts fp8_decode.sh does not get from bench_one_batch.
+"""FP8 on the Llama-3-8B-shaped dummy model (H200), the parts fp8_decode.sh does not get from bench_one_batch (the
+GEMMs by shape and the decode attention by KV dtype are fp8_small_batch_gemm.py and decode_attention_kv_dtype.py).
 
-  python3 benchmarks/gpu/fp8_decode.py gemv OUT.jsonl      batch-1 GEMM floor per weight shape: bf16 GEMV, fp8 GEMV,
-                                                           _scaled_mm (M = 1, row-wise) in CUDA graphs, as TB/s
   python3 benchmarks/gpu/fp8_decode.py kv OUT.jsonl fp8|bf16 [KV_DTYPE...]
                                                            decode step at 8K context, batch 8 and 64, with fp8 or bf16
                                                            weights, by KV cache dtype (default auto fp8_e5m2 fp8_e4m3)
-  python3 benchmarks/gpu/fp8_decode.py attn OUT.jsonl      Triton decode attention alone (one layer, batch 64, 8K
-                                                           context, 8B heads) by KV dtype and launch config, TB/s
   python3 benchmarks/gpu/fp8_decode.py summary DIR         the table of everything under DIR, PASS/FAIL lines
 
 The KV runs skip the 8K-token prefill (batch 64 would be one 512K-token extend): every request's 8192 cached
@@ -59,87 +56,6 @@ def _timed(time_us, fn) -> float:
     except Exception as e:  # noqa: BLE001 - reported, the run goes on
         print(f"FAIL timing: {e!r}"[:300], flush=True)
         return float("nan")
-
-
-def gemv_floor(out_path: str) -> None:
-    import torch
-
-    from braid.runtime.layers.gemv import gemv
-    from braid.runtime.layers.quantization.fp8_kernels import (quantize_rows, quantize_weight_per_channel, scaled_mm,
-                                                               small_batch_gemm)
-    from decode_b1 import graph_time_us  # benchmarks/gpu, this script's folder
-
-    cfg = json.load(open(CONFIG))
-    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    qkv = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["head_dim"]
-    shapes = {"qkv": (qkv, h), "o": (h, h), "gate_up": (2 * inter, h), "down": (h, inter)}
-    for name, (n, k) in shapes.items():
-        # all layers' weights of the shape, so that L2 does not hold them between calls
-        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5 for _ in range(layers)]
-        fp8 = [quantize_weight_per_channel(w) for w in dense]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        silu = name == "gate_up"
-        row = {"shape": name, "n": n, "k": k, "layers": layers}
-        bf16_bytes, fp8_bytes = layers * n * k * 2, layers * (n * k + n * 4)
-        timed = lambda fn: _timed(graph_time_us, fn)  # noqa: E731
-        row["bf16_gemv_us"] = timed(lambda: [gemv(x, w, silu_mul=silu) for w in dense])
-        row["fp8_gemv_us"] = timed(lambda: [gemv(x, q, silu_mul=silu, weight_scale=s) for q, s in fp8])
-        row["fp8_scaled_mm_us"] = timed(lambda: [scaled_mm(*quantize_rows(x), q, s, torch.bfloat16) for q, s in fp8])
-        row["fp8_small_batch_us"] = timed(lambda: [small_batch_gemm(x, q, s, silu_mul=silu) for q, s in fp8])
-        x8 = torch.randn(8, k, device="cuda", dtype=torch.bfloat16)
-        row["m8_bf16_linear_us"] = timed(lambda: [torch.nn.functional.linear(x8, w) for w in dense])
-        row["m8_fp8_small_batch_us"] = timed(lambda: [small_batch_gemm(x8, q, s, silu_mul=silu) for q, s in fp8])
-        row["m8_fp8_scaled_mm_us"] = timed(lambda: [scaled_mm(*quantize_rows(x8), q, s, torch.bfloat16)
-                                                    for q, s in fp8])
-        row["bf16_gemv_tb_s"] = bf16_bytes / row["bf16_gemv_us"] / 1e6
-        row["fp8_gemv_tb_s"] = fp8_bytes / row["fp8_gemv_us"] / 1e6
-        row["fp8_scaled_mm_tb_s"] = fp8_bytes / row["fp8_scaled_mm_us"] / 1e6
-        row["fp8_small_batch_tb_s"] = fp8_bytes / row["fp8_small_batch_us"] / 1e6
-        _append(out_path, row)
-        del dense, fp8
-        torch.cuda.empty_cache()
-
-
-ATTN_CONFIGS = [dict(BLOCK_N=bn, num_warps=w, num_stages=st)
-                for bn, w, st in ((64, 2, 2), (128, 2, 2), (128, 4, 2), (64, 4, 2), (128, 8, 3), (256, 8, 2))]
-
-
-def attention_sweep(out_path: str) -> None:
-    """One layer's decode attention at batch 64 and 8K context, bf16 vs fp8 KV, for each launch config: which
-    config an fp8 cache wants (the kernel picks by head dims only, tuned on bf16)."""
-    import torch
-
-    from braid.runtime.layers.attention.triton_ops import decode_attention as da
-    from braid.runtime.layers.attention.triton_ops import extend_attention
-    from decode_b1 import graph_time_us
-
-    cfg = json.load(open(CONFIG))
-    batch, heads, kv_heads, dim = 64, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    tokens = batch * KV_CONTEXT
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    table = torch.randperm(tokens, device="cuda", generator=gen).add_(1).to(torch.int32).view(batch, KV_CONTEXT)
-    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
-    o = torch.empty_like(q)
-    seq_lens = torch.full((batch,), KV_CONTEXT, dtype=torch.int32, device="cuda")
-    req_idx = torch.arange(batch, device="cuda")
-    original = da._decode_launch_configs
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
-        k = torch.randn(tokens + 1, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
-        v = torch.randn(tokens + 1, kv_heads, dim, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
-        nbytes = 2 * tokens * kv_heads * dim * k.element_size()
-        for splits in (8, 16):
-            scratch = torch.empty(batch, heads, splits, dim + 1, device="cuda", dtype=torch.float32)
-            for launch in ATTN_CONFIGS:
-                da._decode_launch_configs = lambda *args, launch=launch, **kwargs: [launch]
-                extend_attention._FITTING_CONFIG.clear()
-                us = _timed(lambda fn: graph_time_us(fn, iters=20), lambda: da.decode_attention_fwd(
-                    q, k, v, o, table, req_idx, seq_lens, scratch, splits, dim ** -0.5))
-                _append(out_path, {"kv_dtype": str(kv_dtype).removeprefix("torch."), "num_kv_splits": splits,
-                                   **launch, "us": us, "tb_s": nbytes / us / 1e6})
-        del k, v
-        torch.cuda.empty_cache()
-    da._decode_launch_configs = original
-    extend_attention._FITTING_CONFIG.clear()
 
 
 def _fill_kv(runner, batch: int, context: int):
@@ -246,33 +162,7 @@ def summary(folder: str) -> int:
     bf16 = {r["batch_size"]: r for r in _read(os.path.join(folder, "one_batch_bf16.jsonl"))}
     fp8 = {r["batch_size"]: r for r in _read(os.path.join(folder, "one_batch_fp8.jsonl"))}
     kv = _read(os.path.join(folder, "kv.jsonl"))
-    gemv_rows = _read(os.path.join(folder, "gemv.jsonl"))
-    attn_rows = [r for r in _read(os.path.join(folder, "attn.jsonl")) if r["us"] == r["us"]]  # NaN: failed
-    if attn_rows:
-        print(f"\ndecode attention alone, one layer, batch 64 x {KV_CONTEXT} tokens (best launch per KV dtype and "
-              "split count; the kernel now uses BLOCK_N 64, 2 warps, 2 stages, 16 splits):")
-        for dtype in dict.fromkeys(r["kv_dtype"] for r in attn_rows):
-            for splits in sorted({r["num_kv_splits"] for r in attn_rows}):
-                rows = [r for r in attn_rows if r["kv_dtype"] == dtype and r["num_kv_splits"] == splits]
-                if not rows:
-                    continue
-                best = min(rows, key=lambda r: r["us"])
-                now = next((r for r in rows if (r["BLOCK_N"], r["num_warps"], r["num_stages"]) == (64, 2, 2)), None)
-                print(f"  {dtype:>14} splits {splits:>2}: best {best['us']:7.1f} us ({best['tb_s']:.2f} TB/s) with "
-                      f"BLOCK_N {best['BLOCK_N']}, {best['num_warps']} warps, {best['num_stages']} stages; current "
-                      f"config {now['us'] if now else float('nan'):7.1f} us")
     failures = 0
-    if gemv_rows:
-        print("\nbatch-1 GEMM floor, all 32 layers of a shape in one CUDA graph (TB/s of weight bytes):")
-        print(f"{'shape':>8} {'bf16 gemv':>10} {'fp8 gemv':>10} {'fp8 small-batch':>16} {'fp8 _scaled_mm':>15} "
-              f"{'fp8 gemv us':>12} {'bf16 gemv us':>13} | M=8 us: {'bf16 F.linear':>12} {'fp8 small-batch':>15} "
-              f"{'fp8 _scaled_mm':>14}")
-        for r in gemv_rows:
-            print(f"{r['shape']:>8} {r['bf16_gemv_tb_s']:10.2f} {r['fp8_gemv_tb_s']:10.2f} "
-                  f"{r.get('fp8_small_batch_tb_s', float('nan')):16.2f} "
-                  f"{r['fp8_scaled_mm_tb_s']:15.2f} {r['fp8_gemv_us']:12.1f} {r['bf16_gemv_us']:13.1f} | "
-                  f"{'':8}{r['m8_bf16_linear_us']:12.1f} {r['m8_fp8_small_batch_us']:15.1f} "
-                  f"{r['m8_fp8_scaled_mm_us']:14.1f}")
     print("\nbench_one_batch, Llama-3-8B-shaped dummy, 128 in / 512 out, decode tok/s (median step):")
     print(f"{'batch':>6} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'fp8/bf16':>9} {'bf16 ms':>8} {'fp8 ms':>8} "
           f"{'prefill bf16/fp8 ms':>20}")
@@ -327,16 +217,12 @@ def summary(folder: str) -> int:
 
 def main() -> int:
     what, target = sys.argv[1], sys.argv[2]
-    if what == "gemv":
-        gemv_floor(target)
-    elif what == "kv":
+    if what == "kv":
         kv_decode(target, sys.argv[3], sys.argv[4:] or KV_DTYPES)
-    elif what == "attn":
-        attention_sweep(target)
     elif what == "summary":
         return summary(target)
     else:
-        raise SystemExit(f"unknown command {what!r}: gemv, kv or summary")
+        raise SystemExit(f"unknown command {what!r}: kv or summary")
     return 0
 
 

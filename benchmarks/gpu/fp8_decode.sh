@@ -8,8 +8,8 @@
 #    load, per-channel scales), with batch 1's fraction of its ceiling (bytes read per step at 4.28 TB/s);
 # 3. decode at 8K cached tokens, batch 8 and 64: KV cache bf16 vs fp8_e5m2 vs fp8_e4m3 with fp8 weights (the
 #    >= 1.3x target), then bf16 vs fp8_e4m3 with bf16 weights;
-# 4. the batch-1 GEMM floor per weight shape (bf16 GEMV, fp8 GEMV, _scaled_mm; at M = 8 bf16 F.linear, the fp8
-#    small-batch kernel, _scaled_mm), then decode attention alone by KV dtype and launch config;
+# 4. the fp8 GEMMs per weight shape at 1..16 rows (fp8_small_batch_gemm.py), then decode attention alone by KV
+#    dtype, split count and launch config at batch 8 and 64 (decode_attention_kv_dtype.py);
 # then the table, with PASS/FAIL lines for the targets (fp8 batch 1 >= 450 tok/s, fp8 KV >= 1.3x bf16 KV).
 set -o pipefail
 source benchmarks/gpu/setup.sh
@@ -50,10 +50,12 @@ step "decode at 8K context by KV cache dtype, bf16 weights"
 timeout "$(cap 60)" python3 benchmarks/gpu/fp8_decode.py kv "$OUT/kv.jsonl" bf16 auto fp8_e4m3 2>&1 \
   | grep -v Warning | tail -6
 
-step "GEMM floor by weight shape"
-timeout "$(cap 40)" python3 benchmarks/gpu/fp8_decode.py gemv "$OUT/gemv.jsonl" 2>&1 | grep -v Warning | tail -6
-step "decode attention alone by KV dtype and launch config"
-timeout "$(cap 50)" python3 benchmarks/gpu/fp8_decode.py attn "$OUT/attn.jsonl" 2>&1 | grep -v Warning | tail -3
+step "fp8 GEMMs at 1..16 rows by weight shape"
+timeout "$(cap 150)" python3 benchmarks/gpu/fp8_small_batch_gemm.py --budget-s 120 --out "$OUT/gemm.jsonl" 2>&1 \
+  | grep -v -E "Warning|^\{" | tail -30
+step "decode attention alone by KV dtype and launch config, batch 8 and 64"
+timeout "$(cap 160)" python3 benchmarks/gpu/decode_attention_kv_dtype.py --budget-s 130 --out "$OUT/attn.jsonl" 2>&1 \
+  | grep -v -E "Warning|^\{" | tail -16
 
 step "summary"
 python3 benchmarks/gpu/fp8_decode.py summary "$OUT" 2>&1 | tee "$OUT/summary.txt"

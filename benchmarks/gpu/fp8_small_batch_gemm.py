@@ -1,11 +1,13 @@
-"""fp8 weights at small decode batches (2..16 rows of x) per Llama-3-8B shape (H200): the kernels a decode step can
+"""fp8 weights at small decode batches (1..16 rows of x) per Llama-3-8B shape (H200): the kernels a decode step can
 run, each timed with all 32 layers' weights of the shape in one CUDA graph (so L2 holds none of them), in TB/s of
 the weight bytes streamed.
 
-  python3 benchmarks/gpu/fp8_small_batch_gemm.py [--rows 2 4 8 16] [--budget-s 240] [--out rows.jsonl]
+  python3 benchmarks/gpu/fp8_small_batch_gemm.py [--rows 1 2 4 8 16] [--budget-s 240] [--out rows.jsonl]
   python3 benchmarks/gpu/fp8_small_batch_gemm.py --table rows.jsonl
 
-Rows: `bf16` cuBLAS on bf16 weights (twice the bytes: the yardstick), `bf16-dot` fp8_kernels.small_batch_gemm (W
+Rows: `bf16` cuBLAS on bf16 weights (twice the bytes: the yardstick; at 1 row also braid's bf16 GEMV, `bf16-gemv`),
+`fp8` what the fp8 Linear runs (fp8_gemv's default: at 1 row the measured or tuned GEMV, above it the tc tile of
+MEASURED_FP8_SMALL_BATCH_CONFIGS or SMALL_BATCH_TC_CONFIG), `bf16-dot` fp8_kernels.small_batch_gemm (W
 upcast to bf16 per value, tensor-core dots), `tc` fp8_gemv's tensor-core variant over x's rows (x rounded to e4m3
 per row and chunk; every tile below), `scaled_mm` quantize_rows + torch._scaled_mm (two launches). Each fp8 result
 is checked against the dequantized fp32 matmul within its error bound before it is timed. The table gives per
@@ -38,6 +40,7 @@ def sweep(args) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
+    from braid.runtime.layers.gemv import gemv
     from braid.runtime.layers.quantization.fp8_kernels import (Fp8GemvConfig, fp8_gemv, fp8_gemv_error_excess,
                                                                quantize_rows, quantize_weight_per_channel, scaled_mm,
                                                                small_batch_gemm)
@@ -77,6 +80,9 @@ def sweep(args) -> list[dict]:
             base = {"shape": name, "rows": rows, "k": k, "m": m, "layers": layers}
             us = timed(lambda: [F.linear(x, w) for w in dense])
             record({**base, "kernel": "bf16", "config": "cuBLAS", "us": us, "tb_s": rows * k * 2 / us / 1e6})
+            if m == 1:
+                us = timed(lambda: [gemv(x, w, silu_mul=silu) for w in dense])
+                record({**base, "kernel": "bf16-gemv", "config": "braid", "us": us, "tb_s": rows * k * 2 / us / 1e6})
 
             def fp8_row(kernel, config, fn, bound):
                 row = {**base, "kernel": kernel, "config": config}
@@ -95,6 +101,7 @@ def sweep(args) -> list[dict]:
                     row["error"] = repr(e)[:200]
                 record(row)
 
+            fp8_row("fp8", "runtime", lambda q, s: fp8_gemv(x, q, s, silu_mul=silu), (2 ** -4, 2 ** -10 / 448))
             fp8_row("bf16-dot", "autotuned", lambda q, s: small_batch_gemm(x, q, s, silu_mul=silu), (2 ** -8, 0.0))
             for config in tc_configs():
                 if time.time() > deadline:
@@ -121,7 +128,7 @@ def table(rows: list[dict]) -> int:
         return 1
     bad = [r for r in rows if r.get("within_bound") is False or "error bound" in r.get("error", "")]
     print(f"{'PASS' if not bad else 'FAIL'} error bounds: {len(bad)} kernel rows outside their bound")
-    kernels = ["bf16", "bf16-dot", "tc", "scaled_mm"]
+    kernels = ["bf16", "bf16-gemv", "fp8", "bf16-dot", "tc", "scaled_mm"]
     print(f"\n{'shape':>8} {'m':>3} " + " ".join(f"{k:>16}" for k in kernels) + "  best tc tile   (TB/s of weight "
           "bytes, us per layer)")
     best_tc = {}
@@ -138,7 +145,7 @@ def table(rows: list[dict]) -> int:
             print(f"{shape:>8} {m:>3} " + " ".join(f"{c:>16}" for c in cells) + f"  {tile}")
     for m in sorted({r["m"] for r in ok}):
         step = {}
-        for kernel in ("bf16", "bf16-dot", "scaled_mm"):
+        for kernel in ("bf16", "fp8", "bf16-dot", "scaled_mm"):
             per = [min((r["us"] for r in ok if r["shape"] == s and r["m"] == m and r["kernel"] == kernel),
                        default=float("nan")) for s in ("qkv", "o", "gate_up", "down")]
             step[kernel] = 32 * sum(per)
@@ -147,7 +154,8 @@ def table(rows: list[dict]) -> int:
                       for s in ("qkv", "o", "gate_up", "down")]
         best = [best_tc.get((s, m), {}).get("us", float("nan")) for s in ("qkv", "o", "gate_up", "down")]
         print(f"m={m:>2}: the step's linear layers (32 x qkv, o, gate_up, down): bf16 cuBLAS {step['bf16']:.0f} us, "
-              f"fp8 bf16-dot {step['bf16-dot']:.0f} us, scaled_mm {step['scaled_mm']:.0f} us, tc default tile "
+              f"fp8 as run {step['fp8']:.0f} us, bf16-dot {step['bf16-dot']:.0f} us, scaled_mm "
+              f"{step['scaled_mm']:.0f} us, tc default tile "
               f"{32 * sum(runtime_tc):.0f} us, tc best tiles {32 * sum(best):.0f} us")
     print("\nMEASURED_FP8_SMALL_BATCH_CONFIGS rows (the best tc tile at 8 rows, where it differs by shape):")
     for (shape, m), r in best_tc.items():
@@ -159,7 +167,7 @@ def table(rows: list[dict]) -> int:
 def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--budget-s", type=float, default=240)
     p.add_argument("--out", default=None)
     p.add_argument("--table", default=None)
