@@ -68,14 +68,15 @@ def sweep(args) -> list[dict]:
             print(f"FAIL timing: {e!r}"[:300], flush=True)
             return float("nan")
 
+    cells = len(shapes) * len(args.rows)  # each (shape, rows) its share of the budget for the tc tiles
     for index, (name, (rows, k)) in enumerate(shapes.items()):
-        deadline = started + args.budget_s * (index + 1) / len(shapes)
         silu = name == "gate_up"
         dense = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k ** -0.5
                  for _ in range(layers)]
         fp8 = [quantize_weight_per_channel(w) for w in dense]
         fp8_bytes = rows * k + rows * 4
-        for m in args.rows:
+        for m_index, m in enumerate(args.rows):
+            deadline = started + args.budget_s * (index * len(args.rows) + m_index + 1) / cells
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
             base = {"shape": name, "rows": rows, "k": k, "m": m, "layers": layers}
             us = timed(lambda: [F.linear(x, w) for w in dense])
