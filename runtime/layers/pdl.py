@@ -23,8 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["enabled", "set_enabled", "launch_options", "let_next_kernel_launch", "wait_for_previous_kernel",
-           "prefetch_to_l2"]
+__all__ = ["enabled", "set_enabled", "launch_options", "let_next_kernel_launch", "wait_for_previous_kernel"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HAS_GDC = hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
@@ -75,18 +74,3 @@ def wait_for_previous_kernel(USE_PDL: tl.constexpr):
     """Block until the previous kernel has completed and its writes are visible."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def prefetch_to_l2(ptrs, mask):
-    """One `prefetch.global.L2` per element of `ptrs` where `mask`: the line starts moving into L2 and nothing is
-    read into registers, so a kernel may do it before its wait for data the previous kernel writes (a stale address
-    costs bandwidth, never a wrong value). CUDA only (inline PTX)."""
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        setp.ne.b32 p, $2, 0;
-        @p prefetch.global.L2 [$1];
-        mov.u32 $0, 0;
-        }""",
-        constraints="=r,l,r", args=[ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

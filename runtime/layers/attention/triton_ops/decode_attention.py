@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
-from braid.runtime.layers.pdl import let_next_kernel_launch, prefetch_to_l2, wait_for_previous_kernel
+from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 from braid.runtime.layers.attention.triton_ops.extend_attention import (
     _attend_tile,
     check_last_dim_contiguous,
@@ -51,24 +51,6 @@ def _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _prefetch_first_tile(K_h, V_h, Req_to_token, B_req_idx, B_seq_len, cur_batch, split, sliding_window,
-                         num_kv_splits, stride_kbs, stride_vbs, stride_req, D: tl.constexpr, DV: tl.constexpr,
-                         BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, LINES: tl.constexpr,
-                         LINE_ELEMS: tl.constexpr):
-    """L2 prefetches of the first BLOCK_N keys' K and V rows of this program's split, by 128-byte lines of
-    LINE_ELEMS elements: [BLOCK_N, LINES] addresses a side (LINES a power of two covering a row)."""
-    seq_len = tl.load(B_seq_len + cur_batch)
-    kv_start, split_len, n_splits = _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N, USE_WINDOW)
-    offs_kv = kv_start + split * split_len + tl.arange(0, BLOCK_N)
-    mask = (offs_kv < seq_len - 1) & (split < n_splits)  # the newest key is the previous kernel's to write
-    req_row = Req_to_token + tl.load(B_req_idx + cur_batch).to(tl.int64) * stride_req
-    slots = tl.load(req_row + offs_kv, mask=mask, other=0).to(tl.int64)
-    line = tl.arange(0, LINES) * LINE_ELEMS
-    prefetch_to_l2(K_h + slots[:, None] * stride_kbs + line[None, :], mask[:, None] & (line < D)[None, :])
-    prefetch_to_l2(V_h + slots[:, None] * stride_vbs + line[None, :], mask[:, None] & (line < DV)[None, :])
-
-
-@triton.jit
 def _decode_stage1_kernel(
     Q, K_buf, V_buf, Req_to_token, B_req_idx, B_seq_len, Att,
     sm_scale, logit_cap, sliding_window, num_kv_splits, v_scale,
@@ -78,21 +60,14 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     let_next_kernel_launch(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
     cur_kv_head = pid_h // HEAD_BLOCKS
-    if PREFETCH_LINES > 0:
-        # while the previous kernel (rotary + KV store) runs: the split's first tile of K and V towards L2. Lengths
-        # and slot tables are written before the step, old keys in earlier steps; prefetches read nothing into
-        # registers, so even a stale slot would only cost bandwidth
-        _prefetch_first_tile(K_buf + cur_kv_head * stride_kbh, V_buf + cur_kv_head * stride_vbh, Req_to_token,
-                             B_req_idx, B_seq_len, cur_batch, split, sliding_window, num_kv_splits, stride_kbs,
-                             stride_vbs, stride_req, D, DV, BLOCK_N, USE_WINDOW, PREFETCH_LINES, LINE_ELEMS)
-    wait_for_previous_kernel(USE_PDL)
 
     seq_len = tl.load(B_seq_len + cur_batch)
     kv_start, split_len, n_splits = _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N, USE_WINDOW)
@@ -264,10 +239,6 @@ def decode_attention_fwd(
     use_window = sliding_window > 0
     dot_dt = _decode_dot_dtype(q, k_buffer)
     configs = [dict(launch_config)] if launch_config else _decode_launch_configs(d, dv, q.device)
-    pdl_options = pdl.launch_options(q.device)
-    line_elems = 128 // k_buffer.element_size()
-    # with PDL, stage 1 starts while the previous kernel runs: its first tile's lines go towards L2 meanwhile
-    prefetch_lines = triton.next_power_of_2(triton.cdiv(max(d, dv), line_elems)) if pdl_options["USE_PDL"] else 0
     key = ("decode", q.device, q.dtype, k_buffer.dtype, d, dv, tuple(sorted((launch_config or {}).items())))
     cfg = launch_first_fitting(
         _decode_stage1_kernel, lambda cfg: (b, h_kv * head_blocks, num_kv_splits), configs, key,
@@ -278,8 +249,7 @@ def decode_attention_fwd(
         KV_GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
         BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv, BLOCK_H=_BLOCK_H,
         USE_CAP=logit_cap > 0, USE_WINDOW=use_window, DOT_DTYPE=dot_dt,
-        CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16, PREFETCH_LINES=prefetch_lines,
-        LINE_ELEMS=line_elems, **pdl_options,
+        CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16, **pdl.launch_options(q.device),
     )
     # stage 2 must split the keys exactly as stage 1 did: same BLOCK_N; it loads up to 4096 fp32 values at a time
     block_s = max(2, min(triton.next_power_of_2(num_kv_splits), 4096 // block_dv))
