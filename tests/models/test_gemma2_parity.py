@@ -564,9 +564,16 @@ def test_gpu_backends_match_hf(gpu_checkpoint, backend, dtype, tol):
         with pytest.raises(ValueError, match="flashinfer"):
             _engine(path, backend, **kw)
         return
-    prompts = _prompts([300, 150, 70], seed=9)
+    gpu_results_match_hf(path, hf, backend, dtype, tol, [300, 150, 70], **kw)
+
+
+def gpu_results_match_hf(path, hf, backend, dtype, tol, lengths, **engine_kw):
+    """Random prompts of `lengths` and 40 greedy steps (decode through CUDA graphs), then a follow-up on the first
+    request's cached prefix: the logprob of every token braid chose within `tol` of HF's (hf on the GPU, fp32 eager);
+    in fp32 the greedy tokens equal HF's too."""
+    prompts = _prompts(lengths, seed=9)
     sampling = {**GREEDY, "max_new_tokens": 40}
-    with _engine(path, backend, **kw) as engine:
+    with _engine(path, backend, **engine_kw) as engine:
         results = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True)
         follow_up = prompts[0] + results[0]["output_ids"] + _prompts([20], seed=10)[0]
         results.append(engine.generate(input_ids=follow_up, sampling_params=sampling, return_logprob=True))

@@ -17,7 +17,7 @@ import torch
 
 from braid.runtime import Engine
 from test_gemma2_parity import (LogitTrace, _check, _engine, _metadata_only_gguf, _prompts, _run, _save,  # noqa: F401
-                                triton_on_cpu)
+                                gpu_results_match_hf, triton_on_cpu)
 
 WINDOW = 16
 VOCAB = 512
@@ -98,6 +98,18 @@ def test_mixed_batch_on_triton(checkpoint, triton_on_cpu):
     res, trace = _run(path, "triton", prompts, 6)
     assert max(trace.decode_batch_sizes) == len(prompts)
     _check(hf, prompts, res, trace, 6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-3), ("bfloat16", 0.1)])
+def test_gpu_triton_matches_hf(checkpoint, dtype, tol):
+    """On the GPU path (Triton kernels, fused q/k head norms and per-layer rotary, CUDA graphs): prompts crossing the
+    window in chunks of 32, 40 decode steps, a cached prefix; braid's token logprobs within tol of HF's."""
+    path, hf = checkpoint
+    gpu_results_match_hf(path, hf.cuda(), "triton", dtype, tol, [90, 40, 17], chunked_prefill_size=32,
+                         cuda_graph_max_bs=4, dtype=dtype)
+    hf.cpu()
 
 
 def test_head_norms_and_window_rope_change_the_output(tmp_path, checkpoint):
