@@ -559,10 +559,10 @@ def test_gpu_backends_match_hf(gpu_checkpoint, backend, dtype, tol):
     import importlib.util
 
     path, hf = gpu_checkpoint
-    kw = dict(dtype=dtype, chunked_prefill_size=128, cuda_graph_max_bs=4, max_total_tokens=8192)
+    kw = dict(chunked_prefill_size=128, cuda_graph_max_bs=4, max_total_tokens=8192)
     if backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
         with pytest.raises(ValueError, match="flashinfer"):
-            _engine(path, backend, **kw)
+            _engine(path, backend, dtype=dtype, **kw)
         return
     gpu_results_match_hf(path, hf, backend, dtype, tol, [300, 150, 70], **kw)
 
@@ -573,7 +573,7 @@ def gpu_results_match_hf(path, hf, backend, dtype, tol, lengths, **engine_kw):
     in fp32 the greedy tokens equal HF's too."""
     prompts = _prompts(lengths, seed=9)
     sampling = {**GREEDY, "max_new_tokens": 40}
-    with _engine(path, backend, **engine_kw) as engine:
+    with _engine(path, backend, dtype=dtype, **engine_kw) as engine:
         results = engine.generate(input_ids=prompts, sampling_params=sampling, return_logprob=True)
         follow_up = prompts[0] + results[0]["output_ids"] + _prompts([20], seed=10)[0]
         results.append(engine.generate(input_ids=follow_up, sampling_params=sampling, return_logprob=True))

@@ -108,7 +108,7 @@ def test_gpu_triton_matches_hf(checkpoint, dtype, tol):
     window in chunks of 32, 40 decode steps, a cached prefix; braid's token logprobs within tol of HF's."""
     path, hf = checkpoint
     gpu_results_match_hf(path, hf.cuda(), "triton", dtype, tol, [90, 40, 17], chunked_prefill_size=32,
-                         cuda_graph_max_bs=4, dtype=dtype)
+                         cuda_graph_max_bs=4)
     hf.cpu()
 
 
