@@ -165,7 +165,7 @@ class ExtendCudaGraphRunner:
         self.extend_prefix_lens = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
         self.extend_start_loc = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
         self.attn_backend.init_extend_graph_state(self.max_tokens, self.max_reqs, model_runner.token_to_kv_pool,
-                                                  model_runner.req_to_token_pool.req_to_token)
+                                                  model_runner.req_to_token_pool.req_to_token, model_runner.dtype)
         self.num_replays = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}

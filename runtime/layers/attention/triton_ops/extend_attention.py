@@ -282,21 +282,30 @@ def _cfg(block_m, block_n, num_warps, num_stages):
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
 
 
-def _extend_launch_configs(d: int, dv: int, device: torch.device) -> list[dict]:
-    """Preferred first; later entries need less shared memory (fp32 or split head dims)."""
+def _extend_launch_configs(d: int, dv: int, device: torch.device, element_size: int = 2) -> list[dict]:
+    """Preferred first; later entries need less shared memory (fp32 or split head dims). For 4-byte queries the
+    list starts at the first config whose K/V stages and Q tile fit ~200 KB of shared memory: a block table (extend
+    graphs) is cut in the first config's BLOCK_M and cannot fall back to a smaller one."""
     if device.type != "cuda":
         # interpreter: small tiles so tiny test shapes still cross several tiles
         return [_cfg(16, 16, 4, 1)]
     # measured on an H200 (bf16, Llama-3-8B and Gemma-2 head shapes, with and without cached prefixes)
     widest = max(d, dv)
     if widest <= 64:
-        return [_cfg(128, 64, 4, 3), _cfg(64, 64, 4, 2), _cfg(32, 32, 4, 1)]
-    if widest <= 128:
-        return [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 2), _cfg(32, 32, 4, 1)]
-    if widest <= 256:
-        return [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(32, 32, 4, 1)]
-    # MLA-style 576/512: a [BLOCK_M, 512] fp32 accumulator must stay in registers
-    return [_cfg(32, 32, 8, 2), _cfg(32, 32, 4, 1), _cfg(16, 16, 4, 1)]
+        configs = [_cfg(128, 64, 4, 3), _cfg(64, 64, 4, 2), _cfg(32, 32, 4, 1)]
+    elif widest <= 128:
+        configs = [_cfg(128, 128, 8, 3), _cfg(128, 64, 8, 3), _cfg(64, 64, 4, 2), _cfg(32, 32, 4, 1)]
+    elif widest <= 256:
+        configs = [_cfg(128, 64, 8, 2), _cfg(64, 64, 4, 2), _cfg(32, 32, 4, 1)]
+    else:  # MLA-style 576/512: a [BLOCK_M, 512] fp32 accumulator must stay in registers
+        configs = [_cfg(32, 32, 8, 2), _cfg(32, 32, 4, 1), _cfg(16, 16, 4, 1)]
+    if element_size > 2:
+        def shared_bytes(c):
+            return element_size * (c["num_stages"] * c["BLOCK_N"] * (d + dv) + c["BLOCK_M"] * d)
+
+        fitting = [i for i, c in enumerate(configs) if shared_bytes(c) <= 200 * 1024]
+        configs = configs[fitting[0]:] if fitting else configs[-1:]
+    return configs
 
 
 def extend_attention_fwd(
@@ -335,7 +344,7 @@ def extend_attention_fwd(
                               k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token)
     batch = req_pool_indices.shape[0]
     block_d, block_dpe = split_head_dim(d)
-    configs = _extend_launch_configs(d, dv, q_extend.device)
+    configs = _extend_launch_configs(d, dv, q_extend.device, q_extend.element_size())
     if block_table is not None:
         block_seq, block_m = block_table
         # the table was cut in query blocks of extend_block_m's size: only configs of that size fit it
@@ -362,9 +371,10 @@ def extend_attention_fwd(
     )
 
 
-def extend_block_m(d: int, dv: int, device: torch.device) -> int:
-    """The query-block size of extend programs launched through a block table, for head dims d / dv."""
-    return _extend_launch_configs(d, dv, device)[0]["BLOCK_M"]
+def extend_block_m(d: int, dv: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
+    """The query-block size of extend programs launched through a block table, for head dims d / dv and queries of
+    `dtype`."""
+    return _extend_launch_configs(d, dv, device, torch.empty((), dtype=dtype).element_size())[0]["BLOCK_M"]
 
 
 def extend_block_table(extend_seq_lens: torch.Tensor, block_m: int, num_entries: int,
