@@ -239,7 +239,7 @@ def test_extend_through_block_table_equals_grid_launch(window):
     # two padding requests (no new tokens) after the real ones
     pad_rows = torch.cat([rows, rows[:1], rows[:1]])
     pad = lambda xs, fill: as_i32(list(xs) + [fill, fill])  # noqa: E731
-    block_m = extend_block_m(d, d, DEVICE)
+    block_m = extend_block_m(d, d, DEVICE, q.dtype)
     entries = -(-padded_tokens // block_m) + 5
     table = extend_block_table(pad(extend_lens, 0), block_m, entries)
     out = torch.zeros((padded_tokens, h, d), device=DEVICE)
@@ -248,6 +248,22 @@ def test_extend_through_block_table_equals_grid_launch(window):
                          window, block_table=table)
     torch.testing.assert_close(out[:total], expected[:total], rtol=0, atol=0)
     assert out[total:].abs().sum() == 0  # rows of no request are not written
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (256, 256), (576, 512)])
+def test_extend_graph_tiles_fit_fp32(d, dv):
+    """The extend graphs' block table is cut in the first config's BLOCK_M and cannot fall back: on a GPU that first
+    config must fit shared memory in the model's dtype (Gemma-2's head_dim 256 in fp32 asked for 512 KB once);
+    16-bit models keep the measured tiles."""
+    from braid.runtime.layers.attention.triton_ops import extend_attention as ea
+
+    cuda = torch.device("cuda")
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        first = ea._extend_launch_configs(d, dv, cuda, size)[0]
+        assert extend_block_m(d, dv, cuda, dtype) == first["BLOCK_M"]
+        need = size * (first["num_stages"] * first["BLOCK_N"] * (d + dv) + first["BLOCK_M"] * d)
+        assert need <= 200 * 1024 or (size == 2 and first == ea._extend_launch_configs(d, dv, cuda)[0]), (dtype, first)
+    assert ea._extend_launch_configs(d, dv, cuda, 2) == ea._extend_launch_configs(d, dv, cuda)
 
 
 def test_shape_errors_are_clear():
