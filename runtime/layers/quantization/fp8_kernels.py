@@ -10,10 +10,10 @@ checkpoint's static `input_scale`).
   output for these), or tensor-wise when both sides have one scale (a static-activation checkpoint with
   per-tensor weights). torch._scaled_mm wants a row-major A, a column-major B (the [N, K] weight transposed, no
   copy), K and N multiples of 16 and fp32 scales.
-- `small_batch_gemm`: 2..16 rows of x against an e4m3 weight with row scales, weight-only (x stays bf16): one
-  Triton launch that streams W once (tensor-core dots of a 16-row x tile with W tiles upcast to bf16), SiLU-and-mul
-  fusable like the GEMV. At these sizes a decode step is a stream over the weights, as at batch 1; torch._scaled_mm
-  was measured no faster than bf16 there (DESIGN.md) and needs x quantized first.
+- `fp8_gemv`: 1..16 rows of x (decode batches) against an e4m3 weight with row scales, one Triton launch that streams
+  W once, SiLU-and-mul fusable: at one row the GEMV variants below (x kept in 16 bits), at 2..16 the "tc" variant
+  (x rounded to e4m3 per row and chunk, fp8 tensor-core dots). At these sizes a decode step is a stream over the
+  weights; quantize + torch._scaled_mm measured 1.1-2.2 TB/s there against the tc kernel's 1.4-2.5 (H200).
 - `check_fp8_device`: fp8 needs compute capability 8.9+ on CUDA; on CPU the casts must exist.
 """
 
@@ -36,7 +36,7 @@ from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_k
 logger = logging.getLogger(__name__)
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "SMALL_BATCH_MAX_ROWS", "check_fp8_device", "quantize_weight_per_channel",
-           "quantize_rows", "quantize_rows_triton", "quantize_rows_reference", "scaled_mm", "small_batch_gemm",
+           "quantize_rows", "quantize_rows_triton", "quantize_rows_reference", "scaled_mm",
            "FP8_GEMV_VARIANTS", "Fp8GemvConfig", "fp8_gemv_candidates", "fp8_gemv", "fp8_gemv_error_excess"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -44,7 +44,7 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero row gets this scale instead of a division by zero
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MIN_CUDA_CAPABILITY = (8, 9)
-SMALL_BATCH_MAX_ROWS = 16  # small_batch_gemm's x tile: one tensor-core row block
+SMALL_BATCH_MAX_ROWS = 16  # fp8_gemv's rows of x: the tc variant's [BLOCK_K, 16] tensor-core operand
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,77 +155,6 @@ def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, we
         scale_a, scale_b = x_scale, weight_scale.view(1, -1)
     y = torch._scaled_mm(x_q, weight.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     return y if bias is None else y + bias
-
-
-def _small_batch_configs():
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=1)]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bn, bk, w, st in ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (64, 256, 4, 3))]
-
-
-@triton.autotune(configs=_small_batch_configs(), key=["N", "K", "SILU_MUL", "USE_PDL"])
-@triton.jit
-def _small_batch_gemm_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, M, N, K, x_row_stride, w_row_stride,
-                             SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # program: rows [pid * BLOCK_N, +BLOCK_N) of W (and, with SILU_MUL, the up rows N further) for all M rows of x
-    pid = tl.program_id(0)
-    let_next_kernel_launch(USE_PDL)
-    wait_for_previous_kernel(USE_PDL)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
-    n_mask = offs_n < N
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * x_row_stride + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_ptrs = w_ptr + offs_n.to(tl.int64)[None, :] * w_row_stride + offs_k[:, None]  # [BLOCK_K, BLOCK_N] = W^T tile
-    up_offset = N.to(tl.int64) * w_row_stride
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = k0 + offs_k < K
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(DOT_DTYPE)
-        w_mask = k_mask[:, None] & n_mask[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy="evict_first")
-        acc = tl.dot(x, w.to(DOT_DTYPE), acc)
-        if SILU_MUL:
-            u = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0, eviction_policy="evict_first")
-            acc_up = tl.dot(x, u.to(DOT_DTYPE), acc_up)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    y = acc * tl.load(w_scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    if SILU_MUL:  # rounded to the output dtype where the unfused path rounds, like the GEMV
-        up = acc_up * tl.load(w_scale_ptr + N + offs_n, mask=n_mask, other=0.0)[None, :]
-        gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-        up = up.to(y_ptr.dtype.element_ty).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
-    out_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
-    tl.store(out_ptrs, y.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-def small_batch_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *,
-                     silu_mul: bool = False) -> torch.Tensor:
-    """x: [M, K] bf16/fp16 with 1 <= M <= 16 (unit stride along K); weight: e4m3 [N, K] (or [2N, K] = [gate; up]
-    with silu_mul); weight_scale: fp32 [rows] -> y [M, N] = act(x @ (weight * weight_scale[:, None])^T) in x's
-    dtype. CUDA, or CPU tensors under TRITON_INTERPRET=1."""
-    m, k = x.shape
-    rows = weight.shape[0]
-    if not (1 <= m <= SMALL_BATCH_MAX_ROWS and weight.dtype == FP8_DTYPE and weight.shape[1] == k
-            and weight.stride(1) == 1 and x.stride(1) == 1 and weight_scale.numel() == rows
-            and weight_scale.dtype == torch.float32 and weight_scale.is_contiguous()
-            and x.dtype in (torch.bfloat16, torch.float16) and not (silu_mul and rows % 2)):
-        raise ValueError(f"small_batch_gemm needs x [1..{SMALL_BATCH_MAX_ROWS}, K] bf16/fp16, an e4m3 weight [N, K] "
-                         f"and an fp32 scale per row; got {tuple(x.shape)} {x.dtype}, {tuple(weight.shape)} "
-                         f"{weight.dtype}, {tuple(weight_scale.shape)} {weight_scale.dtype}")
-    n = rows // 2 if silu_mul else rows
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _small_batch_gemm_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, weight, weight_scale, y, m, n, k, x.stride(0), weight.stride(0), SILU_MUL=bool(silu_mul),
-        # the interpreter's dots are wrong on bf16 operands: fp32 there (the products are exact in both)
-        DOT_DTYPE=tl.float32 if _INTERPRET else (tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16),
-        BLOCK_M=SMALL_BATCH_MAX_ROWS, **pdl.launch_options(x.device))
-    return y
 
 
 # ---- batch-1 GEMV on e4m3 weights: y[1, N] = act(x[1, K] @ (W * scale[:, None])^T)
