@@ -13,12 +13,13 @@ half the bytes), and what to change in decode_attention._decode_launch_configs w
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
 import torch
+
+from sweep_rows import append_row, read_rows  # benchmarks/gpu, this script's folder
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -58,10 +59,7 @@ def sweep(args) -> list[dict]:
 
     def record(row):
         out.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        append_row(args.out, row)
 
     cells = len(args.batch_sizes) * len(DTYPES)  # each (batch, dtype) its share of the budget
     for bs_index, bs in enumerate(args.batch_sizes):
@@ -138,8 +136,7 @@ def main() -> int:
     p.add_argument("--table", default=None)
     args = p.parse_args()
     if args.table:
-        with open(args.table) as f:
-            return table([json.loads(line) for line in f if line.strip()])
+        return table(read_rows(args.table))
     return table(sweep(args))
 
 

@@ -23,6 +23,8 @@ import statistics
 import sys
 import time
 
+from sweep_rows import append_row, read_rows  # benchmarks/gpu, this script's folder
+
 CONFIG = "benchmarks/configs/llama3-8b.json"
 HBM_BYTES_PER_S = 4.28e12  # measured copy bandwidth of the H200 (docs/benchmarks.md)
 KV_STEPS = 32
@@ -33,12 +35,6 @@ TARGET_B1_FP8_TOK_S = 450.0
 TARGET_KV_SPEEDUP = 1.3
 
 
-def _append(path: str, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
-
-
 def _server_args(**kw):
     import torch
 
@@ -47,15 +43,6 @@ def _server_args(**kw):
     base = dict(model_path="llama3-8b-dummy", load_format="dummy", model_config=CONFIG, log_level="warning",
                 dtype="bfloat16" if torch.cuda.is_available() else "float32")
     return ServerArgs(**{**base, **kw})
-
-
-def _timed(time_us, fn) -> float:
-    """time_us(fn), or NaN (with the error printed) when the kernel fails, so one failure leaves the rest measured."""
-    try:
-        return time_us(fn)
-    except Exception as e:  # noqa: BLE001 - reported, the run goes on
-        print(f"FAIL timing: {e!r}"[:300], flush=True)
-        return float("nan")
 
 
 def _fill_kv(runner, batch: int, context: int):
@@ -124,7 +111,7 @@ def kv_decode(out_path: str, weights: str, kv_dtypes) -> None:
             steps_ms = steps_ms[3:]  # the first steps warm up
             step_ms = statistics.median(steps_ms)
             graphs = runner.cuda_graph_runner.num_replays if runner.cuda_graph_runner is not None else 0
-            _append(out_path, {"weights": weights, "kv_cache_dtype": kv_dtype, "batch_size": batch, "context": KV_CONTEXT,
+            append_row(out_path, {"weights": weights, "kv_cache_dtype": kv_dtype, "batch_size": batch, "context": KV_CONTEXT,
                                "median_step_ms": step_ms, "decode_tok_s": batch / step_ms * 1e3,
                                "graph_replays": graphs, "kv_pool_gib": runner.token_to_kv_pool.mem_usage_bytes() / 2**30,
                                "setup_s": setup_s})
@@ -135,12 +122,6 @@ def kv_decode(out_path: str, weights: str, kv_dtypes) -> None:
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-
-
-def _read(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    return [json.loads(line) for line in open(path) if line.strip()]
 
 
 def _step_bytes(fp8_weights: bool, context: float) -> float:
@@ -159,9 +140,9 @@ def _step_bytes(fp8_weights: bool, context: float) -> float:
 
 
 def summary(folder: str) -> int:
-    bf16 = {r["batch_size"]: r for r in _read(os.path.join(folder, "one_batch_bf16.jsonl"))}
-    fp8 = {r["batch_size"]: r for r in _read(os.path.join(folder, "one_batch_fp8.jsonl"))}
-    kv = _read(os.path.join(folder, "kv.jsonl"))
+    bf16 = {r["batch_size"]: r for r in read_rows(os.path.join(folder, "one_batch_bf16.jsonl"))}
+    fp8 = {r["batch_size"]: r for r in read_rows(os.path.join(folder, "one_batch_fp8.jsonl"))}
+    kv = read_rows(os.path.join(folder, "kv.jsonl"))
     failures = 0
     print("\nbench_one_batch, Llama-3-8B-shaped dummy, 128 in / 512 out, decode tok/s (median step):")
     print(f"{'batch':>6} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'fp8/bf16':>9} {'bf16 ms':>8} {'fp8 ms':>8} "

@@ -23,22 +23,12 @@ import os
 import sys
 import time
 
+from sweep_rows import append_row, read_rows, time_or_nan  # benchmarks/gpu, this script's folder
+
 CONFIG = "benchmarks/configs/llama3-8b.json"
 HBM_BYTES_PER_S = 4.28e12
 TARGET_B1_FP8_TOK_S = 450.0
 LM_HEAD_BYTES = 128256 * 4096 * 2
-
-
-def _append(path: str, row: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
-
-
-def _read(path: str) -> list:
-    if not os.path.exists(path):
-        return []
-    return [json.loads(line) for line in open(path) if line.strip()]
 
 
 def sweep_configs():
@@ -88,15 +78,11 @@ def sweep(out_path: str, seconds: float) -> None:
         base = {"shape": name, "n": n, "k": k, "rows": rows, "layers": layers}
 
         def timed(fn):
-            try:
-                return graph_time_us(fn) / layers
-            except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-                print(f"FAIL timing: {e!r}"[:300], flush=True)
-                return float("nan")
+            return time_or_nan(graph_time_us, fn) / layers
 
         old = dict(BLOCK_N=4, BLOCK_K=4096, num_warps=4, num_stages=1)
         us = timed(lambda: [gemv_module.gemv(x, q, silu_mul=silu, weight_scale=s, config=old) for q, s in fp8])
-        _append(out_path, {**base, "variant": "old-fp32", "config": str(old), "us": us,
+        append_row(out_path, {**base, "variant": "old-fp32", "config": str(old), "us": us,
                            "tb_s": nbytes / layers / us / 1e6})
         def run_config(config) -> dict:
             row = {**base, "variant": config.variant, "config": repr(config)}
@@ -104,7 +90,7 @@ def sweep(out_path: str, seconds: float) -> None:
                 y = fp8_gemv(x, *fp8[0], silu_mul=silu, config=config)
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - a config the device cannot run (shared memory) is skipped
-                _append(out_path, {**row, "error": repr(e)[:200]})
+                append_row(out_path, {**row, "error": repr(e)[:200]})
                 return row
             row["err_over_bound"], row["max_abs_err"] = fp8_gemv_error_excess(y, x, *fp8[0], silu,
                                                                               config.error_bound)
@@ -113,7 +99,7 @@ def sweep(out_path: str, seconds: float) -> None:
                 row["split_k"] = fp8_kernels._split_k(config, n, k, x.device)
             row["us"] = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu, config=config) for q, s in fp8])
             row["tb_s"] = nbytes / layers / row["us"] / 1e6
-            _append(out_path, row)
+            append_row(out_path, row)
             return row
 
         f16_timed = []
@@ -134,20 +120,20 @@ def sweep(out_path: str, seconds: float) -> None:
         picked = (fp8_kernels.measured_fp8_gemv_config(x.device, rows, k, silu)
                   or next((c for key, c in fp8_kernels._tuned.items() if key[1:4] == (n, k, silu)), "not tuned"))
         us = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu) for q, s in fp8])
-        _append(out_path, {**base, "variant": "autotuned", "config": repr(picked), "us": us,
+        append_row(out_path, {**base, "variant": "autotuned", "config": repr(picked), "us": us,
                            "tb_s": nbytes / layers / us / 1e6})
         fp8.clear()
         if time.time() < deadline:  # the bf16 GEMV on the same shape: the copy-rate yardstick
             dense = [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(layers)]
             us = timed(lambda: [gemv_module.gemv(x, w, silu_mul=silu) for w in dense])
-            _append(out_path, {**base, "variant": "bf16-gemv", "config": "autotuned", "us": us,
+            append_row(out_path, {**base, "variant": "bf16-gemv", "config": "autotuned", "us": us,
                                "tb_s": layers * rows * k * 2 / layers / us / 1e6})
             dense.clear()
         torch.cuda.empty_cache()
 
 
 def summary(folder: str) -> int:
-    rows = _read(os.path.join(folder, "sweep.jsonl"))
+    rows = read_rows(os.path.join(folder, "sweep.jsonl"))
     failures = 0
     bad = [r for r in rows if r.get("within_bound") is False]
     for r in bad:
@@ -189,7 +175,7 @@ def summary(folder: str) -> int:
     for shape, r in winners.items():
         extra = f"  # split_k {r['split_k']} here" if "split_k" in r else ""
         print(f"    {r['config']},  # {shape}: {r['tb_s']:.2f} TB/s{extra}")
-    one_batch = _read(os.path.join(folder, "one_batch.jsonl"))
+    one_batch = read_rows(os.path.join(folder, "one_batch.jsonl"))
     b1 = [r for r in one_batch if r.get("batch_size") == 1]
     if not b1:
         print("FAIL bench_one_batch fp8 batch 1: no result")

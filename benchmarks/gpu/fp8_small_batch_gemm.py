@@ -23,6 +23,8 @@ import os
 import sys
 import time
 
+from sweep_rows import append_row, read_rows, time_or_nan  # benchmarks/gpu, this script's folder
+
 CONFIG = "benchmarks/configs/llama3-8b.json"
 
 
@@ -55,17 +57,10 @@ def sweep(args) -> list[dict]:
 
     def record(row):
         rows_out.append(row)
-        print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        append_row(args.out, row)
 
     def timed(fn):
-        try:
-            return graph_time_us(fn) / layers
-        except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-            print(f"FAIL timing: {e!r}"[:300], flush=True)
-            return float("nan")
+        return time_or_nan(graph_time_us, fn) / layers
 
     cells = len(shapes) * len(args.rows)  # each (shape, rows) its share of the budget for the tc tiles
     for index, (name, (rows, k)) in enumerate(shapes.items()):
@@ -173,8 +168,7 @@ def main() -> int:
     p.add_argument("--table", default=None)
     args = p.parse_args()
     if args.table:
-        with open(args.table) as f:
-            return table([json.loads(line) for line in f if line.strip()])
+        return table(read_rows(args.table))
     return table(sweep(args))
 
 
