@@ -273,7 +273,7 @@ class TritonAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ CUDA graphs (extend)
 
     def init_extend_graph_state(self, max_tokens: int, max_reqs: int, pool, req_to_token: torch.Tensor,
-                                query_dtype: torch.dtype = torch.bfloat16) -> None:
+                                query_dtype: torch.dtype) -> None:
         """Static buffers of the extend graphs: the block table; for a hybrid pool (window layers) the requests'
         whole req_to_token rows in window slots and the new tokens' window slots, refilled inside each replay."""
         self.graph_extend_block_m = extend_block_m(self.head_dim, self.v_head_dim, self.device, query_dtype)

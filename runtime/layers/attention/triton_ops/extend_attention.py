@@ -371,10 +371,10 @@ def extend_attention_fwd(
     )
 
 
-def extend_block_m(d: int, dv: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> int:
+def extend_block_m(d: int, dv: int, device: torch.device, dtype: torch.dtype) -> int:
     """The query-block size of extend programs launched through a block table, for head dims d / dv and queries of
     `dtype`."""
-    return _extend_launch_configs(d, dv, device, torch.empty((), dtype=dtype).element_size())[0]["BLOCK_M"]
+    return _extend_launch_configs(d, dv, device, dtype.itemsize)[0]["BLOCK_M"]
 
 
 def extend_block_table(extend_seq_lens: torch.Tensor, block_m: int, num_entries: int,
