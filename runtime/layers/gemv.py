@@ -43,7 +43,8 @@ __all__ = ["gemv", "supports", "fp8_supports", "decode_gemv_applies", "enabled",
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
-# whether batch-1 bf16/fp16 matmuls on CUDA go through this kernel (ServerArgs.disable_decode_gemv)
+# whether decode matmuls of 1..16 rows on CUDA go through this kernel and small_batch_gemm.py
+# (ServerArgs.disable_decode_gemv)
 _enabled = True
 
 

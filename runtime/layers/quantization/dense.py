@@ -1,7 +1,8 @@
 """Dense weights in the activation dtype (bf16/fp16/fp32).
 
-Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA (SiLU- or GELU-tanh-and-mul fused after it; gemv.py), a
-oneDNN-prepacked copy of the weight on CPU (cpu_gemm.py), F.linear everywhere else.
+Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA and its tensor-core form for 2..16 rows (SiLU- or
+GELU-tanh-and-mul fused after them; gemv.py, small_batch_gemm.py), a oneDNN-prepacked copy of the weight on CPU
+(cpu_gemm.py), F.linear everywhere else.
 """
 
 from __future__ import annotations
@@ -11,9 +12,18 @@ from typing import Optional
 import torch
 from torch import nn
 
-from braid.runtime.layers import cpu_gemm, gemv
+from braid.runtime.layers import cpu_gemm, gemv, small_batch_gemm
 from braid.runtime.layers.activation import GeluAndMul, SiluAndMul
 from braid.runtime.layers.quantization.base import LinearMethod
+
+
+def _fused_activation(act: Optional[nn.Module]) -> str:
+    """The gated activation the GEMV kernels fuse for `act` ("silu", "gelu"), or "" (none, or one they do not fuse)."""
+    if isinstance(act, SiluAndMul):
+        return "silu"
+    if isinstance(act, GeluAndMul) and act.approximate == "tanh":
+        return "gelu"
+    return ""
 
 
 class DenseLinearMethod(LinearMethod):
@@ -29,12 +39,11 @@ class DenseLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
               act: Optional[nn.Module] = None) -> torch.Tensor:
         weight = layer.weight
+        fused = _fused_activation(act)
         if gemv.decode_gemv_applies(x, weight, bias):
-            if isinstance(act, SiluAndMul):
-                return gemv.gemv(x, weight, silu_mul=True)
-            if isinstance(act, GeluAndMul) and act.approximate == "tanh":
-                return gemv.gemv(x, weight, gelu_tanh_mul=True)
-            y = gemv.gemv(x, weight)
+            y = gemv.gemv(x, weight, silu_mul=fused == "silu", gelu_tanh_mul=fused == "gelu")
+        elif small_batch_gemm.small_batch_gemm_applies(x, weight, bias):
+            y = small_batch_gemm.small_batch_gemm(x, weight, activation=fused)
         else:
-            y = cpu_gemm.linear(x, weight, bias, layer.cpu_packed_weight)
-        return y if act is None else act(y)
+            y, fused = cpu_gemm.linear(x, weight, bias, layer.cpu_packed_weight), ""
+        return y if act is None or fused else act(y)

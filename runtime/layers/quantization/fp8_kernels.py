@@ -32,6 +32,7 @@ import triton.language as tl
 from braid.runtime.layers import pdl
 from braid.runtime.layers.gemv import measured_table
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
+from braid.runtime.layers.small_batch_gemm import MAX_ROWS as SMALL_BATCH_MAX_ROWS, TcTile, launch_small_batch_tc
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,6 @@ FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero row gets this scale instead of a division by zero
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MIN_CUDA_CAPABILITY = (8, 9)
-SMALL_BATCH_MAX_ROWS = 16  # fp8_gemv's rows of x: the tc variant's [BLOCK_K, 16] tensor-core operand
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,20 +247,13 @@ def _f16_chunk(w, u, x, acc, acc_up, SILU_MUL: tl.constexpr, BIT_DEQUANT: tl.con
 
 
 @triton.jit
-def _scaled_activation_store(y, y_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, SILU_MUL: tl.constexpr,
-                             X_ROWS: tl.constexpr):
-    """y, y_up: fp32 sums of the unscaled weight rows `rows` ([BLOCK_N]; X_ROWS: [BLOCK_N, 16], x's 16 rows) -> times
-    the row scales, SiLU-and-mul (gate and up rounded to the output dtype where the unfused path rounds them),
-    stored at out_ptrs (y's shape) where out_mask."""
-    scale = tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)
-    if X_ROWS:
-        scale = scale[:, None]
-    y = y * scale
+def _scaled_activation_store(y, y_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, SILU_MUL: tl.constexpr):
+    """y, y_up: fp32 sums of the unscaled weight rows `rows` [BLOCK_N] -> times the row scales, SiLU-and-mul (gate and
+    up rounded to the output dtype where the unfused path rounds them), stored at out_ptrs where out_mask."""
+    y = y * tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)
     out_dtype = out_ptrs.dtype.element_ty
     if SILU_MUL:
         scale_up = tl.load(w_scale_ptr + N + rows, mask=row_mask, other=0.0)
-        if X_ROWS:
-            scale_up = scale_up[:, None]
         gate = y.to(out_dtype).to(tl.float32)
         up = (y_up * scale_up).to(out_dtype)
         y = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
@@ -299,7 +292,7 @@ def _fp8_gemv_f16_rows(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stri
         x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         acc, acc_up = _f16_chunk(w, u, x, acc, acc_up, SILU_MUL, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP)
     _scaled_activation_store(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), w_scale_ptr, y_ptr + rows, rows, row_mask,
-                             row_mask, N, SILU_MUL, False)
+                             row_mask, N, SILU_MUL)
 
 
 @triton.jit
@@ -316,89 +309,6 @@ def _fp8_gemv_f16_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, n
         for block in range(pid + num_programs, tl.cdiv(N, BLOCK_N), num_programs):
             _fp8_gemv_f16_rows(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL, EVEN_K,
                                USE_PDL, False, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP)
-
-
-@triton.jit
-def _e4m3_x_tiles(x_ptr, x_row_stride, x_rows, row_mask, kk, k_mask):
-    """x[x_rows, kk] (masked to 0), each row rounded to e4m3 with its own scale for the chunk (max |x| at 448) ->
-    (the tensor-core operand [BLOCK_K, 16], column m = row m of x; the scales [16])."""
-    x = tl.load(x_ptr + x_rows[None, :] * x_row_stride + kk[:, None], mask=k_mask[:, None] & row_mask[None, :],
-                other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30) / 448.0
-    return (x / scale[None, :]).to(tl.float8e4nv), scale
-
-
-@triton.jit
-def _fp8_gemv_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, x_row_stride,
-                        w_row_stride, SILU_MUL: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    # program (pid_n, pid_k): weight rows [pid_n * BLOCK_N, +BLOCK_N) (and the up rows N further) against all M <= 16
-    # rows of x, over the pid_k-th of SPLIT_K ranges of K (whole BLOCK_K chunks); partial_ptr: [SPLIT_K, 16, N (2N
-    # with SILU_MUL)] fp32, each program's sums; count_ptr: [cdiv(N, BLOCK_N)] int32, zero between calls (the last
-    # program of a row tile resets its counter)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    let_next_kernel_launch(USE_PDL)
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    cols = tl.arange(0, BLOCK_K)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    x_rows = tl.arange(0, 16)
-    x_row_mask = x_rows < M
-    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + (k_start + cols)[None, :]
-    up_offset = N.to(tl.int64) * w_row_stride
-    # the first weight tile streams before the wait for x (PDL; no kernel of the step writes W)
-    kk = k_start + cols
-    k_mask = kk < k_end
-    w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-    u = w
-    if SILU_MUL:
-        u = tl.load(w_ptrs + up_offset, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-    wait_for_previous_kernel(USE_PDL)
-    xq, x_scale = _e4m3_x_tiles(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask)
-    acc = tl.dot(w, xq, out_dtype=tl.float32) * x_scale[None, :]  # [BLOCK_N, 16]: column m for x's row m
-    acc_up = acc
-    if SILU_MUL:
-        acc_up = tl.dot(u, xq, out_dtype=tl.float32) * x_scale[None, :]
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        w_ptrs += BLOCK_K
-        kk = k0 + cols
-        k_mask = kk < k_end
-        xq, x_scale = _e4m3_x_tiles(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask)
-        w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        acc += tl.dot(w, xq, out_dtype=tl.float32) * x_scale[None, :]
-        if SILU_MUL:
-            u = tl.load(w_ptrs + up_offset, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            acc_up += tl.dot(u, xq, out_dtype=tl.float32) * x_scale[None, :]
-    out_mask = row_mask[:, None] & x_row_mask[None, :]
-    out_ptrs = y_ptr + x_rows[None, :] * N + rows[:, None]  # y [M, N]
-    if SPLIT_K == 1:
-        _scaled_activation_store(acc, acc_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, SILU_MUL, True)
-    else:
-        split_stride = 2 * N if SILU_MUL else N
-        tile = partial_ptr + x_rows[None, :] * split_stride + rows[:, None]  # split 0's [BLOCK_N, 16] sums
-        tl.store(tile + pid_k * 16 * split_stride, acc, mask=out_mask)
-        if SILU_MUL:
-            tl.store(tile + pid_k * 16 * split_stride + N, acc_up, mask=out_mask)
-        # every thread's stores precede one thread's release of the counter (as CUTLASS's semaphores do)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            # the last of the row tile: the sums in split order (the same result every call, whichever program
-            # is last), read from L2 where the others' stores are; then the counter back to zero
-            acc = tl.zeros_like(acc)
-            acc_up = tl.zeros_like(acc_up)
-            for split in tl.static_range(SPLIT_K):
-                acc += tl.load(tile + split * 16 * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if SILU_MUL:
-                    acc_up += tl.load(tile + split * 16 * split_stride + N, mask=out_mask, other=0.0,
-                                      cache_modifier=".cg")
-            tl.atomic_xchg(count_ptr + pid_n, 0)
-            _scaled_activation_store(acc, acc_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, SILU_MUL, True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -515,45 +425,11 @@ def measured_fp8_gemv_config(device: torch.device, rows: int, k: int, silu_mul: 
     return measured_table(MEASURED_FP8_GEMV_CONFIGS, device).get((rows, k, bool(silu_mul)))
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _split_k(config: Fp8GemvConfig, n: int, k: int, device: torch.device) -> int:
-    """config.split_k, or for 0 the power of two that gives every SM two programs (at most one chunk each)."""
-    if config.split_k:
-        return config.split_k
-    programs = 2 * (_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-                    if device.type == "cuda" else 4)
-    split = 1
-    while split * triton.cdiv(n, config.block_n) < programs and split * 2 <= triton.cdiv(k, config.block_k):
-        split *= 2
-    return split
-
-
-_tc_workspaces: dict = {}  # (device, splits, rows, tiles) -> (fp32 [splits * 16 * rows], int32 [tiles] zero between calls)
-
-
-def _tc_workspace(device: torch.device, splits: int, rows: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # kept forever: a CUDA graph that captured a launch holds its pointers
-    key = (str(device), splits, rows, tiles)
-    if key not in _tc_workspaces:
-        _tc_workspaces[key] = (torch.empty(splits * 16 * rows, dtype=torch.float32, device=device),
-                               torch.zeros(tiles, dtype=torch.int32, device=device))
-    return _tc_workspaces[key]
-
-
 def _launch_fp8_gemv(config: Fp8GemvConfig, x, weight, weight_scale, y, n, k, silu_mul) -> None:
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(x.device))
     if config.variant == "tc":
-        split = _split_k(config, n, k, x.device)
-        tiles = triton.cdiv(n, config.block_n)
-        partial, count = (_tc_workspace(x.device, split, weight.shape[0], tiles) if split > 1
-                          else (weight_scale, weight_scale))
-        _fp8_gemv_tc_kernel[(tiles, split)](x, weight, weight_scale, y, partial, count, x.shape[0], n, k, x.stride(0),
-                                            weight.stride(0), SILU_MUL=silu_mul, BLOCK_N=config.block_n,
-                                            BLOCK_K=config.block_k, SPLIT_K=split, **launch)
+        tile = TcTile(config.block_n, config.block_k, config.num_warps, config.num_stages, config.split_k)
+        launch_small_batch_tc(tile, x, weight, weight_scale, y, n, k, "silu" if silu_mul else "")
     else:
         blocks = triton.cdiv(n, config.block_n)
         programs = min(blocks, config.programs or blocks)
