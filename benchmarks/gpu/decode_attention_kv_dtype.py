@@ -1,6 +1,6 @@
 """Llama-3-8B decode attention alone on the GPU by KV-cache dtype (bf16, fp8_e4m3, fp8_e5m2): 32 query / 8 KV heads,
-head_dim 128, 8,160 keys per request, batch 8 and 64 (issue 19's FP8-KV figure), the Triton split-KV kernel (PDL as
-in the runtime) over split counts x launch configs. Each figure is one layer's time inside a
+head_dim 128, 8,160 keys per request, batch 8 and 64 (issue 19's FP8-KV figure), the Triton split-KV kernel (both
+stages, PDL as in the runtime) over split counts x stage-1 launch configs. Each figure is one layer's time inside a
 CUDA graph cycling over `--layers` distinct KV buffers (L2 holds none), and the KV bytes it must read in TB/s.
 
   python3 benchmarks/gpu/decode_attention_kv_dtype.py [--batch-sizes 8 64] [--budget-s 200] [--out rows.jsonl]
@@ -23,7 +23,7 @@ from sweep_rows import append_row, read_rows  # benchmarks/gpu, this script's fo
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-# (BLOCK_N, num_warps, num_stages); None: the runtime's own choice
+# stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice
 CONFIGS = [None, (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4), (128, 4, 3)]
 
 

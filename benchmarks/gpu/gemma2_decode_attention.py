@@ -1,6 +1,6 @@
 """Gemma-2-9B decode attention alone on the GPU: one global layer (8,192 keys) and one window layer (the last 4,096 of
 8,192) at head_dim 256, 16 query / 8 KV heads, soft-cap 50, bf16 KV, batch 1 and 8; the Triton split-KV kernel
-(PDL as in the runtime) over a sweep of split counts and launch configs, and FlashInfer's
+(both stages, PDL as in the runtime) over a sweep of split counts and stage-1 launch configs, and FlashInfer's
 decode when it imports. Each figure is one call's time inside a CUDA graph of `--layers` calls cycling over as many
 distinct KV buffers (so L2 holds none of them, as in a real step where the weights stream in between), and the KV
 bytes it must read over that time in TB/s.
@@ -23,7 +23,7 @@ import torch
 
 BANDWIDTH = 4.28e12
 HEADS, KV_HEADS, HEAD_DIM, CAP = 16, 8, 256, 50.0
-# (BLOCK_N, num_warps, num_stages); None: the runtime's own choice (decode_attention._decode_launch_configs)
+# stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice (decode_attention._decode_launch_configs)
 BEFORE_SPLITS = 16  # the runtime's split count for every batch size before decode_kv_splits
 CONFIGS = [None, (64, 4, 2), (64, 4, 3), (64, 8, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3), (16, 4, 4),
            (128, 8, 2)]

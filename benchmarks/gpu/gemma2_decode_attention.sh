@@ -1,6 +1,6 @@
 # Gemma-2-9B decode attention alone (benchmarks/gpu/gemma2_decode_attention.py): one global layer (8,192 keys) and one
 # window layer (the last 4,096 of 8,192), head_dim 256, 16/8 heads, soft-cap, bf16, batch 1 and 8; the Triton kernel
-# over split counts x launch configs (the runtime's choice among them), FlashInfer's decode when it imports (or was
+# over split counts x stage-1 configs (the runtime's choice among them), FlashInfer's decode when it imports (or was
 # staged as flashinfer_vs_triton.sh describes). Prints the table last: the runtime's figure, the sweep's best, and
 # the time the best would save per decode step. carry: .whl (and .gpu/fi2 on the second call of a FlashInfer staging)
 #   bash benchmarks/gpu/gemma2_decode_attention.sh        (~6-8.5 min; the Triton sweep stops itself after 230-330 s)

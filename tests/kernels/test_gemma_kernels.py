@@ -105,9 +105,8 @@ def test_gemv_takes_one_gated_activation():
 
 @pytest.mark.parametrize("window", [-1, 40])
 def test_decode_attention_merges_many_splits(window):
-    """Gemma-2's decode shape (head_dim 256, a soft-cap, 2 query heads per KV head) split 40 ways: the last split's
-    program merges them 16 at a time (3 chunks, the last partial), equal to plain softmax attention over the visible
-    keys."""
+    """Gemma-2's decode shape (head_dim 256, a soft-cap, 2 query heads per KV head) split 40 ways: stage 2 merges the
+    splits 16 at a time (3 chunks, the last partial), equal to plain softmax attention over the visible keys."""
     from braid.runtime.layers.attention.triton_ops import decode_attention_fwd
 
     gen = torch.Generator().manual_seed(21)

@@ -204,37 +204,6 @@ def test_decode_zero_length_rows_write_zeros():
     assert rel_err(o[1:], ref) <= 1e-4
 
 
-def test_decode_merge_by_the_last_split_resets_its_counters():
-    """The last program of each (request, head block) merges the splits and resets its arrival counter: after calls
-    with 20 query heads per KV head (two head blocks), up to 6 splits and a zero-length row, every counter is zero
-    again, and a repeated call gives the same bits whichever program finished last."""
-    from braid.runtime.layers.attention.triton_ops import decode_attention as module
-
-    gen = torch.Generator().manual_seed(9)
-    h, h_kv, d = 40, 2, 16
-    q = torch.randn(3, h, d, generator=gen).to(DEVICE)
-    k_buffer = torch.randn(64, h_kv, d, generator=gen).to(DEVICE)
-    v_buffer = torch.randn(64, h_kv, d, generator=gen).to(DEVICE)
-    req_to_token = torch.randperm(64, generator=gen).to(torch.int32).view(2, 32).repeat(2, 1).to(DEVICE)
-    seq_lens = torch.tensor([31, 0, 7], dtype=torch.int32, device=DEVICE)
-    rows = torch.tensor([0, 1, 2], device=DEVICE)
-    first = None
-    for splits in (6, 6, 1):
-        o = torch.full((3, h, d), float("nan"), device=DEVICE)
-        scratch = torch.empty(3, h, splits, d + 1, device=DEVICE)
-        decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, scratch, splits, 0.25)
-        assert not module._arrival_buffers[str(q.device)][-1].any()
-        for b in (0, 2):
-            n = int(seq_lens[b])
-            keys = req_to_token[b, :n].long()
-            ref = ref_attention(q[b:b + 1], k_buffer[keys], v_buffer[keys], torch.tensor([n - 1], device=DEVICE), 0.25)
-            assert rel_err(o[b:b + 1], ref) <= 1e-4, (splits, b)
-        assert torch.equal(o[1], torch.zeros_like(o[1]))
-        if splits == 6:
-            assert first is None or torch.equal(o, first)
-            first = o
-
-
 def test_block_table_covers_each_query_block_once():
     lens = torch.tensor([5, 0, 33, 16, 0], dtype=torch.int32)
     seq, block = extend_block_table(lens, 16, 12)

@@ -43,14 +43,14 @@ __all__ = ["TritonAttnBackend", "TritonAttnMetadata"]
 # and 8K in 2026-12-04's sweep: 8: 4370 us, 16: 4498).
 DEFAULT_NUM_KV_SPLITS_GPU = 8
 DEFAULT_NUM_KV_SPLITS_CPU = 4  # the interpreter runs programs one by one
-# Small decode batches split the keys further, so that the decode kernel has about this many programs per SM. On an H200 with
+# Small decode batches split the keys further, so that stage 1 has about this many programs per SM. On an H200 with
 # 16 splits, Gemma-2-9B's decode step grew from 4K to 8K context as if the added KV streamed at 2.75 TB/s at batch 1
 # (128 programs: one per SM) and at 4.5 TB/s at batch 8 (1024). benchmarks/gpu/gemma2_decode_attention.py timed 42 of
 # its layers at batch 1 by split count (2026-12-04): 16: 1030 us, 24: 966, 32: 865, 48: 944, 64: 1033; so 8 KV heads
 # take 32 splits at batch 1, 16 at batches 2-3 and the least, 8, from batch 4.
 DECODE_PROGRAMS_PER_SM = 1.9
 MAX_NUM_KV_SPLITS_GPU = 64
-QUERY_HEADS_PER_PROGRAM = 16  # decode_attention's _BLOCK_H: one decode program per 16 query heads of a KV head
+QUERY_HEADS_PER_PROGRAM = 16  # decode_attention's _BLOCK_H: one stage-1 program per 16 query heads of a KV head
 
 
 @dataclass
@@ -105,7 +105,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def decode_kv_splits(self, bs: int) -> int:
         """Split count of a decode batch of bs requests (fixed per CUDA graph, as the scratch's dim 2): the default,
-        or more when bs x KV heads gives the kernel fewer than DECODE_PROGRAMS_PER_SM programs per SM (up to
+        or more when bs x KV heads gives stage 1 fewer than DECODE_PROGRAMS_PER_SM programs per SM (up to
         MAX_NUM_KV_SPLITS_GPU, a multiple of 8). A split count given explicitly is used for every batch."""
         if self.fixed_num_kv_splits or not self.sm_count:
             return self.num_kv_splits

@@ -1,15 +1,16 @@
-"""Triton decode attention over the paged KV cache (page size 1), split-KV, the splits merged in the same kernel.
+"""Triton decode attention over the paged KV cache (page size 1), split-KV in two stages.
 
 Each request has one new query token at position seq_lens[b] - 1 that attends to its keys at positions
 [0, seq_lens[b]) (slots `req_to_token[req_pool_indices[b], pos]`), or, with a sliding window W > 0, to
 the last W of them (positions (p - W, p], the Gemma-2 / Mistral convention).
 
-One kernel, grid (B, Hkv * head_blocks, num_kv_splits): a program takes up to BLOCK_H query heads that share a KV
-head (GQA) and one split of the visible keys, so every KV tile is read once per group. It writes the split's
-normalised partial output and its base-2 log-sum-exp into attn_logits[b, h, split, :Dv] and attn_logits[b, h, split,
-Dv]; the last program of a (request, head block) to finish (an atomic counter per pair, back to zero after) merges
-the splits into o, BLOCK_S of them per load. (A second kernel did the merge until 2026-12-05: its launch and its wait
-for the first cost ~2.4 us per layer at batch 1, more than the merge itself.)
+Stage 1, grid (B, Hkv * head_blocks, num_kv_splits): one program takes up to BLOCK_H query heads that
+share a KV head (GQA) and one split of the visible keys, so every KV tile is read once per group. It
+writes the split's normalised partial output and its base-2 log-sum-exp into
+attn_logits[b, h, split, :Dv] and attn_logits[b, h, split, Dv].
+Stage 2, grid (B, H): merges the splits, BLOCK_S of them per load (one memory round trip for up to BLOCK_S
+splits instead of one per split: at 8K context every split is in use, and the merge was a chain of 16 dependent
+L2 reads per layer).
 
 Splits cover ceil(len / num_kv_splits) keys rounded up to a whole BLOCK_N tile, so short sequences use
 fewer splits (the rest exit at once); the split count stays fixed, which CUDA graphs need.
@@ -50,69 +51,39 @@ def _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _merge_splits(att_head, o_head, n_splits, stride_as, offs_dv, mask_dv, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
-    """One head's n_splits >= 1 partial outputs and log-sum-exps (att_head: [splits, Dv + 1] rows of attn_logits,
-    written by other programs: read through L2) -> the softmax-weighted sum at o_head."""
-    offs_s = tl.arange(0, BLOCK_S)
-    m = float("-inf")
-    l = 0.0
-    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
-    for s0 in range(0, n_splits, BLOCK_S):
-        # BLOCK_S splits at once: parts [BLOCK_S, BLOCK_DV], their log-sum-exps [BLOCK_S] (-inf past n_splits)
-        splits = s0 + offs_s
-        mask_s = splits < n_splits
-        lse = tl.load(att_head + splits * stride_as + DV, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(att_head + splits[:, None] * stride_as + offs_dv[None, :],
-                        mask=mask_s[:, None] & mask_dv[None, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, axis=0))  # finite: the chunk holds at least one split
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new)
-        acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
-        l = l * alpha + tl.sum(w, axis=0)
-        m = m_new
-    tl.store(o_head + offs_dv, (acc / l).to(o_head.dtype.element_ty), mask=mask_dv)
-
-
-@triton.jit
-def _decode_kernel(
-    Q, K_buf, V_buf, Req_to_token, B_req_idx, B_seq_len, Att, O, Arrived,
+def _decode_stage1_kernel(
+    Q, K_buf, V_buf, Req_to_token, B_req_idx, B_seq_len, Att,
     sm_scale, logit_cap, sliding_window, num_kv_splits, v_scale,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_req,
-    stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
+    stride_ab, stride_ah, stride_as,
     KV_GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    # Arrived: int32 [B * Hkv * HEAD_BLOCKS], zero between calls: the programs of a (request, head block) done so far
     let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     cur_batch = tl.program_id(0)
     pid_h = tl.program_id(1)
     split = tl.program_id(2)
     cur_kv_head = pid_h // HEAD_BLOCKS
-    in_group = (pid_h % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = in_group < KV_GROUP
-    offs_h = cur_kv_head * KV_GROUP + in_group
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < DV
-    o_base = O + cur_batch.to(tl.int64) * stride_ob
 
     seq_len = tl.load(B_seq_len + cur_batch)
     kv_start, split_len, n_splits = _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N, USE_WINDOW)
     if split >= n_splits:
-        if n_splits == 0 and split == 0:  # seq_len 0 (padding rows of a CUDA-graph batch): zeros, not garbage
-            tl.store(o_base + offs_h[:, None] * stride_oh + offs_dv[None, :],
-                     tl.zeros([BLOCK_H, BLOCK_DV], dtype=O.dtype.element_ty), mask=mask_h[:, None] & mask_dv[None, :])
         return
     split_lo = kv_start + split * split_len
     split_hi = tl.minimum(split_lo + split_len, seq_len)
 
+    in_group = (pid_h % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = in_group < KV_GROUP
+    offs_h = cur_kv_head * KV_GROUP + in_group
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
 
     # q: [BLOCK_H, BLOCK_D]
     q_base = Q + cur_batch.to(tl.int64) * stride_qb + offs_h[:, None] * stride_qh
@@ -153,28 +124,56 @@ def _decode_kernel(
             sm_scale, logit_cap, sliding_window, 1.0,
             BLOCK_DPE, True, False, USE_CAP, False, False, DOT_DTYPE)
 
-    att_b = Att + cur_batch.to(tl.int64) * stride_ab
-    att_base = att_b + offs_h * stride_ah + split * stride_as
+    att_base = Att + cur_batch.to(tl.int64) * stride_ab + offs_h * stride_ah + split * stride_as
     tl.store(att_base[:, None] + offs_dv[None, :], acc * (v_scale / l_i)[:, None],
              mask=mask_h[:, None] & mask_dv[None, :])
     tl.store(att_base + DV, m_i + tl.log2(l_i), mask=mask_h)
 
-    # every thread's stores precede one thread's release of the counter (as CUTLASS's semaphores do)
-    tl.debug_barrier()
-    arrived = Arrived + cur_batch * (tl.num_programs(1)) + pid_h
-    if tl.atomic_add(arrived, 1, sem="acq_rel") == n_splits - 1:
-        # the last split of the pair: merge each of its heads, then the counter back to zero
-        first_head = cur_kv_head * KV_GROUP + (pid_h % HEAD_BLOCKS) * BLOCK_H
-        for i in tl.static_range(BLOCK_H if BLOCK_H < KV_GROUP else KV_GROUP):
-            if (pid_h % HEAD_BLOCKS) * BLOCK_H + i < KV_GROUP:
-                _merge_splits(att_b + (first_head + i) * stride_ah, o_base + (first_head + i) * stride_oh, n_splits,
-                              stride_as, offs_dv, mask_dv, DV, BLOCK_DV, BLOCK_S)
-        tl.atomic_xchg(arrived, 0)
+
+@triton.jit
+def _decode_stage2_kernel(
+    Att, O, B_seq_len,
+    sliding_window, num_kv_splits,
+    stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    let_next_kernel_launch(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    seq_len = tl.load(B_seq_len + cur_batch)
+    _, _, n_splits = _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N, USE_WINDOW)
+
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < DV
+    offs_s = tl.arange(0, BLOCK_S)
+    att_base = Att + cur_batch.to(tl.int64) * stride_ab + cur_head * stride_ah
+    m = float("-inf")
+    l = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        # BLOCK_S splits at once: parts [BLOCK_S, BLOCK_DV], their log-sum-exps [BLOCK_S] (-inf past n_splits)
+        splits = s0 + offs_s
+        mask_s = splits < n_splits
+        lse = tl.load(att_base + splits * stride_as + DV, mask=mask_s, other=float("-inf"))
+        parts = tl.load(att_base + splits[:, None] * stride_as + offs_dv[None, :],
+                        mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))  # finite: the chunk holds at least one split
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha + tl.sum(parts * w[:, None], axis=0)
+        l = l * alpha + tl.sum(w, axis=0)
+        m = m_new
+    # seq_len == 0 (padding rows of a CUDA-graph batch) has no splits: write zeros, not NaN
+    l = tl.where(l == 0.0, 1.0, l)
+    o_ptr = O + cur_batch.to(tl.int64) * stride_ob + cur_head * stride_oh + offs_dv
+    tl.store(o_ptr, (acc / l).to(O.dtype.element_ty), mask=mask_dv)
 
 
 # ---------------------------------------------------------------- host side
 
-_BLOCK_H = 16  # query heads per program (a dot needs >= 16 rows; unused rows are masked)
+_BLOCK_H = 16  # query heads per stage-1 program (a dot needs >= 16 rows; unused rows are masked)
 
 
 def _decode_launch_configs(d: int, dv: int, device: torch.device) -> list[dict]:
@@ -197,19 +196,6 @@ def _decode_dot_dtype(q: torch.Tensor, k_buffer: torch.Tensor):
     return dt
 
 
-_arrival_buffers: dict = {}  # device -> every int32 zeros buffer made for it, the newest (largest) last
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 counters, zero between launches (each kernel's merging programs reset theirs). Shared by every launch on
-    the device (one kernel at a time on a stream; with PDL a kernel waits for the one before it first); never freed,
-    as a CUDA graph that captured a launch holds the pointer. 65,536 (256 KB) cover a batch of 8,192 at 8 KV heads."""
-    buffers = _arrival_buffers.setdefault(str(device), [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(triton.next_power_of_2(max(n, 1 << 16)), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def decode_attention_fwd(
     q: torch.Tensor,  # [B, H, D]
     k_buffer: torch.Tensor,  # [S, Hkv, D]
@@ -225,7 +211,7 @@ def decode_attention_fwd(
     sliding_window: int = -1,
     k_scale: float = 1.0,  # dequantisation scales of values read from k_buffer / v_buffer (fp8 caches)
     v_scale: float = 1.0,
-    launch_config: Optional[dict] = None,  # BLOCK_N, num_warps, num_stages (benchmark sweeps)
+    launch_config: Optional[dict] = None,  # stage 1's BLOCK_N, num_warps, num_stages (benchmark sweeps)
 ) -> None:
     b, h, d = q.shape
     h_kv = k_buffer.shape[1]
@@ -254,17 +240,22 @@ def decode_attention_fwd(
     dot_dt = _decode_dot_dtype(q, k_buffer)
     configs = [dict(launch_config)] if launch_config else _decode_launch_configs(d, dv, q.device)
     key = ("decode", q.device, q.dtype, k_buffer.dtype, d, dv, tuple(sorted((launch_config or {}).items())))
-    # the merge loads up to 4096 fp32 values at a time
-    block_s = max(2, min(triton.next_power_of_2(num_kv_splits), 4096 // block_dv))
-    launch_first_fitting(
-        _decode_kernel, lambda cfg: (b, h_kv * head_blocks, num_kv_splits), configs, key,
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, o,
-        _arrival_counters(q.device, b * h_kv * head_blocks),
+    cfg = launch_first_fitting(
+        _decode_stage1_kernel, lambda cfg: (b, h_kv * head_blocks, num_kv_splits), configs, key,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits,
         float(sm_scale * k_scale), float(logit_cap), int(sliding_window), int(num_kv_splits), float(v_scale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), o.stride(0),
-        o.stride(1), KV_GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
-        BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv, BLOCK_H=_BLOCK_H, BLOCK_S=block_s,
+        req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        KV_GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
+        BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv, BLOCK_H=_BLOCK_H,
         USE_CAP=logit_cap > 0, USE_WINDOW=use_window, DOT_DTYPE=dot_dt,
         CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16, **pdl.launch_options(q.device),
+    )
+    # stage 2 must split the keys exactly as stage 1 did: same BLOCK_N; it loads up to 4096 fp32 values at a time
+    block_s = max(2, min(triton.next_power_of_2(num_kv_splits), 4096 // block_dv))
+    _decode_stage2_kernel[(b, h)](
+        attn_logits, o, seq_lens, int(sliding_window), int(num_kv_splits),
+        attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), o.stride(0), o.stride(1),
+        DV=dv, BLOCK_DV=block_dv, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=use_window, BLOCK_S=block_s,
+        num_warps=4 if dv <= 256 else 8, num_stages=2, **pdl.launch_options(q.device),
     )
