@@ -133,8 +133,8 @@ class ServerArgs:
     torch_compile_max_bs: int = _opt(32, "largest batch compiled", aliases=("--max-torch-compile-bs",))
     disable_pdl: bool = _opt(False, "launch the decode path's Triton kernels without programmatic dependent launch "
                                     "(Hopper and later; ignored elsewhere)")
-    disable_decode_gemv: bool = _opt(False, "decode batches of 1-16 rows through cuBLAS (bf16/fp16) or torch._scaled_mm "
-                                            "(fp8) instead of braid's Triton GEMV kernels")
+    disable_decode_gemv: bool = _opt(False, "decode batches of 1-16 rows through cuBLAS (bf16/fp16) or "
+                                            "torch._scaled_mm (fp8) instead of braid's Triton GEMV kernels")
     disable_fused_kv_store: bool = _opt(False, "on CUDA, store K and V with two copies instead of one fused kernel")
     disable_fused_rotary_kv_store: bool = _opt(False, "at decode, apply rotary and store K/V in separate launches")
     disable_mla: bool = _opt(False, "MLA models (DeepSeek-V2): keep per-head K and V in the cache and attend in the expanded "

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from braid.runtime.config import ServerArgs
 from braid.runtime.layers.activation import GeluAndMul, SiluAndMul
 from braid.runtime.layers.kernel_switches import kernel_switches_applied
-from braid.runtime.layers.small_batch_gemm import (CANDIDATE_TILES, TcTile, small_batch_gemm, small_batch_gemm_applies,
-                                                   split_k)
+from braid.runtime.layers.small_batch_gemm import (CANDIDATE_TILES, DEFAULT_TILE, TcTile, small_batch_gemm,
+                                                   small_batch_gemm_applies, split_k)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -88,13 +88,18 @@ def test_small_batch_gemm_refuses_what_it_cannot_run():
         TcTile(32, 64)
 
 
-def test_applies_only_to_2_to_16_half_rows_on_cuda():
+def test_applies_only_to_measured_shapes_of_2_to_16_half_rows_on_cuda(monkeypatch):
+    from braid.runtime.layers import small_batch_gemm as module
+
     w = torch.randn(64, 32, dtype=torch.bfloat16)
     assert not small_batch_gemm_applies(torch.randn(4, 32, dtype=torch.bfloat16), w)  # CPU tensors
     if HAS_CUDA:
         wc = w.cuda()
         x = torch.randn(16, 32, dtype=torch.bfloat16, device="cuda")
+        assert not small_batch_gemm_applies(x, wc)  # no tile measured for the shape: cuBLAS
+        monkeypatch.setattr(module, "MEASURED_TILES", {torch.cuda.get_device_name(): {(64, 32, ""): DEFAULT_TILE}})
         assert small_batch_gemm_applies(x[:2], wc) and small_batch_gemm_applies(x, wc)
+        assert not small_batch_gemm_applies(x, wc, activation="silu")  # another measured key
         assert not small_batch_gemm_applies(x[:1], wc)  # the batch-1 GEMV's
         assert not small_batch_gemm_applies(torch.cat([x, x[:1]]), wc)
         assert not small_batch_gemm_applies(x.float(), wc.float())
@@ -107,8 +112,9 @@ def test_applies_only_to_2_to_16_half_rows_on_cuda():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("act", [None, "silu", "gelu"])
 def test_gpu_linear_routes_small_batches_here(monkeypatch, act):
-    """A bf16 Linear at 8 rows calls the kernel with its gated activation fused (the same result as cuBLAS and the
-    unfused activation within rounding); ServerArgs.disable_decode_gemv sends it to cuBLAS."""
+    """A bf16 Linear at 8 rows whose shape has a measured tile calls the kernel with its gated activation fused (the
+    same result as cuBLAS and the unfused activation within rounding); ServerArgs.disable_decode_gemv sends it to
+    cuBLAS."""
     from braid.runtime.layers import small_batch_gemm as module
     from braid.runtime.layers.linear import Linear
 
@@ -116,6 +122,7 @@ def test_gpu_linear_routes_small_batches_here(monkeypatch, act):
     real = module.small_batch_gemm
     monkeypatch.setattr(module, "small_batch_gemm", lambda *a, **kw: calls.append(kw["activation"]) or real(*a, **kw))
     layer_act = {"silu": SiluAndMul(), "gelu": GeluAndMul(approximate="tanh"), None: None}[act]
+    monkeypatch.setattr(module, "MEASURED_TILES", {torch.cuda.get_device_name(): {(256, 256, act or ""): DEFAULT_TILE}})
     lin = Linear(256, 256).to(device="cuda", dtype=torch.bfloat16)
     lin.weight.data.normal_(std=256 ** -0.5)
     x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)

@@ -1,8 +1,8 @@
 """Dense weights in the activation dtype (bf16/fp16/fp32).
 
-Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA and its tensor-core form for 2..16 rows (SiLU- or
-GELU-tanh-and-mul fused after them; gemv.py, small_batch_gemm.py), a oneDNN-prepacked copy of the weight on CPU
-(cpu_gemm.py), F.linear everywhere else.
+Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA and its tensor-core form for 2..16 rows on the shapes where
+it was measured faster than cuBLAS (SiLU- or GELU-tanh-and-mul fused after them; gemv.py, small_batch_gemm.py), a
+oneDNN-prepacked copy of the weight on CPU (cpu_gemm.py), F.linear everywhere else.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class DenseLinearMethod(LinearMethod):
         fused = _fused_activation(act)
         if gemv.decode_gemv_applies(x, weight, bias):
             y = gemv.gemv(x, weight, silu_mul=fused == "silu", gelu_tanh_mul=fused == "gelu")
-        elif small_batch_gemm.small_batch_gemm_applies(x, weight, bias):
+        elif small_batch_gemm.small_batch_gemm_applies(x, weight, bias, fused):
             y = small_batch_gemm.small_batch_gemm(x, weight, activation=fused)
         else:
             y, fused = cpu_gemm.linear(x, weight, bias, layer.cpu_packed_weight), ""
