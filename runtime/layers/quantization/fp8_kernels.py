@@ -12,8 +12,9 @@ checkpoint's static `input_scale`).
   copy), K and N multiples of 16 and fp32 scales.
 - `fp8_gemv`: 1..16 rows of x (decode batches) against an e4m3 weight with row scales, one Triton launch that streams
   W once, SiLU-and-mul fusable: at one row the GEMV variants below (x kept in 16 bits), at 2..16 the "tc" variant
-  (x rounded to e4m3 per row and chunk, fp8 tensor-core dots). At these sizes a decode step is a stream over the
-  weights; quantize + torch._scaled_mm measured 1.1-2.2 TB/s there against the tc kernel's 1.4-2.5 (H200).
+  (x rounded to e4m3 per row and chunk, fp8 tensor-core dots: small_batch_gemm.py's kernel, shared with bf16
+  weights). At these sizes a decode step is a stream over the weights; quantize + torch._scaled_mm measured 1.1-2.2
+  TB/s there against the tc kernel's 1.4-2.5 (H200).
 - `check_fp8_device`: fp8 needs compute capability 8.9+ on CUDA; on CPU the casts must exist.
 """
 
