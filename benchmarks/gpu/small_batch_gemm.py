@@ -4,18 +4,23 @@ activation fused) over its candidate tiles, each timed with all of the model's l
 (so L2 holds none of them), in TB/s of the weight bytes streamed.
 
   python3 benchmarks/gpu/small_batch_gemm.py [--models gemma2-9b llama3-8b] [--rows 2 4 8 16] [--budget-s 150]
-                                             [--out rows.jsonl]
+                                             [--out rows.jsonl] [--step gemma2-9b:8:8000 llama3-8b:8:128]
   python3 benchmarks/gpu/small_batch_gemm.py --table rows.jsonl
 
 Every tile's result is checked against cuBLAS's (relative error < 1e-2) before it is timed. The table gives per
 (model, shape, rows) cuBLAS, the default tile, the best tile; per (model, rows) the step's linear layers each way; and
 the MEASURED_TILES rows (the shapes whose best tile at 8 rows beats cuBLAS by more than 2%: the dense Linear routes only
 those here).
+
+--step MODEL:BATCH:CONTEXT (dummy weights of benchmarks/configs/MODEL.json, bf16, CUDA graphs): then the decode step of
+that batch at that prompt length, built and timed twice in this process, once with MEASURED_TILES as committed and once
+with these rows in it, and the ratio: what pasting them would change end to end.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -63,7 +68,7 @@ def sweep(args) -> list[dict]:
                 cell += 1
                 deadline = started + args.budget_s * cell / cells
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-                base = {"model": model, "shape": name, "rows": rows, "k": k, "act": act, "m": m, "layers": layers}
+                base = {"card": torch.cuda.get_device_name(), "model": model, "shape": name, "rows": rows, "k": k, "act": act, "m": m, "layers": layers}
 
                 def cublas(w):
                     y = F.linear(x, w)
@@ -76,7 +81,7 @@ def sweep(args) -> list[dict]:
                     if time.time() > deadline:
                         print(f"sweep: time is up before {model} {name} m={m} {tile}", flush=True)
                         break
-                    row = {**base, "kernel": "tc", "tile": repr(tile)}
+                    row = {**base, "kernel": "tc", "tile": repr(tile), "tile_args": dataclasses.astuple(tile)}
                     try:
                         got = small_batch_gemm(x, weights[0], activation=act, tile=tile).float()
                         err = ((got - want).norm() / want.norm()).item()
@@ -92,6 +97,60 @@ def sweep(args) -> list[dict]:
             weights.clear()
             torch.cuda.empty_cache()
     return out
+
+
+def winning_tiles(rows: list[dict]) -> dict:
+    """{(weight rows, K, act): TcTile} of the shapes whose best tile at 8 rows beats cuBLAS by more than 2%."""
+    from braid.runtime.layers.small_batch_gemm import TcTile
+
+    ok = [r for r in rows if r.get("m") == 8 and "us" in r and r["us"] == r["us"]]
+    found = {}
+    for key in dict.fromkeys((r["rows"], r["k"], r["act"]) for r in ok):
+        mine = [r for r in ok if (r["rows"], r["k"], r["act"]) == key]
+        cublas = next((r for r in mine if r["kernel"] == "cuBLAS"), None)
+        tc = min((r for r in mine if r["kernel"] == "tc"), key=lambda r: r["us"], default=None)
+        if cublas and tc and tc["us"] < 0.98 * cublas["us"]:
+            found[key] = TcTile(*tc["tile_args"])
+    return found
+
+
+def step_with_and_without(spec: str, winners: dict) -> None:
+    """MODEL:BATCH:CONTEXT -> the decode step timed with MEASURED_TILES as committed, then with `winners` added."""
+    import gc
+
+    import torch
+
+    from braid.runtime.bench.bench_one_batch import StaticBatchRunner, latency_test
+    from braid.runtime.config import ServerArgs
+    from braid.runtime.layers import small_batch_gemm as module
+    from braid.runtime.model_executor.model_runner import ModelRunner
+
+    model, bs, context = spec.split(":")
+    bs, context = int(bs), int(context)
+    committed = module.MEASURED_TILES
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    steps = {}
+    for label, table in (("committed", committed), ("with the sweep's tiles",
+                                                     {**committed, gpu: {**committed.get(gpu, {}), **winners}})):
+        module.MEASURED_TILES = table
+        try:
+            runner = ModelRunner(ServerArgs(
+                model_path=f"{model}-dummy", load_format="dummy", model_config=f"benchmarks/configs/{model}.json",
+                dtype="bfloat16", max_total_tokens=2 * bs * (context + 64) + 1024, max_running_requests=max(16, bs),
+                cuda_graph_max_bs=bs, log_level="warning"))
+            result, _ = latency_test(StaticBatchRunner(runner), bs, context, 48)
+            steps[label] = result["median_decode_latency_s"]
+            print(f"{model} batch {bs}, {context} in: decode step {label}: {steps[label] * 1e3:.3f} ms "
+                  f"({bs / steps[label]:.1f} tok/s)", flush=True)
+        finally:
+            module.MEASURED_TILES = committed
+            runner = None
+            gc.collect()
+            torch.cuda.empty_cache()
+    if len(steps) == 2:
+        before, after = steps.values()
+        print(f"{model} batch {bs}, {context} in: the sweep's tiles make the step {before / after:.3f}x as fast "
+              f"({len(winners)} shapes routed)")
 
 
 def table(rows: list[dict]) -> int:
@@ -129,10 +188,10 @@ def table(rows: list[dict]) -> int:
                   f"{sums[0]:.0f} us, default tile {sums[1]:.0f} us ({sums[0] / sums[1]:.2f}x), best tiles {sums[2]:.0f} us "
                   f"({sums[0] / sums[2]:.2f}x)")
     print("\nMEASURED_TILES rows (the best tile at 8 rows where it beats cuBLAS by more than 2%):")
-    for (model, shape, m), (cublas, _, tc) in best.items():
-        if m == 8 and tc and cublas and tc["us"] < 0.98 * cublas["us"]:
-            print(f"    ({tc['rows']}, {tc['k']}, {tc['act']!r}): {tc['tile']},  # {model} {shape}: "
-                  f"{tc['tb_s']:.2f} vs cuBLAS {cublas['tb_s']:.2f} TB/s")
+    print(f"    {ok[0].get('card', '?')!r}: {{")
+    for (rows_, k, act), tile in winning_tiles(rows).items():
+        print(f"        ({rows_}, {k}, {act!r}): {tile!r},")
+    print("    },")
     return 1 if bad else 0
 
 
@@ -144,10 +203,16 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=150)
     p.add_argument("--out", default=None)
     p.add_argument("--table", default=None)
+    p.add_argument("--step", nargs="*", default=[], metavar="MODEL:BATCH:CONTEXT")
     args = p.parse_args()
     if args.table:
         return table(read_rows(args.table))
-    return table(sweep(args))
+    rows = sweep(args)
+    status = table(rows)
+    winners = winning_tiles(rows)
+    for spec in args.step:
+        step_with_and_without(spec, winners)
+    return status
 
 
 if __name__ == "__main__":
