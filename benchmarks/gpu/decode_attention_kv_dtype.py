@@ -19,12 +19,13 @@ import time
 
 import torch
 
-from sweep_rows import append_row, read_rows  # benchmarks/gpu, this script's folder
+from gemma2_decode_attention import MERGED  # benchmarks/gpu, this script's folder
+from sweep_rows import append_row, read_rows
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice
-CONFIGS = [None, (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4), (128, 4, 3)]
+CONFIGS = [None, MERGED, (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4), (128, 4, 3)]
 
 
 def runtime_splits(bs: int) -> int:
@@ -44,10 +45,11 @@ def calls(ks, vs, req_to_token, bs, context, splits, config):
     scratch = torch.empty(bs, HEADS, splits, HEAD_DIM + 1, device="cuda", dtype=torch.float32)
     rows = torch.arange(bs, device="cuda")
     seq_lens = torch.full((bs,), context, device="cuda", dtype=torch.int32)
-    launch = None if config is None else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2])
+    launch = None if config in (None, MERGED) else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2])
     scale = 1.0 if ks[0].dtype == torch.bfloat16 else 0.5  # fp8 caches: stored x / scale, as the pool writes them
     return [lambda k=k, v=v: decode_attention_fwd(q, k, v, o, req_to_token, rows, seq_lens, scratch, splits,
-                                                  HEAD_DIM ** -0.5, k_scale=scale, v_scale=scale, launch_config=launch)
+                                                  HEAD_DIM ** -0.5, k_scale=scale, v_scale=scale, launch_config=launch,
+                                                  merge_in_kernel=config == MERGED)
             for k, v in zip(ks, vs)]
 
 
@@ -79,7 +81,8 @@ def sweep(args) -> list[dict]:
                 for config in CONFIGS:
                     if time.time() > deadline:
                         break
-                    label = "runtime" if config is None else "BLOCK_N=%d warps=%d stages=%d" % config
+                    label = ("runtime" if config is None else "runtime, merged in stage 1" if config == MERGED
+                             else "BLOCK_N=%d warps=%d stages=%d" % config)
                     row = {**base, "splits": splits, "config": label}
                     try:
                         sec = time_graph(calls(ks, vs, req_to_token, bs, args.context, splits, config), args.reps)

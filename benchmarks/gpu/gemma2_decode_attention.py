@@ -25,8 +25,9 @@ BANDWIDTH = 4.28e12
 HEADS, KV_HEADS, HEAD_DIM, CAP = 16, 8, 256, 50.0
 # stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice (decode_attention._decode_launch_configs)
 BEFORE_SPLITS = 16  # the runtime's split count for every batch size before decode_kv_splits
-CONFIGS = [None, (64, 4, 2), (64, 4, 3), (64, 8, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3), (16, 4, 4),
-           (128, 8, 2)]
+MERGED = "merged"  # the runtime's config with the split merge inside stage 1 (decode_attention_fwd's merge_in_kernel)
+CONFIGS = [None, MERGED, (64, 4, 2), (64, 4, 3), (64, 8, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3),
+           (16, 4, 4), (128, 8, 2)]
 
 
 def kv_buffers(layers: int, bs: int, context: int, device):
@@ -73,9 +74,10 @@ def triton_calls(ks, vs, req_to_token, bs, context, window, splits, config):
     scratch = torch.empty(bs, HEADS, splits, HEAD_DIM + 1, device=device, dtype=torch.float32)
     rows = torch.arange(bs, device=device)
     seq_lens = torch.full((bs,), context, device=device, dtype=torch.int32)
-    launch = None if config is None else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2])
+    launch = None if config in (None, MERGED) else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2])
     return [lambda k=k, v=v: decode_attention_fwd(q, k, v, o, req_to_token, rows, seq_lens, scratch, splits,
-                                                  HEAD_DIM ** -0.5, CAP, window, launch_config=launch)
+                                                  HEAD_DIM ** -0.5, CAP, window, launch_config=launch,
+                                                  merge_in_kernel=config == MERGED)
             for k, v in zip(ks, vs)], (q, o)
 
 
@@ -104,7 +106,8 @@ def flashinfer_calls(ks, vs, req_to_token, bs, context, window):
 
 
 def time_triton(base, ks, vs, req_to_token, args, window, splits, config, record) -> None:
-    name = "runtime" if config is None else "BLOCK_N=%d warps=%d stages=%d" % config
+    name = ("runtime" if config is None else "runtime, merged in stage 1" if config == MERGED
+            else "BLOCK_N=%d warps=%d stages=%d" % config)
     row = {**base, "impl": "triton", "splits": splits, "config": name}
     try:
         calls, _ = triton_calls(ks, vs, req_to_token, base["batch_size"], args.context, window, splits, config)
@@ -255,6 +258,8 @@ def recommend(ok: list[dict]) -> None:
         (splits, config), best = min(totals.items(), key=lambda kv: kv[1])
         if best < 0.97 * now:
             where = ("the split rule (triton_backend.decode_kv_splits)" if config == "runtime"
+                     else "MERGE_IN_KERNEL_MAX_CHUNKS (decode_attention.py) and the split rule"
+                     if config == "runtime, merged in stage 1"
                      else "the split count (triton_backend.py) and the head_dim <= 256 launch configs "
                           "(decode_attention._decode_launch_configs)")
             print(f"RECOMMEND bs={bs}: splits {splits} with {config}: {best:.0f} us of attention per step against "
@@ -262,6 +267,16 @@ def recommend(ok: list[dict]) -> None:
         else:
             print(f"KEEP bs={bs}: the runtime's splits {runtime_splits} ({now:.0f} us of attention per step) are within "
                   f"3% of the sweep's best ({best:.0f} us, splits {splits} {config})")
+        # a split count per layer kind (window layers read half the keys at 8K): the best of each kind on its own
+        own = {}
+        for kind in ("global", "window"):
+            timed = {pair[0]: t[kind] for pair, t in pairs.items() if pair[1] == "runtime" and kind in t}
+            if timed:
+                own[kind] = min(timed.items(), key=lambda kv: kv[1])
+        if len(own) == 2:
+            per_kind = 21 * (own["global"][1] + own["window"][1])
+            print(f"bs={bs}: splits per layer kind (global {own['global'][0]}, window {own['window'][0]}, runtime "
+                  f"config): {per_kind:.0f} us of attention per step against {now:.0f} us now")
 
 
 if __name__ == "__main__":
