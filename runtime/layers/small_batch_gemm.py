@@ -57,11 +57,13 @@ class TcTile:
             raise ValueError(f"a small-batch tile needs block_n >= 64, block_k >= 32, split_k >= 0; got {self}")
 
 
-DEFAULT_TILE = TcTile(64, 256, 4, 4)
-# what benchmarks/gpu/small_batch_gemm.py sweeps per shape (DEFAULT_TILE first): 32-64 KB of weight per stage
-CANDIDATE_TILES = (DEFAULT_TILE, TcTile(64, 128, 4, 6), TcTile(64, 512, 4, 3), TcTile(128, 128, 4, 4),
-                   TcTile(128, 256, 8, 3), TcTile(64, 256, 4, 4, split_k=1), TcTile(64, 256, 8, 4),
-                   TcTile(128, 64, 4, 6), TcTile(256, 64, 8, 4))
+# Shared memory per stage: BLOCK_N x BLOCK_K weights + BLOCK_K x 16 of x, 2 bytes each for bf16 (half for e4m3); the
+# split rule (split_k) counts on two programs per SM, which this default fits (2 x 80 KB of the H200's 227 KB)
+DEFAULT_TILE = TcTile(64, 128, 4, 4)
+# what benchmarks/gpu/small_batch_gemm.py sweeps per shape (DEFAULT_TILE first): 60-160 KB per program, 1-3 per SM
+CANDIDATE_TILES = (DEFAULT_TILE, TcTile(64, 256, 4, 2), TcTile(64, 256, 4, 3), TcTile(128, 128, 4, 3),
+                   TcTile(128, 64, 4, 4), TcTile(64, 64, 4, 6), TcTile(256, 64, 8, 3), TcTile(128, 256, 8, 2),
+                   TcTile(64, 512, 4, 2), TcTile(64, 128, 4, 4, split_k=1))
 _INTERPRET_TILE = TcTile(64, 32, 4, 1)
 # bf16/fp16 weights: per GPU name, the (weight rows, K, act) shapes on which a tile streamed faster than cuBLAS (with
 # the activation as its own kernel after it) at 8 rows of x in benchmarks/gpu/small_batch_gemm.py, and that tile. The
