@@ -146,7 +146,10 @@ def step_with_and_without(spec: str, winners: dict) -> None:
             module.MEASURED_TILES = committed
             runner = None
             gc.collect()
-            torch.cuda.empty_cache()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+                print(f"  (GPU memory held after freeing the model: {torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB)",
+                      flush=True)
     if len(steps) == 2:
         before, after = steps.values()
         print(f"{model} batch {bs}, {context} in: the sweep's tiles make the step {before / after:.3f}x as fast "
