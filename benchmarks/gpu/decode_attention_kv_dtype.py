@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from gemma2_decode_attention import MERGED  # benchmarks/gpu, this script's folder
+from gemma2_decode_attention import MERGED, config_label, decode_options, time_graph  # benchmarks/gpu, this folder
 from sweep_rows import append_row, read_rows
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -45,17 +45,14 @@ def calls(ks, vs, req_to_token, bs, context, splits, config):
     scratch = torch.empty(bs, HEADS, splits, HEAD_DIM + 1, device="cuda", dtype=torch.float32)
     rows = torch.arange(bs, device="cuda")
     seq_lens = torch.full((bs,), context, device="cuda", dtype=torch.int32)
-    launch = None if config in (None, MERGED) else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2])
+    options = decode_options(config)
     scale = 1.0 if ks[0].dtype == torch.bfloat16 else 0.5  # fp8 caches: stored x / scale, as the pool writes them
     return [lambda k=k, v=v: decode_attention_fwd(q, k, v, o, req_to_token, rows, seq_lens, scratch, splits,
-                                                  HEAD_DIM ** -0.5, k_scale=scale, v_scale=scale, launch_config=launch,
-                                                  merge_in_kernel=config == MERGED)
+                                                  HEAD_DIM ** -0.5, k_scale=scale, v_scale=scale, **options)
             for k, v in zip(ks, vs)]
 
 
 def sweep(args) -> list[dict]:
-    from gemma2_decode_attention import time_graph  # benchmarks/gpu, this script's folder
-
     started = time.time()
     out = []
 
@@ -81,9 +78,7 @@ def sweep(args) -> list[dict]:
                 for config in CONFIGS:
                     if time.time() > deadline:
                         break
-                    label = ("runtime" if config is None else "runtime, merged in stage 1" if config == MERGED
-                             else "BLOCK_N=%d warps=%d stages=%d" % config)
-                    row = {**base, "splits": splits, "config": label}
+                    row = {**base, "splits": splits, "config": config_label(config)}
                     try:
                         sec = time_graph(calls(ks, vs, req_to_token, bs, args.context, splits, config), args.reps)
                     except Exception as e:  # noqa: BLE001 - a config that does not fit is a row too

@@ -30,6 +30,19 @@ CONFIGS = [None, MERGED, (64, 4, 2), (64, 4, 3), (64, 8, 2), (32, 4, 2), (32, 4,
            (16, 4, 4), (128, 8, 2)]
 
 
+def config_label(config) -> str:
+    """A CONFIGS entry's name in the result rows."""
+    if config is None:
+        return "runtime"
+    return "runtime, merged in stage 1" if config == MERGED else "BLOCK_N=%d warps=%d stages=%d" % config
+
+
+def decode_options(config) -> dict:
+    """A CONFIGS entry as decode_attention_fwd's launch_config / merge_in_kernel arguments."""
+    launch = None if config in (None, MERGED) else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2])
+    return {"launch_config": launch, "merge_in_kernel": config == MERGED}
+
+
 def kv_buffers(layers: int, bs: int, context: int, device):
     """`layers` K/V buffers [bs * context + 1, Hkv, D] and req_to_token [bs, context] over contiguous slots."""
     slots = bs * context + 1
@@ -74,10 +87,9 @@ def triton_calls(ks, vs, req_to_token, bs, context, window, splits, config):
     scratch = torch.empty(bs, HEADS, splits, HEAD_DIM + 1, device=device, dtype=torch.float32)
     rows = torch.arange(bs, device=device)
     seq_lens = torch.full((bs,), context, device=device, dtype=torch.int32)
-    launch = None if config in (None, MERGED) else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2])
+    options = decode_options(config)
     return [lambda k=k, v=v: decode_attention_fwd(q, k, v, o, req_to_token, rows, seq_lens, scratch, splits,
-                                                  HEAD_DIM ** -0.5, CAP, window, launch_config=launch,
-                                                  merge_in_kernel=config == MERGED)
+                                                  HEAD_DIM ** -0.5, CAP, window, **options)
             for k, v in zip(ks, vs)], (q, o)
 
 
@@ -106,9 +118,7 @@ def flashinfer_calls(ks, vs, req_to_token, bs, context, window):
 
 
 def time_triton(base, ks, vs, req_to_token, args, window, splits, config, record) -> None:
-    name = ("runtime" if config is None else "runtime, merged in stage 1" if config == MERGED
-            else "BLOCK_N=%d warps=%d stages=%d" % config)
-    row = {**base, "impl": "triton", "splits": splits, "config": name}
+    row = {**base, "impl": "triton", "splits": splits, "config": config_label(config)}
     try:
         calls, _ = triton_calls(ks, vs, req_to_token, base["batch_size"], args.context, window, splits, config)
         sec = time_graph(calls, args.reps)
@@ -259,7 +269,7 @@ def recommend(ok: list[dict]) -> None:
         if best < 0.97 * now:
             where = ("the split rule (triton_backend.decode_kv_splits)" if config == "runtime"
                      else "MERGE_IN_KERNEL_MAX_CHUNKS (decode_attention.py) and the split rule"
-                     if config == "runtime, merged in stage 1"
+                     if config == config_label(MERGED)
                      else "the split count (triton_backend.py) and the head_dim <= 256 launch configs "
                           "(decode_attention._decode_launch_configs)")
             print(f"RECOMMEND bs={bs}: splits {splits} with {config}: {best:.0f} us of attention per step against "
