@@ -115,45 +115,18 @@ def winning_tiles(rows: list[dict]) -> dict:
 
 
 def step_with_and_without(spec: str, winners: dict) -> None:
-    """MODEL:BATCH:CONTEXT -> the decode step timed with MEASURED_TILES as committed, then with `winners` added."""
-    import gc
-
+    """MODEL:BATCH:CONTEXT -> the decode step timed with MEASURED_TILES as committed, then with `winners` added for
+    this GPU (decode_step_ab.py: both builds in this process)."""
     import torch
 
-    from braid.runtime.bench.bench_one_batch import StaticBatchRunner, latency_test
-    from braid.runtime.config import ServerArgs
     from braid.runtime.layers import small_batch_gemm as module
-    from braid.runtime.model_executor.model_runner import ModelRunner
+    from decode_step_ab import run_ab  # benchmarks/gpu, this script's folder
 
     model, bs, context = spec.split(":")
-    bs, context = int(bs), int(context)
-    committed = module.MEASURED_TILES
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    steps = {}
-    for label, table in (("committed", committed), ("with the sweep's tiles",
-                                                     {**committed, gpu: {**committed.get(gpu, {}), **winners}})):
-        module.MEASURED_TILES = table
-        try:
-            runner = ModelRunner(ServerArgs(
-                model_path=f"{model}-dummy", load_format="dummy", model_config=f"benchmarks/configs/{model}.json",
-                dtype="bfloat16", max_total_tokens=2 * bs * (context + 64) + 1024, max_running_requests=max(16, bs),
-                cuda_graph_max_bs=bs, log_level="warning"))
-            result, _ = latency_test(StaticBatchRunner(runner), bs, context, 48)
-            steps[label] = result["median_decode_latency_s"]
-            print(f"{model} batch {bs}, {context} in: decode step {label}: {steps[label] * 1e3:.3f} ms "
-                  f"({bs / steps[label]:.1f} tok/s)", flush=True)
-        finally:
-            module.MEASURED_TILES = committed
-            runner = None
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-                print(f"  (GPU memory held after freeing the model: {torch.cuda.memory_allocated() / 2 ** 30:.1f} GiB)",
-                      flush=True)
-    if len(steps) == 2:
-        before, after = steps.values()
-        print(f"{model} batch {bs}, {context} in: the sweep's tiles make the step {before / after:.3f}x as fast "
-              f"({len(winners)} shapes routed)")
+    table = {**module.MEASURED_TILES, gpu: {**module.MEASURED_TILES.get(gpu, {}), **winners}}
+    print(f"{model}: {len(winners)} shapes routed to the kernel in the changed build", flush=True)
+    run_ab(model, [int(bs)], int(context), [(module.__name__, "MEASURED_TILES", table)])
 
 
 def table(rows: list[dict]) -> int:

@@ -1,0 +1,111 @@
+"""A dummy model's decode step built and timed twice in one process: with the runtime's constants as committed, then
+with some of them set (the A/B that decides a measured constant or table before it is committed). Each build
+captures its own CUDA graphs, so a constant read at capture time (a kernel route, a split rule) takes effect.
+
+  python3 benchmarks/gpu/decode_step_ab.py --model gemma2-9b --batch-sizes 1 8 --context 8000 \
+      --set braid.runtime.layers.attention.triton_ops.decode_attention:MERGE_IN_KERNEL_MAX_CHUNKS=4
+
+--set MODULE:NAME=VALUE (a Python literal; repeatable). Prints per batch size the step as committed and as changed
+(ms, tok/s, and for non-MLA models the share of the weights + KV ceiling at 4.28 TB/s, as gemma2_8k_decode.py counts
+it), and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import gc
+import importlib
+import os
+import sys
+
+import torch
+
+BANDWIDTH = 4.28e12  # H200 copy bandwidth measured on the device (bytes/s)
+
+
+def parse_setting(text: str) -> tuple[str, str, object]:
+    """'package.module:NAME=literal' -> (module, name, value)."""
+    target, _, literal = text.partition("=")
+    module, _, name = target.partition(":")
+    if not (module and name and literal):
+        raise ValueError(f"--set takes MODULE:NAME=VALUE, got {text!r}")
+    return module, name, ast.literal_eval(literal)
+
+
+def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int) -> dict:
+    """{batch size: (decode step s, ceiling fraction or None)} of benchmarks/configs/<model>.json, dummy bf16."""
+    from braid.runtime.bench.bench_one_batch import StaticBatchRunner, latency_test
+    from braid.runtime.config import ServerArgs
+    from braid.runtime.model_executor.model_runner import ModelRunner
+    from gemma2_8k_decode import step_bytes  # benchmarks/gpu, this script's folder
+
+    runner = ModelRunner(ServerArgs(
+        model_path=f"{model}-dummy", load_format="dummy", model_config=f"benchmarks/configs/{model}.json",
+        dtype="bfloat16", max_total_tokens=2 * max(batch_sizes) * (context + steps + 8) + 1024,
+        max_running_requests=max(16, max(batch_sizes)), cuda_graph_max_bs=max(batch_sizes), log_level="warning"))
+    try:
+        runner_batch = StaticBatchRunner(runner)
+        mla = getattr(runner.model_config, "attention_arch", None) == "mla"
+        out = {}
+        for bs in batch_sizes:
+            runner_batch.run([[5] * 32] * bs, 4)  # warm-up
+            result, _ = latency_test(runner_batch, bs, context, steps + 1)
+            step = result["median_decode_latency_s"]
+            fraction = None
+            if not mla:
+                b = step_bytes(runner, bs, context + steps // 2)
+                fraction = (b["weight_bytes"] + b["kv_bytes"]) / BANDWIDTH / step
+            out[bs] = (step, fraction)
+        return out
+    finally:
+        runner = runner_batch = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tuple[str, str, object]],
+           steps: int = 48) -> dict:
+    """Times the steps as committed, then with `settings` applied (restored after); prints both and the ratio."""
+    committed = timed_steps(model, batch_sizes, context, steps)
+    saved = []
+    try:
+        for module_name, name, value in settings:
+            module = importlib.import_module(module_name)
+            if not hasattr(module, name):
+                raise AttributeError(f"{module_name} has no {name}")
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, value)
+        changed = timed_steps(model, batch_sizes, context, steps)
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+    what = ", ".join(f"{name}" for _, name, _ in settings)
+    for bs in batch_sizes:
+        (before, f_before), (after, f_after) = committed[bs], changed[bs]
+        share = (lambda f: f", {100 * f:.1f}% of the ceiling" if f is not None else "")
+        print(f"{model} batch {bs}, {context} in: decode step committed {before * 1e3:.3f} ms ({bs / before:.1f} tok/s"
+              f"{share(f_before)}), with {what} changed {after * 1e3:.3f} ms ({bs / after:.1f} tok/s{share(f_after)}): "
+              f"{before / after:.3f}x", flush=True)
+    return {"committed": committed, "changed": changed}
+
+
+def main() -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gemma2-9b", help="benchmarks/configs/<model>.json")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--context", type=int, default=8000)
+    p.add_argument("--decode-steps", type=int, default=48)
+    p.add_argument("--set", dest="settings", action="append", default=[], type=parse_setting,
+                   metavar="MODULE:NAME=VALUE")
+    args = p.parse_args()
+    if not args.settings:
+        p.error("nothing to change: give --set MODULE:NAME=VALUE")
+    run_ab(args.model, args.batch_sizes, args.context, args.settings, args.decode_steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
