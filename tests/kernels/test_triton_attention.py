@@ -453,6 +453,21 @@ def test_backend_extend_then_decode(cap, window):
     Scenario(DEVICE, logit_cap=cap, window=window).run_all()
 
 
+def test_backend_window_layers_with_fewer_splits(monkeypatch):
+    """WINDOW_LAYER_SPLIT_DIVISOR: a window layer's decode takes the batch's split count divided (4 -> 2 on CPU), and
+    the output is still the windowed softmax attention."""
+    from braid.runtime.layers.attention import triton_backend
+
+    monkeypatch.setattr(triton_backend, "WINDOW_LAYER_SPLIT_DIVISOR", 2)
+    calls = []
+    real = triton_backend.decode_attention_fwd
+    monkeypatch.setattr(triton_backend, "decode_attention_fwd", lambda *a, **kw: calls.append(a[8]) or real(*a, **kw))
+    sc = Scenario(DEVICE, logit_cap=0.8, window=9)
+    sc.run_all()
+    halved = {max(1, sc.backend.decode_kv_splits(bs) // 2) for bs in (1, 3)}  # the two decode batches' counts
+    assert calls and set(calls) == halved
+
+
 def test_backend_fp8_pool_with_scales():
     Scenario(DEVICE, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=0.25).run_all()
 
