@@ -5,9 +5,9 @@ captures its own CUDA graphs, so a constant read at capture time (a kernel route
   python3 benchmarks/gpu/decode_step_ab.py --model gemma2-9b --batch-sizes 1 8 --context 8000 \
       --set braid.runtime.layers.attention.triton_ops.decode_attention:MERGE_IN_KERNEL_MAX_CHUNKS=4
 
---set MODULE:NAME=VALUE (a Python literal; repeatable). Prints per batch size the step as committed and as changed
-(ms, tok/s, and for non-MLA models the share of the weights + KV ceiling at 4.28 TB/s, as gemma2_8k_decode.py counts
-it), and their ratio.
+--set MODULE:NAME=VALUE (a Python literal; repeatable: all in one build, or one build each with --separately). Prints
+per batch size the step as committed and as changed (ms, tok/s, and for non-MLA models the share of the weights + KV
+ceiling at 4.28 TB/s, as gemma2_8k_decode.py counts it), and their ratio.
 """
 
 from __future__ import annotations
@@ -66,29 +66,33 @@ def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int) ->
 
 
 def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tuple[str, str, object]],
-           steps: int = 48) -> dict:
-    """Times the steps as committed, then with `settings` applied (restored after); prints both and the ratio."""
+           steps: int = 48, separately: bool = False) -> dict:
+    """Times the steps as committed, then with `settings` applied (all together, or each on its own with
+    `separately`; restored after); prints each against the committed build and the ratio."""
     committed = timed_steps(model, batch_sizes, context, steps)
-    saved = []
-    try:
-        for module_name, name, value in settings:
-            module = importlib.import_module(module_name)
-            if not hasattr(module, name):
-                raise AttributeError(f"{module_name} has no {name}")
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, value)
-        changed = timed_steps(model, batch_sizes, context, steps)
-    finally:
-        for module, name, value in reversed(saved):
-            setattr(module, name, value)
-    what = ", ".join(f"{name}" for _, name, _ in settings)
-    for bs in batch_sizes:
-        (before, f_before), (after, f_after) = committed[bs], changed[bs]
-        share = (lambda f: f", {100 * f:.1f}% of the ceiling" if f is not None else "")
-        print(f"{model} batch {bs}, {context} in: decode step committed {before * 1e3:.3f} ms ({bs / before:.1f} tok/s"
-              f"{share(f_before)}), with {what} changed {after * 1e3:.3f} ms ({bs / after:.1f} tok/s{share(f_after)}): "
-              f"{before / after:.3f}x", flush=True)
-    return {"committed": committed, "changed": changed}
+    results = {"committed": committed}
+    for variant in ([[s] for s in settings] if separately else [settings]):
+        saved = []
+        try:
+            for module_name, name, value in variant:
+                module = importlib.import_module(module_name)
+                if not hasattr(module, name):
+                    raise AttributeError(f"{module_name} has no {name}")
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, value)
+            changed = timed_steps(model, batch_sizes, context, steps)
+        finally:
+            for module, name, value in reversed(saved):
+                setattr(module, name, value)
+        what = ", ".join(f"{name}" for _, name, _ in variant)
+        results[what] = changed
+        for bs in batch_sizes:
+            (before, f_before), (after, f_after) = committed[bs], changed[bs]
+            share = (lambda f: f", {100 * f:.1f}% of the ceiling" if f is not None else "")
+            print(f"{model} batch {bs}, {context} in: decode step committed {before * 1e3:.3f} ms ({bs / before:.1f} "
+                  f"tok/s{share(f_before)}), with {what} changed {after * 1e3:.3f} ms ({bs / after:.1f} tok/s"
+                  f"{share(f_after)}): {before / after:.3f}x", flush=True)
+    return results
 
 
 def main() -> int:
@@ -100,10 +104,11 @@ def main() -> int:
     p.add_argument("--decode-steps", type=int, default=48)
     p.add_argument("--set", dest="settings", action="append", default=[], type=parse_setting,
                    metavar="MODULE:NAME=VALUE")
+    p.add_argument("--separately", action="store_true", help="one build per --set instead of one with all of them")
     args = p.parse_args()
     if not args.settings:
         p.error("nothing to change: give --set MODULE:NAME=VALUE")
-    run_ab(args.model, args.batch_sizes, args.context, args.settings, args.decode_steps)
+    run_ab(args.model, args.batch_sizes, args.context, args.settings, args.decode_steps, args.separately)
     return 0
 
 
