@@ -18,6 +18,7 @@ import gc
 import importlib
 import os
 import sys
+from typing import Optional
 
 import torch
 
@@ -33,7 +34,7 @@ def parse_setting(text: str) -> tuple[str, str, object]:
     return module, name, ast.literal_eval(literal)
 
 
-def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int) -> dict:
+def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int, backend: Optional[str] = None) -> dict:
     """{batch size: (decode step s, ceiling fraction or None)} of benchmarks/configs/<model>.json, dummy bf16."""
     from braid.runtime.bench.bench_one_batch import StaticBatchRunner, latency_test
     from braid.runtime.config import ServerArgs
@@ -43,7 +44,8 @@ def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int) ->
     runner = ModelRunner(ServerArgs(
         model_path=f"{model}-dummy", load_format="dummy", model_config=f"benchmarks/configs/{model}.json",
         dtype="bfloat16", max_total_tokens=2 * max(batch_sizes) * (context + steps + 8) + 1024,
-        max_running_requests=max(16, max(batch_sizes)), cuda_graph_max_bs=max(batch_sizes), log_level="warning"))
+        max_running_requests=max(16, max(batch_sizes)), cuda_graph_max_bs=max(batch_sizes), log_level="warning",
+        **({"attention_backend": backend} if backend else {})))
     try:
         runner_batch = StaticBatchRunner(runner)
         mla = getattr(runner.model_config, "attention_arch", None) == "mla"
@@ -66,10 +68,10 @@ def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int) ->
 
 
 def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tuple[str, str, object]],
-           steps: int = 48, separately: bool = False) -> dict:
+           steps: int = 48, separately: bool = False, backend: Optional[str] = None) -> dict:
     """Times the steps as committed, then with `settings` applied (all together, or each on its own with
     `separately`; restored after); prints each against the committed build and the ratio."""
-    committed = timed_steps(model, batch_sizes, context, steps)
+    committed = timed_steps(model, batch_sizes, context, steps, backend)
     results = {"committed": committed}
     for variant in ([[s] for s in settings] if separately else [settings]):
         saved = []
@@ -80,7 +82,7 @@ def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tupl
                     raise AttributeError(f"{module_name} has no {name}")
                 saved.append((module, name, getattr(module, name)))
                 setattr(module, name, value)
-            changed = timed_steps(model, batch_sizes, context, steps)
+            changed = timed_steps(model, batch_sizes, context, steps, backend)
         finally:
             for module, name, value in reversed(saved):
                 setattr(module, name, value)
@@ -105,10 +107,13 @@ def main() -> int:
     p.add_argument("--set", dest="settings", action="append", default=[], type=parse_setting,
                    metavar="MODULE:NAME=VALUE")
     p.add_argument("--separately", action="store_true", help="one build per --set instead of one with all of them")
+    p.add_argument("--attention-backend", default=None, choices=["triton", "flashinfer"],
+                   help="the runtime's default (Triton on a GPU) unless given")
     args = p.parse_args()
     if not args.settings:
         p.error("nothing to change: give --set MODULE:NAME=VALUE")
-    run_ab(args.model, args.batch_sizes, args.context, args.settings, args.decode_steps, args.separately)
+    run_ab(args.model, args.batch_sizes, args.context, args.settings, args.decode_steps, args.separately,
+           args.attention_backend)
     return 0
 
 

@@ -53,7 +53,7 @@ def sweep(out_path: str, seconds: float) -> None:
 
     from braid.runtime.layers import gemv as gemv_module
     from braid.runtime.layers.quantization import fp8_kernels
-    from braid.runtime.layers.small_batch_gemm import TcTile, split_k
+    from braid.runtime.layers.small_batch_gemm import split_k
     from braid.runtime.layers.quantization.fp8_kernels import (fp8_gemv, fp8_gemv_error_excess,
                                                                quantize_weight_per_channel)
     from decode_b1 import graph_time_us  # benchmarks/gpu, this script's folder
@@ -97,7 +97,7 @@ def sweep(out_path: str, seconds: float) -> None:
                                                                               config.error_bound)
             row["within_bound"] = row["err_over_bound"] <= 1.0
             if config.variant == "tc":
-                row["split_k"] = split_k(TcTile(config.block_n, config.block_k, split_k=config.split_k), n, k, x.device)
+                row["split_k"] = split_k(config.tile, n, k, x.device)
             row["us"] = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu, config=config) for q, s in fp8])
             row["tb_s"] = nbytes / layers / row["us"] / 1e6
             append_row(out_path, row)

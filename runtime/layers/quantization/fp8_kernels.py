@@ -329,14 +329,18 @@ class Fp8GemvConfig:
     def __post_init__(self):
         if self.variant not in FP8_GEMV_VARIANTS:
             raise ValueError(f"fp8 GEMV variant {self.variant!r}: one of {FP8_GEMV_VARIANTS}")
-        if self.variant == "tc" and (self.block_n < 64 or self.block_k < 32):
-            # smaller tiles leave the fp8 wgmma for fp16 mma.sync with per-value conversions (da030b3's slow path)
-            raise ValueError(f"tc needs block_n >= 64 and block_k >= 32, got {self.block_n}, {self.block_k}")
+        if self.variant == "tc":
+            _ = self.tile  # small_batch_gemm.TcTile's checks (block_n >= 64 keeps the fp8 wgmma)
         if self.variant != "tc" and (self.group < 1 or self.block_k % self.group):
             raise ValueError(f"group {self.group} must divide block_k {self.block_k}")
         if self.programs < 0 or (self.programs and self.variant == "tc"):
             raise ValueError(f"programs (a persistent grid) is for the f16 variants and >= 0, got {self.programs} "
                              f"for {self.variant}")
+
+    @property
+    def tile(self) -> TcTile:
+        """The "tc" variant's launch in small_batch_gemm.py's terms."""
+        return TcTile(self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k)
 
     @property
     def error_bound(self) -> tuple[float, float]:
@@ -429,8 +433,7 @@ def measured_fp8_gemv_config(device: torch.device, rows: int, k: int, silu_mul: 
 def _launch_fp8_gemv(config: Fp8GemvConfig, x, weight, weight_scale, y, n, k, silu_mul) -> None:
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(x.device))
     if config.variant == "tc":
-        tile = TcTile(config.block_n, config.block_k, config.num_warps, config.num_stages, config.split_k)
-        launch_small_batch_tc(tile, x, weight, weight_scale, y, n, k, "silu" if silu_mul else "")
+        launch_small_batch_tc(config.tile, x, weight, weight_scale, y, n, k, "silu" if silu_mul else "")
     else:
         blocks = triton.cdiv(n, config.block_n)
         programs = min(blocks, config.programs or blocks)

@@ -111,9 +111,10 @@ def _decode_stage1_kernel(
     seq_len = tl.load(B_seq_len + cur_batch)
     kv_start, split_len, n_splits = _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N, USE_WINDOW)
     if split >= n_splits:
-        if MERGE and n_splits == 0 and split == 0:  # no keys (a padding row): the block's heads get zeros
-            _merge_head_block(Att, O, cur_batch, pid_h, 0, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
-                              KV_GROUP, HEAD_BLOCKS, DV, BLOCK_DV, BLOCK_H, BLOCK_S)
+        if MERGE:
+            if n_splits == 0 and split == 0:  # no keys (a padding row): the block's heads get zeros
+                _merge_head_block(Att, O, cur_batch, pid_h, 0, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
+                                  KV_GROUP, HEAD_BLOCKS, DV, BLOCK_DV, BLOCK_H, BLOCK_S)
         return
     split_lo = kv_start + split * split_len
     split_hi = tl.minimum(split_lo + split_len, seq_len)
@@ -318,7 +319,9 @@ def decode_attention_fwd(
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), o.stride(0),
         o.stride(1), KV_GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
-        BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv, BLOCK_H=_BLOCK_H, BLOCK_S=block_s,
+        # BLOCK_S only matters to the merge: one value without it keeps one compiled stage 1 per shape
+        BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv, BLOCK_H=_BLOCK_H,
+        BLOCK_S=block_s if merge_in_kernel else 2,
         USE_CAP=logit_cap > 0, USE_WINDOW=use_window, DOT_DTYPE=dot_dt,
         CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16, MERGE=bool(merge_in_kernel),
         **pdl.launch_options(q.device),
