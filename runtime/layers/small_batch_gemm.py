@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from braid.runtime.layers import pdl
+from braid.runtime.layers import gemv, pdl
 from braid.runtime.layers.activation_kernels import gelu_tanh
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
@@ -232,9 +232,7 @@ def launch_small_batch_tc(tile: TcTile, x: torch.Tensor, weight: torch.Tensor, w
 
 def measured_tile(device: torch.device, rows: int, k: int, activation: str) -> Optional[TcTile]:
     """The MEASURED_TILES entry for this CUDA device's name and shape, or None."""
-    from braid.runtime.layers.gemv import measured_table
-
-    return measured_table(MEASURED_TILES, device).get((rows, k, activation))
+    return gemv.measured_table(MEASURED_TILES, device).get((rows, k, activation))
 
 
 def small_batch_gemm_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -242,8 +240,6 @@ def small_batch_gemm_applies(x: torch.Tensor, weight: torch.Tensor, bias: Option
     """Whether the runtime routes this matmul here: 2..16 rows of bf16/fp16 x on CUDA, a weight of x's dtype with unit
     stride along K, no bias, the decode GEMVs on (gemv.enabled(): ServerArgs.disable_decode_gemv), and a tile measured
     faster than cuBLAS for this GPU and shape (MEASURED_TILES)."""
-    from braid.runtime.layers import gemv
-
     return (gemv.enabled() and bias is None and x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS
             and x.dtype in _HALF_DTYPES and weight.dim() == 2 and weight.dtype == x.dtype
             and x.shape[1] == weight.shape[1] and weight.stride(1) == 1 and x.device == weight.device

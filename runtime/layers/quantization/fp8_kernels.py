@@ -33,7 +33,8 @@ import triton.language as tl
 from braid.runtime.layers import pdl
 from braid.runtime.layers.gemv import measured_table
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
-from braid.runtime.layers.small_batch_gemm import MAX_ROWS as SMALL_BATCH_MAX_ROWS, TcTile, launch_small_batch_tc
+from braid.runtime.layers.small_batch_gemm import (MAX_ROWS as SMALL_BATCH_MAX_ROWS, TcTile,
+                                                   launch_small_batch_tc)
 
 logger = logging.getLogger(__name__)
 
