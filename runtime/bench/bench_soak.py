@@ -272,11 +272,14 @@ async def run_requests(client: SoakClient, kinds: list[str], concurrency: int, d
 
 
 async def idle_info(session, base: str, timeout_s: float = 120.0) -> dict:
-    """/get_server_info once nothing runs or waits (the last one read if that never happens)."""
+    """/get_server_info once nothing runs or waits (the last one read if that never happens; its error if the server
+    cannot report, e.g. after its scheduler died)."""
     deadline = time.monotonic() + timeout_s
     while True:
         async with session.get(base + "/get_server_info") as r:
             info = await r.json()
+        if r.status != 200 or "error" in info:
+            return info
         if (info["num_server_requests"] == 0 and info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0) \
                 or time.monotonic() > deadline:
             return info
@@ -361,6 +364,12 @@ def summarize(report: Report, max_rss_growth: float) -> tuple[list[str], bool]:
     lines.append(f"requests {len(report.results)}, never ended {never}, 5xx {five_xx}, unexpected {len(unexpected)}, "
                  f"KV used at idle {kv_used} of {report.idle_info.get('kv_total_tokens')} tokens "
                  f"({report.idle_info.get('kv_cached_tokens')} cached, evictable)")
+    window_used = report.idle_info.get("window_kv_used_tokens", 0)  # a hybrid pool's window-layer space
+    if "window_kv_total_tokens" in report.idle_info:
+        lines.append(f"window-layer KV used at idle {window_used} of {report.idle_info['window_kv_total_tokens']} "
+                     f"tokens ({report.idle_info.get('window_kv_cached_tokens')} cached)")
+    if "error" in report.idle_info:
+        lines.append(f"the server could not report at idle: {report.idle_info['error']}")
     growth_ok = True
     for name in report.rss_end:
         start, warm, end = report.rss_start.get(name), report.rss_warm.get(name), report.rss_end[name]
@@ -373,7 +382,7 @@ def summarize(report: Report, max_rss_growth: float) -> tuple[list[str], bool]:
                      f"30 MB body were in flight {report.interference_latency_s:.2f}s "
                      f"(+{report.interference_latency_s - report.unloaded_latency_s:.2f}s); abusive requests: "
                      + ", ".join(f"{k} x{v}" for k, v in sorted(report.interference_outcomes.items())))
-    passed = never == 0 and five_xx == 0 and not unexpected and kv_used == 0 and idle and growth_ok
+    passed = never == 0 and five_xx == 0 and not unexpected and kv_used == 0 and window_used == 0 and idle and growth_ok
     lines.append("PASS" if passed else "FAIL")
     return lines, passed
 

@@ -95,6 +95,12 @@ class PrefixCache(ABC):
         the slots the request owns past new_len go back to the pool; slots the cache owns stay the cache's."""
         if new_len >= req.kv_committed_len:
             return
+        pool = self.window_pool
+        if pool is not None and max(new_len - (pool.window - 1), 0) < req.window_kv_from:
+            # the next query (position new_len) sees keys from new_len - (W - 1) on; window_keep's margin keeps
+            # every rollback jump-forward can ask for above what trim_window_kv released
+            raise RuntimeError(f"request {getattr(req, 'rid', '?')}: rolled back to {new_len} tokens, but the window "
+                               f"KV below position {req.window_kv_from} was released")
         cache_owned = self._cache_owned_len(req)
         lo = max(new_len, cache_owned)
         if lo < req.kv_committed_len:
@@ -103,10 +109,6 @@ class PrefixCache(ABC):
         if req.prefix_indices is not None and new_len < len(req.prefix_indices):
             req.prefix_indices = req.prefix_indices[:new_len]
         req.kv_committed_len = new_len
-        if self.window_pool is not None and new_len - (self.window_pool.window - 1) < req.window_kv_from:
-            # window_keep's margin exists so that jump-forward rollbacks never reach released window KV
-            raise RuntimeError(f"request {getattr(req, 'rid', '?')}: rolled back to {new_len} tokens, but the window "
-                               f"KV below position {req.window_kv_from} was released")
 
     def _cache_owned_len(self, req) -> int:
         """How many leading slots of the request's row the cache owns (its locked prefix)."""

@@ -34,12 +34,14 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from braid.runtime.constrained.jump_forward import MAX_WINDOW as JUMP_FORWARD_MAX_ROLLBACK
 from braid.runtime.mem_cache.pools import DeviceLike, KVPool, MHAKVPool, ScaleLike, _outside_inference_mode
 
 __all__ = ["HybridKVPool", "window_layer_split", "JUMP_FORWARD_MARGIN", "RELEASE_STEP"]
 
-# extra positions kept for requests whose grammar may roll tokens back (jump-forward re-tokenizes a few tokens)
-JUMP_FORWARD_MARGIN = 64
+# extra positions kept for requests whose grammar may roll tokens back: jump-forward re-encodes at most this many
+# emitted tokens with the forced text
+JUMP_FORWARD_MARGIN = JUMP_FORWARD_MAX_ROLLBACK
 # a running request releases window KV once this many positions have left its window (one batched release per
 # 16 decode steps instead of one per step); finishing releases down to the window exactly
 RELEASE_STEP = 16

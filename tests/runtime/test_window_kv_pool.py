@@ -16,7 +16,7 @@ from braid.runtime.mem_cache.chunk_cache import ChunkCache
 from braid.runtime.mem_cache.kv_sizing import hybrid_tokens_for_budget, max_tokens_for_budget, mha_kv_bytes_per_token
 from braid.runtime.mem_cache.pools import ReqToTokenPool
 from braid.runtime.mem_cache.radix_cache import RadixCache
-from braid.runtime.mem_cache.window_pool import HybridKVPool, window_layer_split
+from braid.runtime.mem_cache.window_pool import JUMP_FORWARD_MARGIN, HybridKVPool, window_layer_split
 from byte_tokenizer import byte_tokenizer
 
 W = 4  # the pool's window in the accounting tests
@@ -72,6 +72,7 @@ class Sim:
         self.cache = (RadixCache if radix else ChunkCache)(self.req_pool, self.pool)
         self.bases = [[self.rng.randrange(5) for _ in range(self.rng.randrange(4, 20))] for _ in range(3)]
         self.live: list[Req] = []  # hold a row: mid-prefill (is_chunked) or decoding
+        self.rolled_back: set[str] = set()  # requests whose last change was a rollback (the next is a forward pass)
         self.n = 0
 
     def new_req(self) -> Req:
@@ -79,6 +80,8 @@ class Sim:
         prompt = self.rng.choice(self.bases) + [self.rng.randrange(5) for _ in range(self.rng.randrange(1, 24))]
         req = Req(rid=str(self.n), input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=64))
         req.fill_ids = list(prompt)
+        if self.rng.random() < 0.5:  # constrained: jump-forward may roll its last tokens back
+            req.grammar = "rolls back"
         return req
 
     def admit(self) -> None:
@@ -102,7 +105,15 @@ class Sim:
         self.req_pool.req_to_token[req.req_pool_idx, start:start + n] = loc.int()
         req.kv_committed_len += n
         self.cache.trim_window_kv([req], exact=self.rng.random() < 0.5)
+        self.rolled_back.discard(req.rid)
         return True
+
+    def roll_back(self, req: Req) -> None:
+        """Jump-forward's re-encoding: up to JUMP_FORWARD_MARGIN decoded tokens' KV dropped (once between passes)."""
+        new_len = max(len(req.input_ids), req.kv_committed_len - self.rng.randrange(1, JUMP_FORWARD_MARGIN + 1))
+        self.cache.truncate_req_kv(req, new_len)
+        req.fill_ids = req.fill_ids[:new_len]
+        self.rolled_back.add(req.rid)
 
     def step(self) -> None:
         op = self.rng.random()
@@ -115,6 +126,9 @@ class Sim:
                 if self.extend(req, n):
                     req.is_chunked = req.kv_committed_len < len(req.fill_ids)
                     self.cache.cache_unfinished_req(req)  # a chunk, or the prompt published after its prefill
+            elif (req.grammar is not None and req.rid not in self.rolled_back and self.rng.random() < 0.3
+                  and req.kv_committed_len > len(req.input_ids)):
+                self.roll_back(req)
             elif len(req.fill_ids) < 60:
                 req.fill_ids.append(self.rng.randrange(5))  # the token sampled last step goes in now
                 self.extend(req, 1)
@@ -169,11 +183,33 @@ class Sim:
 
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "chunk_cache"])
 def test_random_admit_extend_finish_abort_evict_keeps_both_spaces_exact(radix):
+    rollbacks = 0
     for seed in range(6):
         sim = Sim(radix, seed)
         for _ in range(250):
             sim.step()
+            rollbacks += len(sim.rolled_back)
         sim.drain()
+    assert rollbacks > 0, "the sequences rolled no constrained request back"
+
+
+def test_rollback_within_the_first_window_is_allowed_and_past_released_window_kv_is_refused():
+    pool = _pool(size=64, window_size=64)
+    req_pool = ReqToTokenPool(2, 64, "cpu")
+    cache = ChunkCache(req_pool, pool)
+    req = Req(rid="short", input_ids=[1, 2], sampling_params=SamplingParams(max_new_tokens=8))
+    req.req_pool_idx = req_pool.alloc()
+    req_pool.req_to_token[req.req_pool_idx, :5] = pool.alloc(5).int()
+    req.kv_committed_len = 5
+    cache.truncate_req_kv(req, 2)  # nothing was released yet: a rollback to the prompt is fine
+    assert req.kv_committed_len == 2 and pool.available_size() == pool.size - 2
+    req_pool.req_to_token[req.req_pool_idx, 2:40] = pool.alloc(38).int()
+    req.kv_committed_len = 40
+    cache.trim_window_kv([req], exact=True)  # no grammar: keeps W - 1 positions
+    assert req.window_kv_from == 40 - (W - 1)
+    with pytest.raises(RuntimeError, match="window KV below position 37 was released"):
+        cache.truncate_req_kv(req, 39)
+    assert req.kv_committed_len == 40, "a refused rollback changes nothing"
 
 
 def test_match_is_cut_back_to_a_prefix_whose_window_is_held():
@@ -316,6 +352,59 @@ def test_trimmed_outputs_equal_untrimmed_and_window_kv_is_released(request, mode
     assert trimmed[4]["meta_info"]["cached_tokens"] == plain[4]["meta_info"]["cached_tokens"] == 229
     assert trimmed[5]["meta_info"]["cached_tokens"] < plain[5]["meta_info"]["cached_tokens"] == 150
     assert end["window_kv_used_tokens"] == 0 and end["kv_used_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def gemma2_bpe_model(gemma2_model, tmp_path_factory):
+    """gemma2_model's weights with SmolLM2's BPE tokenizer (same 49,152 ids): jump-forward's re-encoding of the last
+    tokens with the forced text then rolls back tokens whose KV is computed."""
+    import shutil
+
+    from braid.runtime.loader.tokenizer import load_tokenizer
+
+    path = tmp_path_factory.mktemp("gemma2_bpe")
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{gemma2_model}/{name}", path / name)
+    load_tokenizer("smollm2").save_pretrained(path)
+    return str(path)
+
+
+def test_constrained_requests_roll_back_through_jump_forward_on_a_trimmed_pool(gemma2_bpe_model, monkeypatch):
+    """JSON-schema requests at temperature 1 whose jump-forward rolls back computed tokens, with prompts shorter than
+    the window (nothing released yet) and longer (window KV released): no failure, valid JSON, the same tokens as
+    an untrimmed pool, both pools fully free afterwards."""
+    import json
+
+    from braid.runtime import Engine
+    from braid.runtime.mem_cache.base import PrefixCache
+
+    rollbacks = []
+    truncate = PrefixCache.truncate_req_kv
+
+    def counting_truncate(self, req, new_len):
+        if new_len < req.kv_committed_len:
+            rollbacks.append((new_len, req.window_kv_from))
+        truncate(self, req, new_len)
+
+    monkeypatch.setattr(PrefixCache, "truncate_req_kv", counting_truncate)  # the scheduler runs in this process
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    prompts = ["A person as JSON: ", "Some people, one per line, then a person as JSON. " * 6]
+    params = [{"max_new_tokens": 48, "json_schema": json.dumps(schema), "temperature": 1.0, "seed": seed}
+              for seed in range(16)]
+    outputs, stats = {}, {}
+    for trim in (True, False):
+        with Engine(model_path=gemma2_bpe_model, log_level="warning", max_total_tokens=2048,
+                    disable_window_kv_trimming=not trim) as engine:
+            outputs[trim] = engine.generate(prompt=[p for p in prompts for _ in params], sampling_params=params * 2)
+            stats[trim] = engine.get_stats()
+    assert any(new_len < WINDOW for new_len, _ in rollbacks), "no rollback within the first window"
+    assert any(window_from > 0 for _, window_from in rollbacks), "no rollback after window KV was released"
+    for out in outputs[True]:
+        if out["meta_info"]["finish_reason"]["type"] == "stop":
+            assert set(json.loads(out["text"])) == {"name", "age"}
+    assert [o["output_ids"] for o in outputs[True]] == [o["output_ids"] for o in outputs[False]]
+    assert stats[True]["window_kv_used_tokens"] == 0 and stats[True]["kv_used_tokens"] == 0
 
 
 @pytest.mark.parametrize("radix", [True, False], ids=["radix", "chunk_cache"])
