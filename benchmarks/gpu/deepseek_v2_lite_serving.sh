@@ -4,6 +4,9 @@
 # 512 and 4 continuous decode steps on CUDA), in one call. carry: .whl .gpu/tok
 #   NUM_PROMPTS=3000 bash benchmarks/gpu/deepseek_v2_lite_serving.sh   (~9 min)
 #   FORMS=mla SERVER_FLAGS="--max-running-requests 1024 --cuda-graph-max-bs 1024" bash benchmarks/gpu/deepseek_v2_lite_serving.sh
+#   DATASET="--dataset-name random --random-input-len 256 --random-output-len 3000" NUM_PROMPTS=512 bash ...
+#     (long generations, ~1.7K tokens of context per running request on average: the expanded pool's 345K tokens
+#     then bind its batch to ~200 where MLA's 3.07M hold all 512; at ShareGPT lengths, ~450, neither binds)
 # Targets (issue 17): MLA >= 12,000 output tok/s and >= 4x the expanded form.
 set -o pipefail
 source benchmarks/gpu/setup.sh
@@ -24,7 +27,8 @@ print({k: v for k, v in d.items() if k in ('kv_total_tokens', 'disable_mla') or 
   # the expanded form needs longer (2026-12-03: it finished all 3000 requests in more than 150 s; MLA in ~100 s)
   limit=180
   [ "$form" = expanded ] && limit=$(( 570 - ($(date +%s) - START) - 20 ))
-  timeout $limit python3 -m braid.bench_serving --backend braid --port 30000 --tokenizer .gpu/tok --dataset-name sharegpt \
+  # shellcheck disable=SC2086
+  timeout $limit python3 -m braid.bench_serving --backend braid --port 30000 --tokenizer .gpu/tok ${DATASET:---dataset-name sharegpt} \
     --num-prompts "${NUM_PROMPTS:-3000}" --seed 7 --disable-tqdm --output-file "$OUT/serving_$form.jsonl" 2>&1 \
     | grep -E "Successful|duration|Output token throughput|Request throughput|Mean TPOT|Median TPOT|Mean TTFT" \
     | tee -a "$OUT/serving.log" || echo "FAIL $form bench_serving (exit $?)"
