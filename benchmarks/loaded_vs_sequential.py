@@ -108,7 +108,8 @@ def main(argv=None) -> int:
             print(f"server {name} ({flags or 'defaults'}), {concurrency} at a time: {len(outcome[name][0])} turns in "
                   f"{time.perf_counter() - started:.0f} s; at idle KV used {info.get('kv_used_tokens')}"
                   + (f", window-layer KV used {info['window_kv_used_tokens']}" if "window_kv_used_tokens" in info
-                     else "") + f", cache hit rate {info.get('cache_hit_rate', 0):.2f}")
+                     else "") + f", cache hit rate {info.get('cache_hit_rate', 0):.2f}, "
+                  f"{info.get('num_retractions', 0)} retractions")
         finally:
             proc.terminate()
             proc.wait(timeout=60)
