@@ -43,7 +43,8 @@ def _data_url(img, fmt: str) -> str:
     return f"data:image/{fmt.lower()};base64,{base64.b64encode(buf.getvalue()).decode()}"
 
 
-async def soak(base: str, num_requests: int, concurrency: int, seed: int) -> tuple[Counter, dict]:
+async def soak(base: str, num_requests: int, concurrency: int, seed: int, api_key: str | None = None
+               ) -> tuple[Counter, dict]:
     rng = random.Random(seed)
     images = [_data_url(_image(rng.randint(20, 190), rng.randint(20, 190), i), "PNG" if i % 2 else "JPEG")
               for i in range(12)]
@@ -55,7 +56,8 @@ async def soak(base: str, num_requests: int, concurrency: int, seed: int) -> tup
     for item in plan:
         queue.put_nowait(item)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300), headers=headers) as session:
         async def one(i: int, kind: str, urls: list[str]) -> str:
             if kind == "repeat":
                 urls = [images[0], images[0]]
@@ -118,8 +120,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-requests", type=int, default=500)
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None)
     args = p.parse_args(argv)
-    outcomes, info = asyncio.run(soak(args.base_url.rstrip("/"), args.num_requests, args.concurrency, args.seed))
+    outcomes, info = asyncio.run(soak(args.base_url.rstrip("/"), args.num_requests, args.concurrency, args.seed,
+                                      args.api_key))
     unexpected = 0
     for (kind, outcome), n in sorted(outcomes.items()):
         ok = outcome == str(EXPECTED[kind])

@@ -129,6 +129,23 @@ def test_bad_media_is_a_400_and_leaks_nothing(llava_server, case):
     assert _idle_kv(llava_server) == 0
 
 
+def test_images_under_load_every_request_ends_and_kv_is_free(llava_server):
+    """benchmarks/multimodal_soak.py at concurrency 12: chats with 1-3 images, streams the client drops, aborts, n = 2,
+    regex with an image, broken media; each ends as its kind calls for (broken media: 400), no KV held at idle."""
+    import subprocess
+    import sys
+
+    root = __file__.rsplit("/tests/", 1)[0]
+    run = subprocess.run([sys.executable, f"{root}/benchmarks/multimodal_soak.py", "--base-url", llava_server.base_url,
+                          "--api-key", API_KEY, "--num-requests", "150", "--concurrency", "12", "--seed", "1"],
+                         capture_output=True, text=True, timeout=600)
+    print(run.stdout, run.stderr[-2000:])
+    assert "requests 150, unexpected 0, KV used at idle 0 of 4096 tokens" in run.stdout
+    for kind in ("abort", "bad_media", "disconnect", "n2", "regex"):
+        assert f"\n{kind} " in "\n" + run.stdout, f"the mix had no {kind} request"
+    assert run.returncode == 0 and run.stdout.rstrip().endswith("PASS")
+
+
 def test_image_to_a_text_only_model_is_a_400(server):
     r = server.post("/generate", json={"text": "<image> hi", "image_data": _data_url(test_image(20, 20, seed=0)),
                                        "sampling_params": GREEDY})
