@@ -18,9 +18,11 @@ import argparse
 import asyncio
 import random
 import shlex
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import aiohttp
 
@@ -67,6 +69,12 @@ async def run(base: str, convs: list[list[str]], concurrency: int, max_new_token
     return results, info
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_server(args, port: int, flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "braid.launch_server", "--model-path", args.model_path, "--port", str(port),
            "--max-total-tokens", str(args.max_total_tokens), "--log-level", "warning", *shlex.split(flags)]
@@ -74,8 +82,6 @@ def start_server(args, port: int, flags: str) -> subprocess.Popen:
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
-            import urllib.request
-
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
             return proc
         except Exception:  # noqa: BLE001 - not up yet
@@ -99,7 +105,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     convs = conversations(args.conversations, args.seed)
     outcome = {}
-    for name, port, flags, concurrency in (("A", 31231, args.a_flags, args.concurrency), ("B", 31232, args.b_flags, 1)):
+    for name, flags, concurrency in (("A", args.a_flags, args.concurrency), ("B", args.b_flags, 1)):
+        port = free_port()
         proc = start_server(args, port, flags)
         try:
             started = time.perf_counter()
