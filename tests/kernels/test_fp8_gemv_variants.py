@@ -152,10 +152,18 @@ def test_fp8_gemv_refuses_bad_inputs():
 def test_gpu_fp8_gemv_candidates_llama3_8b_shapes(name):
     rows, k = LLAMA3_8B_SHAPES[name]
     silu_mul = name == "gate_up"
+    from triton.runtime.errors import OutOfResources
+
     x, w_q, w_scale = make_case(rows, k, seed=7)
+    ran = set()
     for config in fp8_gemv_candidates():
-        check(fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=config), x, w_q, w_scale, silu_mul,
-              error_bound(config))
+        try:
+            y = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=config)
+        except OutOfResources:  # over this GPU's shared memory: the autotuner skips it too
+            continue
+        check(y, x, w_q, w_scale, silu_mul, error_bound(config))
+        ran.add(config.variant)
+    assert ran == {c.variant for c in fp8_gemv_candidates()}, f"some variant ran no tile: {ran}"
     # the autotuned default is one of them
     check(fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul), x, w_q, w_scale, silu_mul, error_bound(Fp8GemvConfig("tc", 64, 256)))
 

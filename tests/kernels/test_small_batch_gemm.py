@@ -142,12 +142,18 @@ def test_gpu_linear_routes_small_batches_here(monkeypatch, act):
 def test_gpu_real_shapes_in_a_cuda_graph(shape):
     """Gemma-2-9B and Llama-3-8B shapes, captured and replayed in a CUDA graph (the split-K counters must be back at
     zero between replays for the second to match): every candidate tile at 8 rows, the default at 2 and 16."""
+    from triton.runtime.errors import OutOfResources
+
     rows, k, activation = shape
     for m, tiles in ((8, CANDIDATE_TILES), (2, (DEFAULT_TILE,)), (16, (DEFAULT_TILE,))):
         x, w = tensors(m, rows, k, torch.bfloat16, "cuda", rows + k + m)
         want = reference(x, w, activation)
         for tile in tiles:
-            first = small_batch_gemm(x, w, activation=activation, tile=tile)
+            try:
+                first = small_batch_gemm(x, w, activation=activation, tile=tile)
+            except OutOfResources:  # a candidate over this GPU's shared memory (the sweep skips it too)
+                assert tile != DEFAULT_TILE
+                continue
             assert rel_err(first, want) < 1e-2, (m, tile)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
