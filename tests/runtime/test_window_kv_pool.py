@@ -355,18 +355,12 @@ def test_trimmed_outputs_equal_untrimmed_and_window_kv_is_released(request, mode
 
 
 @pytest.fixture(scope="module")
-def gemma2_bpe_model(gemma2_model, tmp_path_factory):
-    """gemma2_model's weights with SmolLM2's BPE tokenizer (same 49,152 ids): jump-forward's re-encoding of the last
-    tokens with the forced text then rolls back tokens whose KV is computed."""
-    import shutil
+def gemma2_bpe_model(tmp_path_factory):
+    """A tiny Gemma-2 (window 16) with SmolLM2's BPE tokenizer: jump-forward's re-encoding of the last tokens with
+    the forced text then rolls back tokens whose KV is computed."""
+    from tiny_families import write_tiny_family
 
-    from braid.runtime.loader.tokenizer import load_tokenizer
-
-    path = tmp_path_factory.mktemp("gemma2_bpe")
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(f"{gemma2_model}/{name}", path / name)
-    load_tokenizer("smollm2").save_pretrained(path)
-    return str(path)
+    return write_tiny_family(tmp_path_factory.mktemp("gemma2_bpe"), "gemma2")
 
 
 def test_constrained_requests_roll_back_through_jump_forward_on_a_trimmed_pool(gemma2_bpe_model, monkeypatch):
