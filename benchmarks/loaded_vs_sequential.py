@@ -2,29 +2,28 @@
 
 Each conversation is a long first message (20-300 words) and 1-4 follow-ups, each turn sent with the whole history
 so far (the radix cache's prefix reuse, and for window-trimmed models the cut-back of prefixes whose window KV was
-released). Server A gets them CONCURRENCY at a time under its flags; server B one at a time (typically
-`--disable-radix-cache --disable-window-kv-trimming`). Both servers are started here with --max-total-tokens and
-the flags given. Prints how many turns produced the same greedy tokens, the largest |logprob difference| where they
+released). Server A gets them CONCURRENCY at a time under its server args; server B one at a time (typically
+without radix cache and window trimming). Both are started here (braid.Runtime) with --max-total-tokens and the
+ServerArgs fields given as JSON, as bench_soak's --server-args. Prints how many turns produced the same greedy tokens, the largest |logprob difference| where they
 did, and for the first differing turns the two top-2 candidates where they part (a near tie flipped by batch
 composition, or a real difference).
 
     python benchmarks/loaded_vs_sequential.py --model-path /path/to/tiny-gemma2 \
-        --a-flags="--chunked-prefill-size 64" --b-flags="--disable-window-kv-trimming --disable-radix-cache"
+        --a-args '{"chunked_prefill_size": 64}' --b-args '{"disable_window_kv_trimming": true, "disable_radix_cache": true}'
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
-import shlex
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 
 import aiohttp
+
+from braid.backends.runtime import Runtime
 
 WORDS = "sea sky rain cat dog tree road city light stone river cloud night sun wind fire".split()
 
@@ -69,34 +68,12 @@ async def run(base: str, convs: list[list[str]], concurrency: int, max_new_token
     return results, info
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(args, port: int, flags: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "braid.launch_server", "--model-path", args.model_path, "--port", str(port),
-           "--max-total-tokens", str(args.max_total_tokens), "--log-level", "warning", *shlex.split(flags)]
-    proc = subprocess.Popen(cmd)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc
-        except Exception:  # noqa: BLE001 - not up yet
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {cmd}")
-            time.sleep(1)
-    proc.kill()
-    raise RuntimeError("server did not start in 300 s")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True)
-    p.add_argument("--a-flags", default="", help="server A's flags (loaded); --a-flags=\"...\" when they start with --")
-    p.add_argument("--b-flags", default="--disable-radix-cache", help="server B's flags (one request at a time)")
+    p.add_argument("--a-args", default="{}", help="server A's ServerArgs fields as JSON (loaded)")
+    p.add_argument("--b-args", default='{"disable_radix_cache": true}',
+                   help="server B's ServerArgs fields as JSON (one request at a time)")
     p.add_argument("--max-total-tokens", type=int, default=3072)
     p.add_argument("--conversations", type=int, default=60)
     p.add_argument("--concurrency", type=int, default=16)
@@ -105,21 +82,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     convs = conversations(args.conversations, args.seed)
     outcome = {}
-    for name, flags, concurrency in (("A", args.a_flags, args.concurrency), ("B", args.b_flags, 1)):
-        port = free_port()
-        proc = start_server(args, port, flags)
+    for name, server_args, concurrency in (("A", args.a_args, args.concurrency), ("B", args.b_args, 1)):
+        server_args = {"max_total_tokens": args.max_total_tokens, "log_level": "warning", **json.loads(server_args)}
+        runtime = Runtime(model_path=args.model_path, **server_args)
         try:
             started = time.perf_counter()
-            outcome[name] = asyncio.run(run(f"http://127.0.0.1:{port}", convs, concurrency, args.max_new_tokens))
+            outcome[name] = asyncio.run(run(runtime.url, convs, concurrency, args.max_new_tokens))
             info = outcome[name][1]
-            print(f"server {name} ({flags or 'defaults'}), {concurrency} at a time: {len(outcome[name][0])} turns in "
+            print(f"server {name} ({server_args}), {concurrency} at a time: {len(outcome[name][0])} turns in "
                   f"{time.perf_counter() - started:.0f} s; at idle KV used {info.get('kv_used_tokens')}"
                   + (f", window-layer KV used {info['window_kv_used_tokens']}" if "window_kv_used_tokens" in info
                      else "") + f", cache hit rate {info.get('cache_hit_rate', 0):.2f}, "
                   f"{info.get('num_retractions', 0)} retractions")
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            runtime.shutdown()
     a, b = outcome["A"][0], outcome["B"][0]
     same, differ, worst = 0, [], 0.0
     for key in sorted(a):
