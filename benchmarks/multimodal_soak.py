@@ -20,21 +20,15 @@ import io
 import random
 import sys
 from collections import Counter
+from pathlib import Path
 
 import aiohttp
-import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from llava_tiny import test_image  # noqa: E402  (the multimodal tests' images: gradients plus noise)
 
 KINDS = ("chat", "stream", "disconnect", "abort", "bad_media", "n2", "regex", "generate", "repeat")
 EXPECTED = {kind: 200 for kind in KINDS} | {"bad_media": 400}
-
-
-def _image(height: int, width: int, seed: int):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 // max(width - 1, 1), y * 255 // max(height - 1, 1), (x + y) * 3 % 256], -1)
-    return Image.fromarray(np.clip(base + rng.integers(-40, 40, base.shape), 0, 255).astype(np.uint8))
 
 
 def _data_url(img, fmt: str) -> str:
@@ -46,10 +40,10 @@ def _data_url(img, fmt: str) -> str:
 async def soak(base: str, num_requests: int, concurrency: int, seed: int, api_key: str | None = None
                ) -> tuple[Counter, dict]:
     rng = random.Random(seed)
-    images = [_data_url(_image(rng.randint(20, 190), rng.randint(20, 190), i), "PNG" if i % 2 else "JPEG")
+    images = [_data_url(test_image(rng.randint(20, 190), rng.randint(20, 190), i), "PNG" if i % 2 else "JPEG")
               for i in range(12)]
     bad = ["data:image/png;base64,AAAA", "data:image/png;base64,%%%", "file:///etc/passwd",
-           "http://127.0.0.1:1/x.png", _data_url(_image(400, 400, 5), "PNG")]
+           "http://127.0.0.1:1/x.png", _data_url(test_image(400, 400, 5), "PNG")]
     outcomes: Counter = Counter()
     plan = [(i, rng.choice(KINDS), [rng.choice(images) for _ in range(rng.randint(1, 3))]) for i in range(num_requests)]
     queue: asyncio.Queue = asyncio.Queue()
