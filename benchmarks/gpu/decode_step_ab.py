@@ -5,7 +5,8 @@ captures its own CUDA graphs, so a constant read at capture time (a kernel route
   python3 benchmarks/gpu/decode_step_ab.py --model gemma2-9b --batch-sizes 1 8 --context 8000 \
       --set braid.runtime.layers.attention.triton_ops.decode_attention:MERGE_IN_KERNEL_MAX_CHUNKS=4
 
---set MODULE:NAME=VALUE (a Python literal; repeatable: all in one build, or one build each with --separately). Prints
+--set MODULE:NAME=VALUE (a Python literal; repeatable: all in one build, or one build each with --separately) and
+--server-arg NAME=VALUE (a ServerArgs field for the changed build, e.g. disable_gemv_rotary_kv_store=True). Prints
 per batch size the step as committed and as changed (ms, tok/s, and for non-MLA models the share of the weights + KV
 ceiling at 4.28 TB/s, as gemma2_8k_decode.py counts it), and their ratio.
 """
@@ -34,7 +35,16 @@ def parse_setting(text: str) -> tuple[str, str, object]:
     return module, name, ast.literal_eval(literal)
 
 
-def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int, backend: Optional[str] = None) -> dict:
+def parse_server_arg(text: str) -> tuple[str, object]:
+    """'field=literal' -> (ServerArgs field, value)."""
+    name, _, literal = text.partition("=")
+    if not (name and literal):
+        raise ValueError(f"--server-arg takes NAME=VALUE, got {text!r}")
+    return name, ast.literal_eval(literal)
+
+
+def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int, backend: Optional[str] = None,
+                server_args: Optional[dict] = None) -> dict:
     """{batch size: (decode step s, ceiling fraction or None)} of benchmarks/configs/<model>.json, dummy bf16."""
     from braid.runtime.bench.bench_one_batch import StaticBatchRunner, latency_test
     from braid.runtime.config import ServerArgs
@@ -45,7 +55,7 @@ def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int, ba
         model_path=f"{model}-dummy", load_format="dummy", model_config=f"benchmarks/configs/{model}.json",
         dtype="bfloat16", max_total_tokens=2 * max(batch_sizes) * (context + steps + 8) + 1024,
         max_running_requests=max(16, max(batch_sizes)), cuda_graph_max_bs=max(batch_sizes), log_level="warning",
-        **({"attention_backend": backend} if backend else {})))
+        **({"attention_backend": backend} if backend else {}), **(server_args or {})))
     try:
         runner_batch = StaticBatchRunner(runner)
         mla = getattr(runner.model_config, "attention_arch", None) == "mla"
@@ -67,13 +77,16 @@ def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int, ba
             torch.cuda.empty_cache()
 
 
-def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tuple[str, str, object]],
-           steps: int = 48, separately: bool = False, backend: Optional[str] = None) -> dict:
+def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tuple], steps: int = 48,
+           separately: bool = False, backend: Optional[str] = None) -> dict:
     """Times the steps as committed, then with `settings` applied (all together, or each on its own with
-    `separately`; restored after); prints each against the committed build and the ratio."""
+    `separately`; restored after): (module, name, value) constants and ("ServerArgs", field, value) fields; prints
+    each against the committed build and the ratio."""
     committed = timed_steps(model, batch_sizes, context, steps, backend)
     results = {"committed": committed}
     for variant in ([[s] for s in settings] if separately else [settings]):
+        fields = {name: value for module_name, name, value in variant if module_name == "ServerArgs"}
+        variant = [s for s in variant if s[0] != "ServerArgs"]
         saved = []
         try:
             for module_name, name, value in variant:
@@ -82,11 +95,11 @@ def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tupl
                     raise AttributeError(f"{module_name} has no {name}")
                 saved.append((module, name, getattr(module, name)))
                 setattr(module, name, value)
-            changed = timed_steps(model, batch_sizes, context, steps, backend)
+            changed = timed_steps(model, batch_sizes, context, steps, backend, fields)
         finally:
             for module, name, value in reversed(saved):
                 setattr(module, name, value)
-        what = ", ".join(f"{name}" for _, name, _ in variant)
+        what = ", ".join([name for _, name, _ in variant] + list(fields))
         results[what] = changed
         for bs in batch_sizes:
             (before, f_before), (after, f_after) = committed[bs], changed[bs]
@@ -106,13 +119,17 @@ def main() -> int:
     p.add_argument("--decode-steps", type=int, default=48)
     p.add_argument("--set", dest="settings", action="append", default=[], type=parse_setting,
                    metavar="MODULE:NAME=VALUE")
-    p.add_argument("--separately", action="store_true", help="one build per --set instead of one with all of them")
+    p.add_argument("--server-arg", dest="server_args", action="append", default=[], type=parse_server_arg,
+                   metavar="NAME=VALUE", help="a ServerArgs field set in the changed build")
+    p.add_argument("--separately", action="store_true",
+                   help="one build per --set / --server-arg instead of one with all of them")
     p.add_argument("--attention-backend", default=None, choices=["triton", "flashinfer"],
                    help="the runtime's default (Triton on a GPU) unless given")
     args = p.parse_args()
-    if not args.settings:
-        p.error("nothing to change: give --set MODULE:NAME=VALUE")
-    run_ab(args.model, args.batch_sizes, args.context, args.settings, args.decode_steps, args.separately,
+    settings = args.settings + [("ServerArgs", name, value) for name, value in args.server_args]
+    if not settings:
+        p.error("nothing to change: give --set MODULE:NAME=VALUE or --server-arg NAME=VALUE")
+    run_ab(args.model, args.batch_sizes, args.context, settings, args.decode_steps, args.separately,
            args.attention_backend)
     return 0
 

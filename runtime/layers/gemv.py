@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -38,7 +39,8 @@ from braid.runtime.layers import pdl
 from braid.runtime.layers.activation_kernels import gelu_tanh
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
-__all__ = ["gemv", "supports", "fp8_supports", "decode_gemv_applies", "enabled", "set_enabled"]
+__all__ = ["gemv", "gemv_rotary_store", "RotaryKVStore", "supports", "fp8_supports", "decode_gemv_applies", "enabled",
+           "set_enabled"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -81,16 +83,13 @@ def _load_x_chunk(x_ptr, kk, k_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
-                    GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                    WAIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[rows of `block`]; WAIT: this program's first block, which waits for the previous kernel (PDL) after
-    loading its first weight chunk."""
+def _gemv_rows(rows, row_mask, pair_offset, x_ptr, w_ptr, K, w_row_stride, PAIRED: tl.constexpr,
+               EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """rows, row_mask: [R] -> (x . W[rows], x . W[rows + pair_offset] when PAIRED), each [R] fp32. WAIT: this
+    program's first call, which waits for the previous kernel (PDL) after loading its first weight chunk."""
     cols = tl.arange(0, BLOCK_K)
-    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride
-    up_rows = w_rows + N.to(tl.int64) * w_row_stride  # SILU_MUL: the up half starts N rows further
+    pair_rows = w_ptr + (rows.to(tl.int64) + pair_offset)[:, None] * w_row_stride
     # the first weight chunk: no earlier kernel writes W, so it streams before the wait for x
     if EVEN_K:
         w_mask0 = row_mask[:, None]
@@ -98,14 +97,14 @@ def _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride,
         w_mask0 = row_mask[:, None] & (cols < K)[None, :]
     w0 = tl.load(w_rows + cols[None, :], mask=w_mask0, other=0.0, eviction_policy="evict_first")
     u0 = w0
-    if SILU_MUL:
-        u0 = tl.load(up_rows + cols[None, :], mask=w_mask0, other=0.0, eviction_policy="evict_first")
+    if PAIRED:
+        u0 = tl.load(pair_rows + cols[None, :], mask=w_mask0, other=0.0, eviction_policy="evict_first")
     if WAIT:
         wait_for_previous_kernel(USE_PDL)
 
     x0 = _load_x_chunk(x_ptr, cols, cols < K, EVEN_K)
     acc = w0.to(tl.float32) * x0[None, :]
-    acc_up = u0.to(tl.float32) * x0[None, :]
+    acc_pair = u0.to(tl.float32) * x0[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + cols
         k_mask = kk < K
@@ -116,11 +115,21 @@ def _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride,
             w_mask = row_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
-        if SILU_MUL:
-            u = tl.load(up_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-            acc_up += u.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)
-    y_up = tl.sum(acc_up, axis=1)
+        if PAIRED:
+            u = tl.load(pair_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            acc_pair += u.to(tl.float32) * x[None, :]
+    return tl.sum(acc, axis=1), tl.sum(acc_pair, axis=1)
+
+
+@triton.jit
+def _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
+                    GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                    WAIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[rows of `block`]; with SILU_MUL the up row of each gate row n is row n + N."""
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    y, y_up = _gemv_rows(rows, row_mask, N, x_ptr, w_ptr, K, w_row_stride, SILU_MUL, EVEN_K, USE_PDL, WAIT,
+                         BLOCK_K)
     if W_SCALED:  # w_scale: [rows] fp32, the up half's scales N entries further
         y = y * tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)
         if SILU_MUL:
@@ -149,6 +158,54 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, num_progr
         for block in range(pid + num_programs, tl.cdiv(N, BLOCK_N), num_programs):
             _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL, GELU_GATE,
                             W_SCALED, EVEN_K, USE_PDL, False, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
+                              v_cache_ptr, k_cache_stride, v_cache_stride, K, w_row_stride,
+                              NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              V_WIDTH: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The qkv projection of one token with rotary and the KV write as its epilogue. The first programs each own
+    BLOCK_N / 2 rows of a q or k head's first half and the rows HEAD_DIM / 2 further that they rotate with (neox
+    pairs over the whole head): q goes to q_ptr, k to k_cache[loc[0]]. The rest own BLOCK_N rows of v each, which
+    go to v_cache[loc[0]]."""
+    let_next_kernel_launch(USE_PDL)
+    pid = tl.program_id(0)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    PROGRAMS_PER_HEAD: tl.constexpr = HALF // PAIRS
+    out_dtype = q_ptr.dtype.element_ty
+    if pid < (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD:
+        head = pid // PROGRAMS_PER_HEAD
+        pairs = (pid % PROGRAMS_PER_HEAD) * PAIRS + tl.arange(0, PAIRS)  # [PAIRS], offsets in the first half
+        rows = head * HEAD_DIM + pairs
+        y1, y2 = _gemv_rows(rows, rows >= 0, HALF, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL, True,
+                            BLOCK_K)
+        # rounded where the unfused GEMV's output is, then rotated in fp32 as rotary_kernels does
+        y1 = y1.to(out_dtype).to(tl.float32)
+        y2 = y2.to(out_dtype).to(tl.float32)
+        pos = tl.load(pos_ptr).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pairs).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + pairs).to(tl.float32)
+        o1 = (y1 * cos - y2 * sin).to(out_dtype)
+        o2 = (y2 * cos + y1 * sin).to(out_dtype)
+        if head < NUM_Q_HEADS:
+            q_head = q_ptr + head * HEAD_DIM
+            tl.store(q_head + pairs, o1)
+            tl.store(q_head + HALF + pairs, o2)
+        else:
+            slot = tl.load(loc_ptr).to(tl.int64)
+            k_head = k_cache_ptr + slot * k_cache_stride + (head - NUM_Q_HEADS) * HEAD_DIM
+            tl.store(k_head + pairs, o1)
+            tl.store(k_head + HALF + pairs, o2)
+    else:
+        cols = (pid - (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < V_WIDTH
+        y, _ = _gemv_rows((NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + cols, col_mask, 0, x_ptr, w_ptr, K,
+                          w_row_stride, False, EVEN_K, USE_PDL, True, BLOCK_K)
+        slot = tl.load(loc_ptr).to(tl.int64)
+        tl.store(v_cache_ptr + slot * v_cache_stride + cols, y.to(out_dtype), mask=col_mask)
 
 
 # The fastest config per (weight rows, K, fused activation) on an H200, from benchmarks/gpu/gemv_shape_sweep.py (every
@@ -205,6 +262,78 @@ def _fp8_configs():
 # EVEN_K per config: Llama-3-8B's down projection (K = 14336) divides by 2048 but not by 4096
 _gemv_fp8_autotuned = triton.autotune(configs=_fp8_configs(), key=["N", "K", "SILU_MUL", "GELU_GATE", "USE_PDL"])(
     _EVEN_K_PER_CONFIG(_gemv_kernel))
+
+
+_gemv_rotary_store_autotuned = triton.autotune(
+    configs=_configs(), key=["K", "NUM_Q_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "V_WIDTH", "USE_PDL"])(
+    _EVEN_K_PER_CONFIG(_gemv_rotary_store_kernel))
+
+
+@dataclass(frozen=True)
+class RotaryKVStore:
+    """The epilogue of a decode step's qkv projection, given to its Linear as `act`: rotate q and k, write k and v
+    to the layer's KV cache, and return q [T, H*D], rotated. Called on a matmul's output [T, H*D + Hkv*D + Hkv*Dv] it
+    does so through `unfused` (q, k, v views -> rotated q; the pool's rotate_and_set_kv); the batch-1 GEMV does it
+    in its own epilogue (gemv_rotary_store) where `target` names the cache to write."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    positions: torch.Tensor  # [T]
+    rotary: object  # a RotaryEmbedding (rotary_dim, is_neox_style, cos_sin_cache [max_pos, rotary_dim])
+    # -> (K cache [S, Hkv, D], V cache [S, Hkv, Dv], the tokens' slots there [T]), or None where only `unfused` may
+    # write (an fp8 cache, scales still to calibrate)
+    target: Callable[[], Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
+    unfused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+    def __call__(self, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                             self.num_kv_heads * self.v_head_dim], dim=-1)
+        return self.unfused(q, k, v)
+
+
+def gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, epilogue: RotaryKVStore,
+                      config: Optional[dict] = None) -> Optional[torch.Tensor]:
+    """x: [1, K]; weight: the qkv projection [H*D + Hkv*D + Hkv*Dv, K] -> q [1, H*D], rotated, with the rotated k and
+    v written to the cache `epilogue.target()` names: the projection, rotary and the KV write in one launch. None
+    (nothing done) where the kernel does not apply: rotary over part of a head or in interleaved pairs, no cache
+    target, a cache in another dtype than x. `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) skips the autotuner."""
+    rotary = epilogue.rotary
+    h, h_kv, d, dv = epilogue.num_heads, epilogue.num_kv_heads, epilogue.head_dim, epilogue.v_head_dim
+    cos_sin = getattr(rotary, "cos_sin_cache", None)
+    if (not supports(x, weight) or weight.shape[0] != (h + h_kv) * d + h_kv * dv or epilogue.positions.numel() != 1
+            or not rotary.is_neox_style or rotary.rotary_dim != d or d % 16 or cos_sin is None
+            or cos_sin.device != x.device or cos_sin.dim() != 2 or cos_sin.shape[1] != d or cos_sin.stride(1) != 1):
+        return None  # (the configs' up to 8 pairs per program must divide a half head)
+    target = epilogue.target()
+    if target is None:
+        return None
+    k_cache, v_cache, loc = target
+    if (k_cache.dtype != x.dtype or v_cache.dtype != x.dtype or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or k_cache.shape[1:] != (h_kv, d) or v_cache[0].numel() != h_kv * dv
+            or loc.numel() != 1 or loc.device != x.device):
+        return None
+    x = x.contiguous()
+    q = torch.empty((1, h * d), dtype=x.dtype, device=x.device)
+    k = weight.shape[1]
+    args = (x, weight, q, epilogue.positions, cos_sin, cos_sin.stride(0), loc, k_cache, v_cache, k_cache.stride(0),
+            v_cache.stride(0), k, weight.stride(0))
+    shape = dict(NUM_Q_HEADS=h, NUM_KV_HEADS=h_kv, HEAD_DIM=d, V_WIDTH=h_kv * dv, **pdl.launch_options(x.device))
+
+    def programs(block_n: int) -> int:
+        return (h + h_kv) * (d // block_n) + triton.cdiv(h_kv * dv, block_n)  # pairs of half heads, then v rows
+
+    if config is None:
+        _gemv_rotary_store_autotuned[lambda meta: (programs(meta["BLOCK_N"]),)](*args, **shape)
+    else:
+        cfg = dict(config)
+        launch = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}
+        if cfg["BLOCK_N"] < 2 or (d // 2) % (cfg["BLOCK_N"] // 2):
+            raise ValueError(f"BLOCK_N {cfg['BLOCK_N']} must be even with BLOCK_N / 2 dividing {d // 2}")
+        _gemv_rotary_store_kernel[(programs(cfg["BLOCK_N"]),)](*args, **shape, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
+                                                               **launch)
+    return q
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -5,6 +5,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from braid.runtime.layers.gemv import RotaryKVStore
+
 
 class RadixAttention(nn.Module):
     """Attention over the paged KV cache; the actual work is the batch's attention backend's."""
@@ -20,6 +22,19 @@ class RadixAttention(nn.Module):
         self.sliding_window = sliding_window if sliding_window and sliding_window > 0 else -1
         self.logit_cap = logit_cap or 0.0
         self.v_head_dim = v_head_dim or head_dim
+
+    def rotary_kv_store(self, fb, positions: torch.Tensor, rotary) -> Optional[RotaryKVStore]:
+        """At decode, the epilogue that the qkv projection takes as its `act`: rotate q and k and write k and v to
+        this layer's cache (in the batch-1 GEMV's epilogue where the pool lets it; else by the pool's
+        rotate_and_set_kv), leaving q [T, H*D] rotated for forward(q, None, None, fb, save_kv_cache=False). None
+        elsewhere (extend; inside torch.compile, where attention stays outside the graph)."""
+        if torch.compiler.is_compiling() or not fb.forward_mode.is_decode():
+            return None
+        pool, layer_id, loc = fb.token_to_kv_pool, self.layer_id, fb.out_cache_loc
+        return RotaryKVStore(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim, positions, rotary,
+            target=lambda: pool.rotary_store_target(layer_id, loc),
+            unfused=lambda q, k, v: pool.rotate_and_set_kv(layer_id, loc, positions, q, k, v, rotary))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb, save_kv_cache: bool = True,
                 rotary=None, positions: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -274,6 +274,11 @@ class KVPool(ABC):
         self.set_kv(layer_id, loc, k, v)
         return q
 
+    def rotary_store_target(self, layer_id: int, loc: torch.Tensor):
+        """Where a kernel that rotates a decode step's keys itself (the batch-1 qkv GEMV's epilogue) may write them:
+        (K cache [S, Hkv, D], V cache [S, Hkv, Dv], slots [T] there), or None when rotate_and_set_kv must do it."""
+        return None
+
     @abstractmethod
     def mem_usage_bytes(self) -> int:
         """Bytes held by the KV buffers."""
@@ -316,8 +321,8 @@ class MHAKVPool(KVPool):
 
     fused_store: on CUDA, one Triton launch writes a layer's K and V (quantizing into an fp8 cache; else two
     indexed copies). fused_rotary_store: there, with a cache in the model dtype, rotate_and_set_kv rotates q and
-    stores the rotated k and v in one launch (else rotary, then set_kv). Both are for A/B timing; the results are
-    the same.
+    stores the rotated k and v in one launch (else rotary, then set_kv); with gemv_rotary_store too, the batch-1
+    qkv GEMV does that in its epilogue (rotary_store_target). All are for A/B timing; the results are the same.
     """
 
     @_outside_inference_mode
@@ -325,7 +330,7 @@ class MHAKVPool(KVPool):
                  device: DeviceLike, v_head_dim: Optional[int] = None,
                  kv_cache_dtype: Union[str, torch.dtype, None] = None,
                  k_scale: ScaleLike = 1.0, v_scale: ScaleLike = 1.0,
-                 fused_store: bool = True, fused_rotary_store: bool = True):
+                 fused_store: bool = True, fused_rotary_store: bool = True, gemv_rotary_store: bool = True):
         super().__init__(size, dtype, layer_num, device, kv_cache_dtype, k_scale, v_scale)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         _check_positive(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim)
@@ -334,6 +339,7 @@ class MHAKVPool(KVPool):
         self.v_head_dim = v_head_dim
         self.fused_store = fused_store
         self.fused_rotary_store = fused_rotary_store
+        self.gemv_rotary_store = gemv_rotary_store
         # Triton kernels need CUDA; the store kernel quantizes into an fp8 cache like _quantized, the rotary + store
         # kernel copies rows as they are (an fp8 cache rotates, then stores in that kernel)
         kernels_usable = _triton_kernels_run_on(self.device)
@@ -383,6 +389,11 @@ class MHAKVPool(KVPool):
                     rotary.is_neox_style, self._k_buffers[layer_id], self._v_buffers[layer_id], loc):
                 return q
         return super().rotate_and_set_kv(layer_id, loc, positions, q, k, v, rotary)
+
+    def rotary_store_target(self, layer_id: int, loc: torch.Tensor):
+        if self._rotate_and_store_in_one_launch and self.gemv_rotary_store and not self._uncalibrated_layers:
+            return self._k_buffers[layer_id], self._v_buffers[layer_id], loc
+        return None
 
     def mem_usage_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._k_buffers + self._v_buffers)

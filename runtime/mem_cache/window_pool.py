@@ -64,7 +64,8 @@ class HybridKVPool(KVPool):
     def __init__(self, size: int, window_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_windows: Sequence[Optional[int]], device: DeviceLike, v_head_dim: Optional[int] = None,
                  kv_cache_dtype: Union[str, torch.dtype, None] = None, k_scale: ScaleLike = 1.0,
-                 v_scale: ScaleLike = 1.0, fused_store: bool = True, fused_rotary_store: bool = True):
+                 v_scale: ScaleLike = 1.0, fused_store: bool = True, fused_rotary_store: bool = True,
+                 gemv_rotary_store: bool = True):
         split = window_layer_split(layer_windows)
         if split is None:
             raise ValueError("HybridKVPool needs both sliding-window and global-attention layers; got windows "
@@ -76,7 +77,7 @@ class HybridKVPool(KVPool):
         self.window_size = window_size
         self._where = {}  # layer id -> (sub-pool, its layer index there)
         common = dict(v_head_dim=v_head_dim, kv_cache_dtype=kv_cache_dtype, fused_store=fused_store,
-                      fused_rotary_store=fused_rotary_store)
+                      fused_rotary_store=fused_rotary_store, gemv_rotary_store=gemv_rotary_store)
         self.full_pool = MHAKVPool(size, dtype, head_num, head_dim, len(self.full_layers), device, **common)
         self.window_pool = MHAKVPool(window_size, dtype, head_num, head_dim, len(self.window_layers), device, **common)
         for local, layer_id in enumerate(self.full_layers):
@@ -115,6 +116,12 @@ class HybridKVPool(KVPool):
             return KVPool.rotate_and_set_kv(self, layer_id, loc, positions, q, k, v, rotary)
         pool, local = self._where[layer_id]
         return pool.rotate_and_set_kv(local, self._translated(pool, loc), positions, q, k, v, rotary)
+
+    def rotary_store_target(self, layer_id: int, loc: torch.Tensor):
+        if self._uncalibrated_layers:
+            return None
+        pool, local = self._where[layer_id]
+        return pool.rotary_store_target(local, self._translated(pool, loc))
 
     def _translated(self, pool: KVPool, loc: torch.Tensor) -> torch.Tensor:
         if pool is self.full_pool:

@@ -148,7 +148,8 @@ class ModelRunner:
                 self.max_total_tokens, self.window_kv_tokens, self.dtype, heads_kv, mc.head_dim, layer_windows,
                 self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype, k_scale=k_scales, v_scale=v_scales,
                 fused_store=not self.server_args.disable_fused_kv_store,
-                fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store)
+                fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store,
+                gemv_rotary_store=not self.server_args.disable_gemv_rotary_kv_store)
             logger.info("KV pool: window layers' KV trimmed to %d token slots beside %d for the global layers "
                         "(--disable-window-kv-trimming keeps one pool)", self.window_kv_tokens, self.max_total_tokens)
         elif mc.attention_arch == "mla":
@@ -162,7 +163,8 @@ class ModelRunner:
                                               self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype,
                                               k_scale=k_scales, v_scale=v_scales,
                                               fused_store=not self.server_args.disable_fused_kv_store,
-                                              fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store)
+                                              fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store,
+                                              gemv_rotary_store=not self.server_args.disable_gemv_rotary_kv_store)
         logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", self.max_total_tokens,
                     self.max_total_tokens * per_token / 2**20, max_reqs)
 

@@ -70,7 +70,12 @@ class Attention(nn.Module):
                                    v_head_dim=spec.v_head_dim)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, fb) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(hidden), fb)
+        # hidden: [T, hidden], normed -> [T, hidden]. At decode rotary and the KV write are the qkv matmul's
+        # epilogue (one launch with it at batch 1 where the pool allows)
+        store = None if self.q_norm is not None else self.attn.rotary_kv_store(fb, positions, self.rotary_emb)
+        if store is None:
+            return self.attend(positions, self.qkv_proj(hidden), fb)
+        return self.o_proj(self.attn(self.qkv_proj(hidden, store), None, None, fb, save_kv_cache=False))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, fb) -> torch.Tensor:
         # qkv: [T, H*D + Hkv*D + Hkv*Dv], the qkv_proj output -> [T, hidden]
@@ -126,10 +131,12 @@ class PreNormDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: Optional[torch.Tensor], fb):
-        # each norm travels with the projection after it (norm_linear_act); the MLP's activation runs inside the
-        # gate_up matmul where the linear method fuses it (the batch-1 GEMV)
-        qkv, residual = norm_linear_act(self.self_attn.qkv_proj, hidden, self.input_layernorm, residual)
-        hidden = self.self_attn.attend(positions, qkv, fb)
+        # the MLP's activation runs inside the gate_up matmul where the linear method fuses it (the batch-1 GEMV)
+        if residual is None:
+            x, residual = self.input_layernorm(hidden), hidden
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, x, fb)
         hidden, residual = norm_linear_act(self.mlp.gate_up_proj, hidden, self.post_attention_layernorm, residual,
                                            self.mlp.act)
         return self.mlp.down_proj(hidden), residual

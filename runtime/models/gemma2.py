@@ -48,7 +48,7 @@ class SandwichNormDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(hidden), hidden
         else:
             x, residual = post_norm_add_norm(hidden, residual, pending_norm, self.input_layernorm)
-        attn = self.self_attn.attend(positions, self.self_attn.qkv_proj(x), fb)
+        attn = self.self_attn(positions, x, fb)
         x, residual = post_norm_add_norm(attn, residual, self.post_attention_layernorm, self.pre_feedforward_layernorm)
         return self.mlp(x), residual
 

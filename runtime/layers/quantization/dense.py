@@ -1,6 +1,7 @@
 """Dense weights in the activation dtype (bf16/fp16/fp32).
 
-Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA and its tensor-core form for 2..16 rows on the shapes where
+Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA (a decode step's qkv projection with rotary and the KV
+write as its epilogue) and its tensor-core form for 2..16 rows on the shapes where
 it was measured faster than cuBLAS (SiLU- or GELU-tanh-and-mul fused after them; gemv.py, small_batch_gemm.py), a
 oneDNN-prepacked copy of the weight on CPU (cpu_gemm.py), F.linear everywhere else.
 """
@@ -41,6 +42,10 @@ class DenseLinearMethod(LinearMethod):
         weight = layer.weight
         fused = _fused_activation(act)
         if gemv.decode_gemv_applies(x, weight, bias):
+            if isinstance(act, gemv.RotaryKVStore):  # a decode step's qkv: rotary and the KV write in the epilogue
+                q = gemv.gemv_rotary_store(x, weight, act)
+                if q is not None:
+                    return q
             y = gemv.gemv(x, weight, silu_mul=fused == "silu", gelu_tanh_mul=fused == "gelu")
         elif small_batch_gemm.small_batch_gemm_applies(x, weight, bias, fused):
             y = small_batch_gemm.small_batch_gemm(x, weight, activation=fused)
