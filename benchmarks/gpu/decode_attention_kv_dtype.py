@@ -19,13 +19,13 @@ import time
 
 import torch
 
-from gemma2_decode_attention import MERGED, config_label, decode_options, time_graph  # benchmarks/gpu, this folder
+from gemma2_decode_attention import config_label, decode_options, time_graph  # benchmarks/gpu, this folder
 from sweep_rows import append_row, read_rows
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice
-CONFIGS = [None, MERGED, (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4), (128, 4, 3)]
+CONFIGS = [None, (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4), (128, 4, 3)]
 
 
 def runtime_splits(bs: int) -> int:

@@ -3,7 +3,7 @@ with some of them set (the A/B that decides a measured constant or table before 
 captures its own CUDA graphs, so a constant read at capture time (a kernel route, a split rule) takes effect.
 
   python3 benchmarks/gpu/decode_step_ab.py --model gemma2-9b --batch-sizes 1 8 --context 8000 \
-      --set braid.runtime.layers.attention.triton_ops.decode_attention:MERGE_IN_KERNEL_MAX_CHUNKS=4
+      --server-arg disable_gemv_rotary_kv_store=True
 
 --set MODULE:NAME=VALUE (a Python literal; repeatable: all in one build, or one build each with --separately) and
 --server-arg NAME=VALUE (a ServerArgs field for the changed build, e.g. disable_gemv_rotary_kv_store=True). Prints

@@ -25,22 +25,19 @@ BANDWIDTH = 4.28e12
 HEADS, KV_HEADS, HEAD_DIM, CAP = 16, 8, 256, 50.0
 # stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice (decode_attention._decode_launch_configs)
 BEFORE_SPLITS = 16  # the runtime's split count for every batch size before decode_kv_splits
-MERGED = "merged"  # the runtime's config with the split merge inside stage 1 (decode_attention_fwd's merge_in_kernel)
-CONFIGS = [None, MERGED, (64, 4, 2), (64, 4, 3), (64, 8, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3),
+CONFIGS = [None, (64, 4, 2), (64, 4, 3), (64, 8, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3),
            (16, 4, 4), (128, 8, 2)]
 
 
 def config_label(config) -> str:
     """A CONFIGS entry's name in the result rows."""
-    if config is None:
-        return "runtime"
-    return "runtime, merged in stage 1" if config == MERGED else "BLOCK_N=%d warps=%d stages=%d" % config
+    return "runtime" if config is None else "BLOCK_N=%d warps=%d stages=%d" % config
 
 
 def decode_options(config) -> dict:
-    """A CONFIGS entry as decode_attention_fwd's launch_config / merge_in_kernel arguments."""
-    launch = None if config in (None, MERGED) else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2])
-    return {"launch_config": launch, "merge_in_kernel": config == MERGED}
+    """A CONFIGS entry as decode_attention_fwd's launch_config argument."""
+    launch = None if config is None else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2])
+    return {"launch_config": launch}
 
 
 def kv_buffers(layers: int, bs: int, context: int, device):
@@ -268,8 +265,6 @@ def recommend(ok: list[dict]) -> None:
         (splits, config), best = min(totals.items(), key=lambda kv: kv[1])
         if best < 0.97 * now:
             where = ("the split rule (triton_backend.decode_kv_splits)" if config == "runtime"
-                     else "MERGE_IN_KERNEL_MAX_CHUNKS (decode_attention.py) and the split rule"
-                     if config == config_label(MERGED)
                      else "the split count (triton_backend.py) and the head_dim <= 256 launch configs "
                           "(decode_attention._decode_launch_configs)")
             print(f"RECOMMEND bs={bs}: splits {splits} with {config}: {best:.0f} us of attention per step against "

@@ -204,37 +204,6 @@ def test_decode_zero_length_rows_write_zeros():
     assert rel_err(o[1:], ref) <= 1e-4
 
 
-@pytest.mark.parametrize("h,h_kv,d,dv,splits", [(40, 2, 16, 16, 6), (4, 2, 16, 16, 3), (16, 1, 80, 64, 5)])
-def test_decode_merge_in_kernel_equals_stage2(h, h_kv, d, dv, splits):
-    """merge_in_kernel: the last stage-1 program of each (request, head block) merges its heads (20 query heads per
-    KV head: two head blocks; 16 with a split head dim, as MLA's latent), bit for bit as stage 2 does (the same merge,
-    the same order, whichever program finishes last); a zero-length row gets zeros; every arrival counter is back
-    at zero after each call, so a second call (another split count) is right too."""
-    from braid.runtime.layers.attention.triton_ops import decode_attention as module
-
-    gen = torch.Generator().manual_seed(h + d + splits)
-    q = torch.randn(3, h, d, generator=gen).to(DEVICE)
-    k_buffer = torch.randn(64, h_kv, d, generator=gen).to(DEVICE)
-    v_buffer = torch.randn(64, h_kv, dv, generator=gen).to(DEVICE)
-    req_to_token = torch.randperm(64, generator=gen).to(torch.int32).view(2, 32).repeat(2, 1).to(DEVICE)
-    seq_lens = torch.tensor([31, 0, 7], dtype=torch.int32, device=DEVICE)
-    rows = torch.tensor([0, 1, 2], device=DEVICE)
-    for num_splits in (splits, 1):
-        outs = []
-        for merge in (False, True):
-            o = torch.full((3, h, dv), float("nan"), device=DEVICE)
-            scratch = torch.empty(3, h, num_splits, dv + 1, device=DEVICE)
-            decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, rows, seq_lens, scratch, num_splits, 0.25,
-                                 merge_in_kernel=merge)
-            outs.append(o)
-        assert torch.equal(outs[0], outs[1]), num_splits
-        assert not module._arrival_buffers[str(q.device)][-1].any()
-        assert torch.equal(outs[1][1], torch.zeros_like(outs[1][1]))
-        keys = req_to_token[0, :31].long()
-        ref = ref_attention(q[:1], k_buffer[keys], v_buffer[keys], torch.tensor([30], device=DEVICE), 0.25)
-        assert rel_err(outs[1][:1], ref) <= 1e-4
-
-
 def test_block_table_covers_each_query_block_once():
     lens = torch.tensor([5, 0, 33, 16, 0], dtype=torch.int32)
     seq, block = extend_block_table(lens, 16, 12)
@@ -451,21 +420,6 @@ class Scenario:
 @pytest.mark.parametrize("cap,window", [(0.0, -1), (0.8, 9)])
 def test_backend_extend_then_decode(cap, window):
     Scenario(DEVICE, logit_cap=cap, window=window).run_all()
-
-
-def test_backend_window_layers_with_fewer_splits(monkeypatch):
-    """WINDOW_LAYER_SPLIT_DIVISOR: a window layer's decode takes the batch's split count divided (4 -> 2 on CPU), and
-    the output is still the windowed softmax attention."""
-    from braid.runtime.layers.attention import triton_backend
-
-    monkeypatch.setattr(triton_backend, "WINDOW_LAYER_SPLIT_DIVISOR", 2)
-    calls = []
-    real = triton_backend.decode_attention_fwd
-    monkeypatch.setattr(triton_backend, "decode_attention_fwd", lambda *a, **kw: calls.append(a[8]) or real(*a, **kw))
-    sc = Scenario(DEVICE, logit_cap=0.8, window=9)
-    sc.run_all()
-    halved = {max(1, sc.backend.decode_kv_splits(bs) // 2) for bs in (1, 3)}  # the two decode batches' counts
-    assert calls and set(calls) == halved
 
 
 def test_backend_fp8_pool_with_scales():

@@ -49,10 +49,8 @@ DEFAULT_NUM_KV_SPLITS_CPU = 4  # the interpreter runs programs one by one
 # its layers at batch 1 by split count (2026-12-04): 16: 1030 us, 24: 966, 32: 865, 48: 944, 64: 1033; so 8 KV heads
 # take 32 splits at batch 1, 16 at batches 2-3 and the least, 8, from batch 4.
 DECODE_PROGRAMS_PER_SM = 1.9
-# Sliding-window layers read at most W keys: past W tokens of context they take this many times fewer splits than the
-# batch's (at least 1). 1 until measured: benchmarks/gpu/gemma2_decode_attention.py prints Gemma-2's step with a split
-# count per layer kind, decode_step_ab.py times a value end to end.
-WINDOW_LAYER_SPLIT_DIVISOR = 1
+# Window layers take the batch's split count too: half as many for Gemma-2's (which read half the keys at 8K) measured
+# 0.997x / 1.003x end to end at batch 1 / 8 on an H100 (docs/benchmarks.md, session 16).
 MAX_NUM_KV_SPLITS_GPU = 64
 QUERY_HEADS_PER_PROGRAM = 16  # decode_attention's _BLOCK_H: one stage-1 program per 16 query heads of a KV head
 
@@ -223,13 +221,10 @@ class TritonAttnBackend(AttentionBackend):
         o = q3.new_empty((bs, h, dv))
         logit_cap, window = self._layer_options(layer)
         req_to_token, req_indices = self._token_table(layer, fb, md)
-        splits = scratch.shape[2]
-        if window > 0:
-            splits = max(1, splits // WINDOW_LAYER_SPLIT_DIVISOR)
         decode_attention_fwd(
             q3, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
             req_to_token, req_indices, fb.seq_lens,
-            scratch, splits, layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id),
+            scratch, scratch.shape[2], layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id),
         )
         return o.view(-1, h * dv)
 

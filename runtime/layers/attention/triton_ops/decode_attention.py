@@ -11,11 +11,8 @@ attn_logits[b, h, split, :Dv] and attn_logits[b, h, split, Dv].
 Stage 2, grid (B, H): merges the splits, BLOCK_S of them per load (one memory round trip for up to BLOCK_S
 splits instead of one per split: at 8K context every split is in use, and the merge was a chain of 16 dependent
 L2 reads per layer).
-Or, with merge_in_kernel, no second launch: the last stage-1 program of a (request, head block) to finish (an arrival
-counter per pair, reset by it) merges that block's heads itself, one after another. That saves stage 2's launch and
-its wait for stage 1 (~2.4 us per layer at batch 1 on an H200) but serialises the merge of the block's heads in one
-program, so it can only pay where heads x chunks of BLOCK_S splits are few (GQA groups of 2-4, not MLA's 16 heads
-at 64 splits): MERGE_IN_KERNEL_MAX_CHUNKS decides by default.
+(Merging in stage 1 instead, by the last program of each head block to finish, was measured slower on an H100:
+docs/benchmarks.md, session 16.)
 
 Splits cover ceil(len / num_kv_splits) keys rounded up to a whole BLOCK_N tile, so short sequences use
 fewer splits (the rest exit at once); the split count stays fixed, which CUDA graphs need.
@@ -57,10 +54,9 @@ def _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N: tl.constexpr,
 
 @triton.jit
 def _merge_splits(att_head, o_head, n_splits, stride_as, offs_dv, mask_dv, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_S: tl.constexpr, THROUGH_L2: tl.constexpr):
+                  BLOCK_S: tl.constexpr):
     """One head's n_splits partial outputs and log-sum-exps (att_head: its [splits, Dv + 1] rows of attn_logits) ->
-    the softmax-weighted sum at o_head; zeros for n_splits == 0 (padding rows of a CUDA-graph batch have no keys).
-    THROUGH_L2: the parts were written by other programs of the running kernel (skip L1)."""
+    the softmax-weighted sum at o_head; zeros for n_splits == 0 (padding rows of a CUDA-graph batch have no keys)."""
     offs_s = tl.arange(0, BLOCK_S)
     m = float("-inf")
     l = 0.0
@@ -69,14 +65,9 @@ def _merge_splits(att_head, o_head, n_splits, stride_as, offs_dv, mask_dv, DV: t
         # BLOCK_S splits at once: parts [BLOCK_S, BLOCK_DV], their log-sum-exps [BLOCK_S] (-inf past n_splits)
         splits = s0 + offs_s
         mask_s = splits < n_splits
-        if THROUGH_L2:
-            lse = tl.load(att_head + splits * stride_as + DV, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-            parts = tl.load(att_head + splits[:, None] * stride_as + offs_dv[None, :],
-                            mask=mask_s[:, None] & mask_dv[None, :], other=0.0, cache_modifier=".cg")
-        else:
-            lse = tl.load(att_head + splits * stride_as + DV, mask=mask_s, other=float("-inf"))
-            parts = tl.load(att_head + splits[:, None] * stride_as + offs_dv[None, :],
-                            mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
+        lse = tl.load(att_head + splits * stride_as + DV, mask=mask_s, other=float("-inf"))
+        parts = tl.load(att_head + splits[:, None] * stride_as + offs_dv[None, :],
+                        mask=mask_s[:, None] & mask_dv[None, :], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, axis=0))  # finite: the chunk holds at least one split
         alpha = tl.exp2(m - m_new)
         w = tl.exp2(lse - m_new)
@@ -89,18 +80,16 @@ def _merge_splits(att_head, o_head, n_splits, stride_as, offs_dv, mask_dv, DV: t
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K_buf, V_buf, Req_to_token, B_req_idx, B_seq_len, Att, O, Arrived,
+    Q, K_buf, V_buf, Req_to_token, B_req_idx, B_seq_len, Att,
     sm_scale, logit_cap, sliding_window, num_kv_splits, v_scale,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_req,
-    stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
+    stride_ab, stride_ah, stride_as,
     KV_GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr,
-    MERGE: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    # MERGE: the last program of each (request, head block) merges its heads' splits into O (stage 2 skipped);
-    # Arrived: int32 [B * Hkv * HEAD_BLOCKS], zero between calls, the programs of a pair done so far
     let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
     cur_batch = tl.program_id(0)
@@ -111,10 +100,6 @@ def _decode_stage1_kernel(
     seq_len = tl.load(B_seq_len + cur_batch)
     kv_start, split_len, n_splits = _split_bounds(seq_len, sliding_window, num_kv_splits, BLOCK_N, USE_WINDOW)
     if split >= n_splits:
-        if MERGE:
-            if n_splits == 0 and split == 0:  # no keys (a padding row): the block's heads get zeros
-                _merge_head_block(Att, O, cur_batch, pid_h, 0, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
-                                  KV_GROUP, HEAD_BLOCKS, DV, BLOCK_DV, BLOCK_H, BLOCK_S)
         return
     split_lo = kv_start + split * split_len
     split_hi = tl.minimum(split_lo + split_len, seq_len)
@@ -171,31 +156,6 @@ def _decode_stage1_kernel(
     tl.store(att_base[:, None] + offs_dv[None, :], acc * (v_scale / l_i)[:, None],
              mask=mask_h[:, None] & mask_dv[None, :])
     tl.store(att_base + DV, m_i + tl.log2(l_i), mask=mask_h)
-    if MERGE:
-        # every thread's stores precede one thread's release of the counter (as CUTLASS's semaphores do)
-        tl.debug_barrier()
-        arrived = Arrived + cur_batch * tl.num_programs(1) + pid_h
-        if tl.atomic_add(arrived, 1, sem="acq_rel") == n_splits - 1:
-            _merge_head_block(Att, O, cur_batch, pid_h, n_splits, stride_ab, stride_ah, stride_as, stride_ob,
-                              stride_oh, KV_GROUP, HEAD_BLOCKS, DV, BLOCK_DV, BLOCK_H, BLOCK_S)
-            tl.atomic_xchg(arrived, 0)
-
-
-@triton.jit
-def _merge_head_block(Att, O, cur_batch, pid_h, n_splits, stride_ab, stride_ah, stride_as, stride_ob, stride_oh,
-                      KV_GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The merge of stage 2 for the (up to BLOCK_H) query heads of program column pid_h, one after another."""
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < DV
-    first_in_group = (pid_h % HEAD_BLOCKS) * BLOCK_H
-    first_head = (pid_h // HEAD_BLOCKS) * KV_GROUP + first_in_group
-    att_b = Att + cur_batch.to(tl.int64) * stride_ab
-    o_b = O + cur_batch.to(tl.int64) * stride_ob
-    for i in tl.static_range(BLOCK_H if BLOCK_H < KV_GROUP else KV_GROUP):
-        if first_in_group + i < KV_GROUP:
-            _merge_splits(att_b + (first_head + i) * stride_ah, o_b + (first_head + i) * stride_oh, n_splits,
-                          stride_as, offs_dv, mask_dv, DV, BLOCK_DV, BLOCK_S, True)
 
 
 @triton.jit
@@ -216,16 +176,12 @@ def _decode_stage2_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     _merge_splits(Att + cur_batch.to(tl.int64) * stride_ab + cur_head * stride_ah,
                   O + cur_batch.to(tl.int64) * stride_ob + cur_head * stride_oh, n_splits, stride_as, offs_dv,
-                  offs_dv < DV, DV, BLOCK_DV, BLOCK_S, False)
+                  offs_dv < DV, DV, BLOCK_DV, BLOCK_S)
 
 
 # ---------------------------------------------------------------- host side
 
 _BLOCK_H = 16  # query heads per stage-1 program (a dot needs >= 16 rows; unused rows are masked)
-# By default the merge moves into stage 1 (merge_in_kernel) when one program's share, heads per program x chunks of
-# BLOCK_S splits, is at most this many serial loads. 0 (never) until the sweeps (gemma2_decode_attention.py,
-# decode_attention_kv_dtype.py: config "runtime, merged in stage 1") measure it on a GPU.
-MERGE_IN_KERNEL_MAX_CHUNKS = 0
 
 
 def _decode_launch_configs(d: int, dv: int, device: torch.device) -> list[dict]:
@@ -248,19 +204,6 @@ def _decode_dot_dtype(q: torch.Tensor, k_buffer: torch.Tensor):
     return dt
 
 
-_arrival_buffers: dict = {}  # device -> every int32 zeros buffer made for it, the newest (largest) last
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """n int32 counters, zero between launches (each kernel's merging programs reset theirs). Shared by every launch on
-    the device (one kernel at a time on a stream; with PDL a kernel waits for the one before it first); never freed,
-    as a CUDA graph that captured a launch holds the pointer. 65,536 (256 KB) cover a batch of 8,192 at 8 KV heads."""
-    buffers = _arrival_buffers.setdefault(str(device), [])
-    if not buffers or buffers[-1].numel() < n:
-        buffers.append(torch.zeros(triton.next_power_of_2(max(n, 1 << 16)), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def decode_attention_fwd(
     q: torch.Tensor,  # [B, H, D]
     k_buffer: torch.Tensor,  # [S, Hkv, D]
@@ -277,7 +220,6 @@ def decode_attention_fwd(
     k_scale: float = 1.0,  # dequantisation scales of values read from k_buffer / v_buffer (fp8 caches)
     v_scale: float = 1.0,
     launch_config: Optional[dict] = None,  # stage 1's BLOCK_N, num_warps, num_stages (benchmark sweeps)
-    merge_in_kernel: Optional[bool] = None,  # the last stage-1 program merges (None: MERGE_IN_KERNEL_MAX_CHUNKS)
 ) -> None:
     b, h, d = q.shape
     h_kv = k_buffer.shape[1]
@@ -307,27 +249,19 @@ def decode_attention_fwd(
     configs = [dict(launch_config)] if launch_config else _decode_launch_configs(d, dv, q.device)
     # the merge loads up to 4096 fp32 values at a time
     block_s = max(2, min(triton.next_power_of_2(num_kv_splits), 4096 // block_dv))
-    if merge_in_kernel is None:
-        merge_in_kernel = min(group, _BLOCK_H) * triton.cdiv(num_kv_splits, block_s) <= MERGE_IN_KERNEL_MAX_CHUNKS
-    key = ("decode", q.device, q.dtype, k_buffer.dtype, d, dv, tuple(sorted((launch_config or {}).items())),
-           bool(merge_in_kernel))
+    key = ("decode", q.device, q.dtype, k_buffer.dtype, d, dv, tuple(sorted((launch_config or {}).items())))
     cfg = launch_first_fitting(
         _decode_stage1_kernel, lambda cfg: (b, h_kv * head_blocks, num_kv_splits), configs, key,
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits, o,
-        _arrival_counters(q.device, b * h_kv * head_blocks) if merge_in_kernel else seq_lens,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits,
         float(sm_scale * k_scale), float(logit_cap), int(sliding_window), int(num_kv_splits), float(v_scale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), o.stride(0),
-        o.stride(1), KV_GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
-        # BLOCK_S only matters to the merge: one value without it keeps one compiled stage 1 per shape
+        req_to_token.stride(0), attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2),
+        KV_GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
         BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv, BLOCK_H=_BLOCK_H,
-        BLOCK_S=block_s if merge_in_kernel else 2,
         USE_CAP=logit_cap > 0, USE_WINDOW=use_window, DOT_DTYPE=dot_dt,
-        CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16, MERGE=bool(merge_in_kernel),
+        CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16,
         **pdl.launch_options(q.device),
     )
-    if merge_in_kernel:
-        return
     # stage 2 must split the keys exactly as stage 1 did: same BLOCK_N
     _decode_stage2_kernel[(b, h)](
         attn_logits, o, seq_lens, int(sliding_window), int(num_kv_splits),
