@@ -65,8 +65,10 @@ class LaunchCounter(TorchDispatchMode):
             self._in_triton -= 1
 
 
-def count_decode_step(config: dict = TINY_GEMMA2, context: int = 40) -> LaunchCounter:
-    """Builds the tiny model, prefills `context` tokens, counts the launches of the decode step after it."""
+def count_decode_step(config: dict = TINY_GEMMA2, context: int = 40, decode_steps: int = 1,
+                      **server_args) -> LaunchCounter:
+    """Builds the tiny model (ServerArgs fields `server_args` on top), prefills `context` tokens, counts the launches
+    of the `decode_steps` decode steps after it; the counter's `output_ids` are the tokens generated."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from braid.runtime.bench.bench_one_batch import StaticBatchRunner
@@ -79,7 +81,7 @@ def count_decode_step(config: dict = TINY_GEMMA2, context: int = 40) -> LaunchCo
         json.dump(config, f)
     args = ServerArgs(model_path="gemma2-dummy", load_format="dummy", model_config=os.path.join(folder, "config.json"),
                       dtype="bfloat16", attention_backend="triton", device="cpu", max_total_tokens=4096,
-                      max_running_requests=4, log_level="warning")
+                      max_running_requests=4, log_level="warning", **server_args)
     # Triton on CPU tensors (the interpreter runs the kernels): the backend and the pool's fused KV stores
     patched = [(mr, "check_backend_device", lambda name, device: None),
                (pools, "_triton_kernels_run_on", lambda device: True)]
@@ -121,7 +123,7 @@ def count_decode_step(config: dict = TINY_GEMMA2, context: int = 40) -> LaunchCo
     torch.Tensor.is_cuda = property(lambda self: True)  # the GPU dispatch path, on CPU tensors
     try:
         with counter:
-            StaticBatchRunner(runner).run([[5] * context], 2)
+            counter.output_ids = StaticBatchRunner(runner).run([[5] * context], decode_steps + 1).output_ids
     finally:
         torch.Tensor.is_cuda = is_cuda
         InterpretedFunction.run = original_run
