@@ -4,12 +4,13 @@ Each conversation is a long first message (20-300 words) and 1-4 follow-ups, eac
 so far (the radix cache's prefix reuse, and for window-trimmed models the cut-back of prefixes whose window KV was
 released). Server A gets them CONCURRENCY at a time under its server args; server B one at a time (typically
 without radix cache and window trimming). Both are started here (braid.Runtime) with --max-total-tokens and the
-ServerArgs fields given as JSON, as bench_soak's --server-args. Prints how many turns produced the same greedy tokens, the largest |logprob difference| where they
-did, and for the first differing turns the two top-2 candidates where they part (a near tie flipped by batch
-composition, or a real difference).
+ServerArgs fields given as JSON, as bench_soak's --server-args. Prints how many turns produced the same greedy
+tokens, the largest |logprob difference| where they did, and for the first differing turns the two top-2
+candidates where they part (a near tie flipped by batch composition, or a real difference).
 
     python benchmarks/loaded_vs_sequential.py --model-path /path/to/tiny-gemma2 \
-        --a-args '{"chunked_prefill_size": 64}' --b-args '{"disable_window_kv_trimming": true, "disable_radix_cache": true}'
+        --a-args '{"chunked_prefill_size": 64}' \
+        --b-args '{"disable_window_kv_trimming": true, "disable_radix_cache": true}'
 """
 
 from __future__ import annotations

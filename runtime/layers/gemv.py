@@ -283,7 +283,7 @@ class RotaryKVStore:
     positions: torch.Tensor  # [T]
     rotary: object  # a RotaryEmbedding (rotary_dim, is_neox_style, cos_sin_cache [max_pos, rotary_dim])
     # -> (K cache [S, Hkv, D], V cache [S, Hkv, Dv], the tokens' slots there [T]), or None where only `unfused` may
-    # write (an fp8 cache, scales still to calibrate)
+    # write (an fp8 cache)
     target: Callable[[], Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]
     unfused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

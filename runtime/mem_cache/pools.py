@@ -391,7 +391,8 @@ class MHAKVPool(KVPool):
         return super().rotate_and_set_kv(layer_id, loc, positions, q, k, v, rotary)
 
     def rotary_store_target(self, layer_id: int, loc: torch.Tensor):
-        if self._rotate_and_store_in_one_launch and self.gemv_rotary_store and not self._uncalibrated_layers:
+        # (no fp8 cache gets here, so neither does one still calibrating its scales)
+        if self._rotate_and_store_in_one_launch and self.gemv_rotary_store:
             return self._k_buffers[layer_id], self._v_buffers[layer_id], loc
         return None
 

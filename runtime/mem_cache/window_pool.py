@@ -118,8 +118,6 @@ class HybridKVPool(KVPool):
         return pool.rotate_and_set_kv(local, self._translated(pool, loc), positions, q, k, v, rotary)
 
     def rotary_store_target(self, layer_id: int, loc: torch.Tensor):
-        if self._uncalibrated_layers:
-            return None
         pool, local = self._where[layer_id]
         return pool.rotary_store_target(local, self._translated(pool, loc))
 
