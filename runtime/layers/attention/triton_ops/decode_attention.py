@@ -182,6 +182,9 @@ def _decode_stage2_kernel(
 # ---------------------------------------------------------------- host side
 
 _BLOCK_H = 16  # query heads per stage-1 program (a dot needs >= 16 rows; unused rows are masked)
+# fp32 values of partial outputs one stage-2 load takes (8 warps above 4096): 8192 merges Gemma-2's 32 splits at batch 1
+# (head_dim 256) in one round trip instead of two dependent ones
+STAGE2_VALUES_PER_LOAD = 8192
 
 
 def _decode_launch_configs(d: int, dv: int, device: torch.device) -> list[dict]:
@@ -247,8 +250,7 @@ def decode_attention_fwd(
     use_window = sliding_window > 0
     dot_dt = _decode_dot_dtype(q, k_buffer)
     configs = [dict(launch_config)] if launch_config else _decode_launch_configs(d, dv, q.device)
-    # the merge loads up to 4096 fp32 values at a time
-    block_s = max(2, min(triton.next_power_of_2(num_kv_splits), 4096 // block_dv))
+    block_s = max(2, min(triton.next_power_of_2(num_kv_splits), STAGE2_VALUES_PER_LOAD // block_dv))
     key = ("decode", q.device, q.dtype, k_buffer.dtype, d, dv, tuple(sorted((launch_config or {}).items())))
     cfg = launch_first_fitting(
         _decode_stage1_kernel, lambda cfg: (b, h_kv * head_blocks, num_kv_splits), configs, key,
@@ -267,5 +269,5 @@ def decode_attention_fwd(
         attn_logits, o, seq_lens, int(sliding_window), int(num_kv_splits),
         attn_logits.stride(0), attn_logits.stride(1), attn_logits.stride(2), o.stride(0), o.stride(1),
         DV=dv, BLOCK_DV=block_dv, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=use_window, BLOCK_S=block_s,
-        num_warps=4 if dv <= 256 else 8, num_stages=2, **pdl.launch_options(q.device),
+        num_warps=4 if block_s * block_dv <= 4096 else 8, num_stages=2, **pdl.launch_options(q.device),
     )
