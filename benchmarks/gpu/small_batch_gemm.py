@@ -9,8 +9,8 @@ activation fused) over its candidate tiles, each timed with all of the model's l
 
 Every tile's result is checked against cuBLAS's (relative error < 1e-2) before it is timed. The table gives per
 (model, shape, rows) cuBLAS, the default tile, the best tile; per (model, rows) the step's linear layers each way; and
-the MEASURED_TILES rows (the shapes whose best tile at 8 rows beats cuBLAS by more than 2%: the dense Linear routes only
-those here).
+the MEASURED_TILES rows (the shapes whose best tile at 8 rows beats cuBLAS by more than 2% from 2 rows up to some count
+>= 8: the dense Linear routes only those shapes, up to that count, here).
 
 --step MODEL:BATCH:CONTEXT (dummy weights of benchmarks/configs/MODEL.json, bf16, CUDA graphs): then the decode step of
 that batch at that prompt length, built and timed twice in this process, once with MEASURED_TILES as committed and once
@@ -100,17 +100,27 @@ def sweep(args) -> list[dict]:
 
 
 def winning_tiles(rows: list[dict]) -> dict:
-    """{(weight rows, K, act): TcTile} of the shapes whose best tile at 8 rows beats cuBLAS by more than 2%."""
+    """{(weight rows, K, act): (TcTile, up to rows)} of the shapes whose best tile at 8 rows beats cuBLAS by more than
+    2% at 8 rows and at every smaller measured row count; `up to rows`: the largest measured count up to which it
+    does (cuBLAS keeps the larger batches)."""
     from braid.runtime.layers.small_batch_gemm import TcTile
 
-    ok = [r for r in rows if r.get("m") == 8 and "us" in r and r["us"] == r["us"]]
+    ok = [r for r in rows if "us" in r and r["us"] == r["us"]]
     found = {}
-    for key in dict.fromkeys((r["rows"], r["k"], r["act"]) for r in ok):
+    for key in dict.fromkeys((r["rows"], r["k"], r["act"]) for r in ok if r["m"] == 8):
         mine = [r for r in ok if (r["rows"], r["k"], r["act"]) == key]
-        cublas = next((r for r in mine if r["kernel"] == "cuBLAS"), None)
-        tc = min((r for r in mine if r["kernel"] == "tc"), key=lambda r: r["us"], default=None)
-        if cublas and tc and tc["us"] < 0.98 * cublas["us"]:
-            found[key] = TcTile(*tc["tile_args"])
+        best_at_8 = min((r for r in mine if r["kernel"] == "tc" and r["m"] == 8), key=lambda r: r["us"], default=None)
+        if best_at_8 is None:
+            continue
+        up_to = 0
+        for m in sorted({r["m"] for r in mine}):
+            cublas = next((r for r in mine if r["kernel"] == "cuBLAS" and r["m"] == m), None)
+            tc = next((r for r in mine if r["tile"] == best_at_8["tile"] and r["m"] == m), None)
+            if not (cublas and tc and tc["us"] < 0.98 * cublas["us"]):
+                break
+            up_to = m
+        if up_to >= 8:
+            found[key] = (TcTile(*best_at_8["tile_args"]), up_to)
     return found
 
 
@@ -163,10 +173,11 @@ def table(rows: list[dict]) -> int:
             print(f"{model} m={m:>2}: the step's linear layers ({layers} x qkv, o, gate_up, down): cuBLAS "
                   f"{sums[0]:.0f} us, default tile {sums[1]:.0f} us ({sums[0] / sums[1]:.2f}x), best tiles {sums[2]:.0f} us "
                   f"({sums[0] / sums[2]:.2f}x)")
-    print("\nMEASURED_TILES rows (the best tile at 8 rows where it beats cuBLAS by more than 2%):")
+    print("\nMEASURED_TILES rows (the best tile at 8 rows where it beats cuBLAS by more than 2% from 2 rows up to the "
+          "last count given):")
     print(f"    {ok[0].get('card', '?')!r}: {{")
-    for (rows_, k, act), tile in winning_tiles(rows).items():
-        print(f"        ({rows_}, {k}, {act!r}): {tile!r},")
+    for (rows_, k, act), (tile, up_to) in winning_tiles(rows).items():
+        print(f"        ({rows_}, {k}, {act!r}): ({tile!r}, {up_to}),")
     print("    },")
     return 1 if bad else 0
 

@@ -4,8 +4,8 @@
 
 At these batch sizes a decode step is still a stream over the weights, but cuBLAS streams some shapes at 2.7-3.2 TB/s
 on an H200 (Llama-3-8B's o_proj and qkv_proj at 8 rows, 2026-12-05) where the batch-1 GEMV reaches 3.9-4.1. The fp8
-Linear runs every 2..16-row matmul here; the dense Linear only the shapes of MEASURED_TILES (measured faster than
-cuBLAS on that GPU).
+Linear runs every 2..16-row matmul here; the dense Linear only the shapes and row counts of MEASURED_TILES (measured
+faster than cuBLAS on that GPU).
 Program (pid_n, pid_k) owns BLOCK_N rows of W (and the up rows N further with a gated act) over the pid_k-th of SPLIT_K
 ranges of K, and dots each [BLOCK_N, BLOCK_K] weight tile with x's rows as the columns of a [BLOCK_K, 16] operand
 (one wgmma: BLOCK_N >= 64). With SPLIT_K > 1 the programs of a row tile store their sums in a workspace and the last
@@ -65,9 +65,10 @@ CANDIDATE_TILES = (DEFAULT_TILE, TcTile(64, 256, 4, 2), TcTile(64, 256, 4, 3), T
                    TcTile(128, 64, 4, 4), TcTile(64, 64, 4, 6), TcTile(256, 64, 8, 3), TcTile(128, 256, 8, 2),
                    TcTile(64, 512, 4, 2), TcTile(64, 128, 4, 4, split_k=1))
 _INTERPRET_TILE = TcTile(64, 32, 4, 1)
-# bf16/fp16 weights: per GPU name, the (weight rows, K, act) shapes on which a tile streamed faster than cuBLAS (with
-# the activation as its own kernel after it) at 8 rows of x in benchmarks/gpu/small_batch_gemm.py, and that tile. The
-# dense Linear routes 2..16 rows here for these shapes only; every other shape stays on cuBLAS. Empty until measured.
+# bf16/fp16 weights: per GPU name, {(weight rows, K, act): (tile, up to rows)} for the shapes on which a tile streamed
+# faster than cuBLAS (with the activation as its own kernel after it) at every measured count of x rows from 2 up to
+# `up to rows` in benchmarks/gpu/small_batch_gemm.py. The dense Linear routes 2..up-to rows of these shapes here;
+# larger batches and every other shape stay on cuBLAS. Empty until measured.
 MEASURED_TILES: dict = {}
 
 
@@ -230,20 +231,25 @@ def launch_small_batch_tc(tile: TcTile, x: torch.Tensor, weight: torch.Tensor, w
         **pdl.launch_options(x.device))
 
 
-def measured_tile(device: torch.device, rows: int, k: int, activation: str) -> Optional[TcTile]:
-    """The MEASURED_TILES entry for this CUDA device's name and shape, or None."""
-    return gemv.measured_table(MEASURED_TILES, device).get((rows, k, activation))
+def measured_tile(device: torch.device, rows: int, k: int, activation: str, x_rows: int) -> Optional[TcTile]:
+    """The MEASURED_TILES tile for this CUDA device's name and shape when it was measured faster than cuBLAS at
+    x_rows rows of x, or None."""
+    found = gemv.measured_table(MEASURED_TILES, device).get((rows, k, activation))
+    if found is None:
+        return None
+    tile, up_to_rows = found
+    return tile if 2 <= x_rows <= up_to_rows else None
 
 
 def small_batch_gemm_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                              activation: str = "") -> bool:
     """Whether the runtime routes this matmul here: 2..16 rows of bf16/fp16 x on CUDA, a weight of x's dtype with unit
     stride along K, no bias, the decode GEMVs on (gemv.enabled(): ServerArgs.disable_decode_gemv), and a tile measured
-    faster than cuBLAS for this GPU and shape (MEASURED_TILES)."""
+    faster than cuBLAS for this GPU, shape and number of rows (MEASURED_TILES)."""
     return (gemv.enabled() and bias is None and x.is_cuda and x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS
             and x.dtype in _HALF_DTYPES and weight.dim() == 2 and weight.dtype == x.dtype
             and x.shape[1] == weight.shape[1] and weight.stride(1) == 1 and x.device == weight.device
-            and measured_tile(x.device, weight.shape[0], weight.shape[1], activation) is not None)
+            and measured_tile(x.device, weight.shape[0], weight.shape[1], activation, x.shape[0]) is not None)
 
 
 def small_batch_gemm(x: torch.Tensor, weight: torch.Tensor, *, activation: str = "",
@@ -263,7 +269,7 @@ def small_batch_gemm(x: torch.Tensor, weight: torch.Tensor, *, activation: str =
     x = x.contiguous()
     n = rows // 2 if activation else rows
     if tile is None:
-        tile = _INTERPRET_TILE if _INTERPRET else measured_tile(x.device, rows, k, activation) or DEFAULT_TILE
+        tile = _INTERPRET_TILE if _INTERPRET else measured_tile(x.device, rows, k, activation, x.shape[0]) or DEFAULT_TILE
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     launch_small_batch_tc(tile, x, weight, None, y, n, k, activation)
     return y

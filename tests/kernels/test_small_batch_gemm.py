@@ -8,6 +8,8 @@ with every tile the benchmark sweeps, inside a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,8 +99,11 @@ def test_applies_only_to_measured_shapes_of_2_to_16_half_rows_on_cuda(monkeypatc
         wc = w.cuda()
         x = torch.randn(16, 32, dtype=torch.bfloat16, device="cuda")
         assert not small_batch_gemm_applies(x, wc)  # no tile measured for the shape: cuBLAS
-        monkeypatch.setattr(module, "MEASURED_TILES", {torch.cuda.get_device_name(): {(64, 32, ""): DEFAULT_TILE}})
-        assert small_batch_gemm_applies(x[:2], wc) and small_batch_gemm_applies(x, wc)
+        monkeypatch.setattr(module, "MEASURED_TILES", {torch.cuda.get_device_name(): {(64, 32, ""): (DEFAULT_TILE, 8)}})
+        assert small_batch_gemm_applies(x[:2], wc) and small_batch_gemm_applies(x[:8], wc)
+        assert not small_batch_gemm_applies(x[:9], wc)  # measured faster up to 8 rows only: cuBLAS above
+        monkeypatch.setattr(module, "MEASURED_TILES", {torch.cuda.get_device_name(): {(64, 32, ""): (DEFAULT_TILE, 16)}})
+        assert small_batch_gemm_applies(x, wc)
         assert not small_batch_gemm_applies(x, wc, activation="silu")  # another measured key
         assert not small_batch_gemm_applies(x[:1], wc)  # the batch-1 GEMV's
         assert not small_batch_gemm_applies(torch.cat([x, x[:1]]), wc)
@@ -122,7 +127,7 @@ def test_gpu_linear_routes_small_batches_here(monkeypatch, act):
     real = module.small_batch_gemm
     monkeypatch.setattr(module, "small_batch_gemm", lambda *a, **kw: calls.append(kw["activation"]) or real(*a, **kw))
     layer_act = {"silu": SiluAndMul(), "gelu": GeluAndMul(approximate="tanh"), None: None}[act]
-    monkeypatch.setattr(module, "MEASURED_TILES", {torch.cuda.get_device_name(): {(256, 256, act or ""): DEFAULT_TILE}})
+    monkeypatch.setattr(module, "MEASURED_TILES", {torch.cuda.get_device_name(): {(256, 256, act or ""): (DEFAULT_TILE, 16)}})
     lin = Linear(256, 256).to(device="cuda", dtype=torch.bfloat16)
     lin.weight.data.normal_(std=256 ** -0.5)
     x = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
@@ -162,3 +167,38 @@ def test_gpu_real_shapes_in_a_cuda_graph(shape):
                 graph.replay()
                 torch.cuda.synchronize()
                 assert torch.equal(out, first), (m, tile)
+
+
+def _sweep_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu"
+    sys.path.insert(0, str(folder))  # the script imports its neighbours
+    try:
+        spec = importlib.util.spec_from_file_location("small_batch_gemm_sweep", folder / "small_batch_gemm.py")
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+    finally:
+        sys.path.remove(str(folder))
+    return script
+
+
+def test_sweep_routes_a_shape_only_up_to_the_rows_where_its_tile_beat_cublas():
+    """benchmarks/gpu/small_batch_gemm.py's MEASURED_TILES rule: the best tile at 8 rows, kept up to the largest row
+    count from 2 on at which that tile beat cuBLAS by more than 2%; a shape it loses at 2 or 8 rows stays on cuBLAS."""
+    fast, slow = TcTile(64, 256, 4, 2), DEFAULT_TILE
+
+    def rows_of(key, m, cublas_us, fast_us, slow_us):
+        base = {"rows": key[0], "k": key[1], "act": key[2], "m": m}
+        return [{**base, "kernel": "cuBLAS", "tile": "-", "us": cublas_us},
+                {**base, "kernel": "tc", "tile": repr(fast), "tile_args": dataclasses.astuple(fast), "us": fast_us},
+                {**base, "kernel": "tc", "tile": repr(slow), "tile_args": dataclasses.astuple(slow), "us": slow_us}]
+
+    wins_to_8, wins_all, loses_at_2, loses_at_8 = (8192, 3584, ""), (3584, 4096, ""), (28672, 3584, "gelu"), (1, 2, "")
+    sweep = (rows_of(wins_to_8, 2, 10, 9, 11) + rows_of(wins_to_8, 8, 10, 9, 9.5) + rows_of(wins_to_8, 16, 10, 10, 11)
+             + rows_of(wins_all, 2, 10, 9, 11) + rows_of(wins_all, 8, 10, 9, 11) + rows_of(wins_all, 16, 10, 9.7, 11)
+             + rows_of(loses_at_2, 2, 10, 10, 10) + rows_of(loses_at_2, 8, 10, 8, 9)
+             + rows_of(loses_at_8, 2, 10, 8, 9) + rows_of(loses_at_8, 8, 10, 9.9, 10.5))
+    assert _sweep_script().winning_tiles(sweep) == {wins_to_8: (fast, 8), wins_all: (fast, 16)}
