@@ -6,6 +6,7 @@ activation fused) over its candidate tiles, each timed with all of the model's l
   python3 benchmarks/gpu/small_batch_gemm.py [--models gemma2-9b llama3-8b] [--rows 2 4 8 16] [--budget-s 150]
                                              [--out rows.jsonl] [--step gemma2-9b:8:8000 llama3-8b:8:128]
   python3 benchmarks/gpu/small_batch_gemm.py --table rows.jsonl
+  ... --write-table: then write the winning rows into runtime/layers/small_batch_gemm.py (MEASURED_TILES)
 
 Every tile's result is checked against cuBLAS's (relative error < 1e-2) before it is timed. The table gives per
 (model, shape, rows) cuBLAS, the default tile, the best tile; per (model, rows) the step's linear layers each way; and
@@ -139,6 +140,30 @@ def step_with_and_without(spec: str, winners: dict) -> None:
     run_ab(model, [int(bs)], int(context), [(module.__name__, "MEASURED_TILES", table)])
 
 
+def write_table(winners: dict, card: str) -> None:
+    """Rewrite MEASURED_TILES in runtime/layers/small_batch_gemm.py with `winners` as `card`'s entry (the other GPUs'
+    entries kept), so that what runs next in this checkout routes them."""
+    import ast
+
+    from braid.runtime.layers import small_batch_gemm as module
+
+    path = module.__file__
+    source = open(path).read()
+    node = next(n for n in ast.parse(source).body
+                if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "MEASURED_TILES")
+    tables = {**module.MEASURED_TILES, card: winners}
+    body = "".join(f"    {json.dumps(gpu)}: {{\n"
+                   + "".join(f"        ({n}, {k}, {json.dumps(act)}): ({tile!r}, {up_to}),\n"
+                             for (n, k, act), (tile, up_to) in sorted(entries.items())) + "    },\n"
+                   for gpu, entries in tables.items() if entries)
+    lines = source.splitlines(keepends=True)
+    lines[node.lineno - 1:node.end_lineno] = [f"MEASURED_TILES: dict = {{\n{body}}}\n" if body
+                                              else "MEASURED_TILES: dict = {}\n"]
+    open(path, "w").write("".join(lines))
+    module.MEASURED_TILES = tables
+    print(f"wrote {len(winners)} MEASURED_TILES entries for {card!r} into {path}", flush=True)
+
+
 def table(rows: list[dict]) -> int:
     from braid.runtime.layers.small_batch_gemm import DEFAULT_TILE
 
@@ -191,6 +216,8 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--table", default=None)
     p.add_argument("--step", nargs="*", default=[], metavar="MODEL:BATCH:CONTEXT")
+    p.add_argument("--write-table", action="store_true",
+                   help="then write the winning rows into runtime/layers/small_batch_gemm.py's MEASURED_TILES")
     args = p.parse_args()
     if args.table:
         return table(read_rows(args.table))
@@ -199,6 +226,8 @@ def main() -> int:
     winners = winning_tiles(rows)
     for spec in args.step:
         step_with_and_without(spec, winners)
+    if args.write_table and rows:
+        write_table(winners, rows[0]["card"])
     return status
 
 
