@@ -1,8 +1,9 @@
 """Shutdown and scheduler death as a client and a supervisor see them: /health turns 503 at once and stays
-503 until the process exits; a request cut at shutdown keeps its text."""
+503 until the process exits; a request cut at shutdown keeps its text; no connection is left waiting at exit."""
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -73,3 +74,42 @@ def test_scheduler_death_health_503_until_exit_and_exit_code_1():
         srv.stop()
     print(f"/health after the scheduler died: {len(codes)} polls, codes {set(codes)}")
     assert len(codes) >= 3 and set(codes) == {503}
+
+
+def _poll_raw(port: int, stop: threading.Event, durations: list[float]) -> None:
+    """GET /health on one fresh connection after another until `stop`: how long each took to be answered, closed or
+    refused (a connection left waiting takes the whole socket timeout)."""
+    request = b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    while not stop.is_set():
+        began = time.perf_counter()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=4) as sock:
+                sock.sendall(request)
+                while sock.recv(4096):
+                    pass
+        except OSError:  # refused or reset: as prompt as an answer
+            pass
+        durations.append(time.perf_counter() - began)
+
+
+def test_scheduler_death_exit_leaves_no_connection_waiting():
+    """Clients connecting as fast as they can while the server exits: each connection is answered, closed or refused
+    at once. aiohttp's cleanup used to leave one accepted just before it unanswered for its 5 s shutdown timeout."""
+    srv = start_server("--max-total-tokens", "2048")
+    port = int(srv.base_url.rsplit(":", 1)[1])
+    stop, durations = threading.Event(), []
+    # enough clients that one is often connecting just as the server closes its listener
+    clients = [threading.Thread(target=_poll_raw, args=(port, stop, durations)) for _ in range(16)]
+    try:
+        os.kill(srv.scheduler_pid(), signal.SIGKILL)
+        for t in clients:
+            t.start()
+        assert srv.proc.wait(30) == 1
+    finally:
+        stop.set()
+        for t in clients:
+            t.join()
+        srv.stop()
+    slow = sorted(d for d in durations if d > 2.0)
+    print(f"{len(durations)} connections while the server exited, slowest {max(durations):.3f}s")
+    assert not slow, f"{len(slow)} connection(s) left waiting: {slow}"
