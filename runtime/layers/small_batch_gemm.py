@@ -69,7 +69,11 @@ _INTERPRET_TILE = TcTile(64, 32, 4, 1)
 # faster than cuBLAS (with the activation as its own kernel after it) at every measured count of x rows from 2 up to
 # `up to rows` in benchmarks/gpu/small_batch_gemm.py. The dense Linear routes 2..up-to rows of these shapes here;
 # larger batches and every other shape stay on cuBLAS. Empty until measured.
-MEASURED_TILES: dict = {}
+MEASURED_TILES: dict = {
+    "NVIDIA H100 80GB HBM3": {
+        (3584, 14336, ""): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0), 8),
+    },
+}
 
 
 @triton.jit
