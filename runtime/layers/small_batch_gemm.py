@@ -72,6 +72,7 @@ _INTERPRET_TILE = TcTile(64, 32, 4, 1)
 MEASURED_TILES: dict = {
     "NVIDIA H100 80GB HBM3": {
         (3584, 14336, ""): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0), 8),
+        (28672, 3584, "gelu"): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1), 8),
     },
 }
 
