@@ -29,3 +29,28 @@ def time_or_nan(time_us: Callable, fn) -> float:
     except Exception as e:  # noqa: BLE001 - reported, the run goes on
         print(f"FAIL timing: {e!r}"[:300], flush=True)
         return float("nan")
+
+
+H200_COPY_BYTES_PER_S = 4.28e12  # the H200's device-to-device copy rate (KINDS.md; docs/benchmarks.md)
+
+
+def copy_bandwidth(gib: float = 2.0, repeats: int = 10) -> float:
+    """Bytes/s of a device-to-device copy on this process's GPU, counting bytes read and written: the measure the
+    H200's 4.28 TB/s ceiling was taken with, so that a run on another card states its fraction of that card's own."""
+    import torch
+
+    src = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * gib * 2**30 / sorted(times)[len(times) // 2]
