@@ -78,13 +78,14 @@ MEASURED_TILES: dict = {
 
 
 @triton.jit
-def _x_tile(x_ptr, x_row_stride, x_rows, row_mask, kk, k_mask, FP8_W: tl.constexpr):
+def _x_tile(x_ptr, x_row_stride, x_rows, row_mask, kk, k_mask, FP8_W: tl.constexpr, X_PREQUANT: tl.constexpr):
     """x[x_rows, kk] (masked to 0) as the dot's [BLOCK_K, 16] operand, column m = row m of x; FP8_W: each row rounded
-    to e4m3 with its own scale for the chunk (max |x| at 448) -> (operand, the scales [16])."""
+    to e4m3 with its own scale for the chunk (max |x| at 448), unless x is e4m3 already (X_PREQUANT: its row scales
+    are applied in the epilogue) -> (operand, the chunk's scales [16])."""
     x = tl.load(x_ptr + x_rows[None, :] * x_row_stride + kk[:, None], mask=k_mask[:, None] & row_mask[None, :],
                 other=0.0)
     scale = tl.full([16], 1.0, tl.float32)
-    if FP8_W:
+    if FP8_W and not X_PREQUANT:
         xf = x.to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(xf), axis=0), 1e-30) / 448.0
         x = (xf / scale[None, :]).to(tl.float8e4nv)
@@ -92,24 +93,30 @@ def _x_tile(x_ptr, x_row_stride, x_rows, row_mask, kk, k_mask, FP8_W: tl.constex
 
 
 @triton.jit
-def _tile_dot(w, x, x_scale, FP8_W: tl.constexpr, DOT_F32: tl.constexpr):
+def _tile_dot(w, x, x_scale, FP8_W: tl.constexpr, X_PREQUANT: tl.constexpr, DOT_F32: tl.constexpr):
     if DOT_F32:  # Triton's interpreter dots bf16 operands as their raw bits: it gets fp32 copies
         w = w.to(tl.float32)
         x = x.to(tl.float32)
     y = tl.dot(w, x, out_dtype=tl.float32)  # [BLOCK_N, 16]
-    if FP8_W:
+    if FP8_W and not X_PREQUANT:
         y = y * x_scale[None, :]
     return y
 
 
 @triton.jit
-def _epilogue(y, y_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, ACT: tl.constexpr, FP8_W: tl.constexpr):
-    """y, y_up [BLOCK_N, 16]: fp32 sums -> (times the rows' scales: FP8_W) the activation, stored where out_mask."""
+def _epilogue(y, y_up, w_scale_ptr, x_scale_ptr, x_rows, x_row_mask, out_ptrs, rows, row_mask, out_mask, N,
+              ACT: tl.constexpr, FP8_W: tl.constexpr, X_PREQUANT: tl.constexpr):
+    """y, y_up [BLOCK_N, 16]: fp32 sums -> (times the weight rows' scales: FP8_W; x's row scales: X_PREQUANT) the
+    activation, stored where out_mask."""
     out_dtype = out_ptrs.dtype.element_ty
     if FP8_W:
         y = y * tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)[:, None]
         if ACT != 0:
             y_up = y_up * tl.load(w_scale_ptr + N + rows, mask=row_mask, other=0.0)[:, None]
+    if X_PREQUANT:
+        x_scale = tl.load(x_scale_ptr + x_rows, mask=x_row_mask, other=0.0)[None, :]
+        y = y * x_scale
+        y_up = y_up * x_scale
     if ACT != 0:
         gate = y.to(out_dtype).to(tl.float32)
         up = y_up.to(out_dtype).to(tl.float32)
@@ -121,9 +128,9 @@ def _epilogue(y, y_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, ACT: 
 
 
 @triton.jit
-def _small_batch_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr, M, N, K, x_row_stride,
-                           w_row_stride, ACT: tl.constexpr, FP8_W: tl.constexpr, DOT_F32: tl.constexpr,
-                           USE_PDL: tl.constexpr,
+def _small_batch_tc_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr, M, N, K,
+                           x_row_stride, w_row_stride, ACT: tl.constexpr, FP8_W: tl.constexpr,
+                           X_PREQUANT: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     # partial_ptr: [SPLIT_K, 16, N (2N gated)] fp32, each program's sums; count_ptr: [cdiv(N, BLOCK_N)] int32, zero
     # between calls (the last program of a row tile resets its counter)
@@ -149,26 +156,27 @@ def _small_batch_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_
         u = tl.load(w_ptrs + up_offset, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
                     eviction_policy="evict_first")
     wait_for_previous_kernel(USE_PDL)
-    x, x_scale = _x_tile(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask, FP8_W)
-    acc = _tile_dot(w, x, x_scale, FP8_W, DOT_F32)  # [BLOCK_N, 16]: column m for x's row m
+    x, x_scale = _x_tile(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask, FP8_W, X_PREQUANT)
+    acc = _tile_dot(w, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)  # [BLOCK_N, 16]: column m for x's row m
     acc_up = acc
     if ACT != 0:
-        acc_up = _tile_dot(u, x, x_scale, FP8_W, DOT_F32)
+        acc_up = _tile_dot(u, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w_ptrs += BLOCK_K
         kk = k0 + cols
         k_mask = kk < k_end
-        x, x_scale = _x_tile(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask, FP8_W)
+        x, x_scale = _x_tile(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask, FP8_W, X_PREQUANT)
         w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        acc += _tile_dot(w, x, x_scale, FP8_W, DOT_F32)
+        acc += _tile_dot(w, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)
         if ACT != 0:
             u = tl.load(w_ptrs + up_offset, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
                         eviction_policy="evict_first")
-            acc_up += _tile_dot(u, x, x_scale, FP8_W, DOT_F32)
+            acc_up += _tile_dot(u, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)
     out_mask = row_mask[:, None] & x_row_mask[None, :]
     out_ptrs = y_ptr + x_rows[None, :] * N + rows[:, None]  # y [M, N]
     if SPLIT_K == 1:
-        _epilogue(acc, acc_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, ACT, FP8_W)
+        _epilogue(acc, acc_up, w_scale_ptr, x_scale_ptr, x_rows, x_row_mask, out_ptrs, rows, row_mask, out_mask, N,
+                  ACT, FP8_W, X_PREQUANT)
     else:
         split_stride = 2 * N if ACT != 0 else N
         tile = partial_ptr + x_rows[None, :] * split_stride + rows[:, None]  # split 0's [BLOCK_N, 16] sums
@@ -189,7 +197,8 @@ def _small_batch_tc_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_
                     acc_up += tl.load(tile + split * 16 * split_stride + N, mask=out_mask, other=0.0,
                                       cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
-            _epilogue(acc, acc_up, w_scale_ptr, out_ptrs, rows, row_mask, out_mask, N, ACT, FP8_W)
+            _epilogue(acc, acc_up, w_scale_ptr, x_scale_ptr, x_rows, x_row_mask, out_ptrs, rows, row_mask, out_mask,
+                      N, ACT, FP8_W, X_PREQUANT)
 
 
 @functools.lru_cache(maxsize=None)
@@ -222,16 +231,18 @@ def _workspace(device: torch.device, splits: int, rows: int, tiles: int) -> tupl
 
 
 def launch_small_batch_tc(tile: TcTile, x: torch.Tensor, weight: torch.Tensor, weight_scale: Optional[torch.Tensor],
-                          y: torch.Tensor, n: int, k: int, activation: str) -> None:
+                          y: torch.Tensor, n: int, k: int, activation: str,
+                          x_scale: Optional[torch.Tensor] = None) -> None:
     """y [M, n] = act(x [M, k] @ weight^T) with no checks (the callers check); weight_scale: an e4m3 weight's fp32
-    row scales (x rounded to e4m3), else None."""
+    row scales (x rounded to e4m3 per chunk in the kernel), else None; x_scale: with an e4m3 weight, x is e4m3 already
+    (quantize_rows) and these are its fp32 row scales [M]."""
     split = split_k(tile, n, k, x.device)
     tiles = triton.cdiv(n, tile.block_n)
     partial, count = _workspace(x.device, split, weight.shape[0], tiles) if split > 1 else (y, y)
     _small_batch_tc_kernel[(tiles, split)](
-        x, weight, weight if weight_scale is None else weight_scale, y, partial, count, x.shape[0], n, k, x.stride(0),
-        weight.stride(0), ACT=ACTIVATIONS[activation], FP8_W=weight_scale is not None,
-        DOT_F32=_INTERPRET and weight_scale is None, BLOCK_N=tile.block_n,
+        x, y if x_scale is None else x_scale, weight, weight if weight_scale is None else weight_scale, y, partial,
+        count, x.shape[0], n, k, x.stride(0), weight.stride(0), ACT=ACTIVATIONS[activation],
+        FP8_W=weight_scale is not None, X_PREQUANT=x_scale is not None, DOT_F32=_INTERPRET and weight_scale is None, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, SPLIT_K=split, num_warps=tile.num_warps, num_stages=tile.num_stages,
         **pdl.launch_options(x.device))
 

@@ -1,9 +1,9 @@
-"""The batch-1 fp8 GEMV variants (fp8_kernels.fp8_gemv: "f16", "f16bit", "tc") against the fp32 matmul of the
+"""The batch-1 fp8 GEMV variants (fp8_kernels.fp8_gemv: "f16", "f16bit", "tc", "tcq") against the fp32 matmul of the
 dequantized weight with the unrounded x, within each variant's stated bound:
 
     |y - ref| <= C * sum_k |w_k x_k| + F * max|x| * sum_k |w_k| + the output's rounding,
     "f16"/"f16bit" (fp16 products and group sums): C = (GROUP + 2) * 2**-11, F = GROUP * 2**-23;
-    "tc" (x rounded to e4m3 per chunk): C = 2**-4, F = 2**-10 / 448.
+    "tc" / "tcq" (x rounded to e4m3 per chunk / per row): C = 2**-4, F = 2**-10 / 448.
 
 Small Llama-shaped cases (row counts and K not multiples of the tiles, SiLU-and-mul fused) run under
 TRITON_INTERPRET=1 on CPU tensors (tests/kernels/conftest.py), compiled on a GPU; the `gpu` cases take the
@@ -31,8 +31,9 @@ LLAMA3_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4
 
 
 def error_bound(config: Fp8GemvConfig) -> tuple[float, float]:
-    """The variant's (C, F); tc's doubled under the interpreter (its e4m3 rounding may be a step off)."""
-    slack = TC_INTERPRETER_SLACK if config.variant == "tc" else 1
+    """The variant's (C, F); the tensor-core variants' doubled under the interpreter (its e4m3 rounding may be a step
+    off)."""
+    slack = TC_INTERPRETER_SLACK if config.variant in ("tc", "tcq") else 1
     return tuple(slack * term for term in config.error_bound)
 
 
@@ -69,14 +70,15 @@ def check(y, x, w_q, w_scale, silu_mul, bound):
     assert rms < (e4m3_rms if bound[0] >= 2 ** -4 else 0.01), rms
 
 
+@pytest.mark.parametrize("variant", ["tc", "tcq"])
 @pytest.mark.parametrize("m,rows,k,silu_mul", [(2, 96, 128, False), (5, 70, 200, False), (16, 2 * 40, 160, True)])
-def test_tc_variant_takes_up_to_16_rows_of_x(m, rows, k, silu_mul):
-    """Small decode batches: x's rows are the tensor-core operand's columns, each row with its own e4m3 scales; every
-    row within the bound, and each row's result equals that row alone through the batch-1 kernel (the other rows
-    change nothing, split-K partials included)."""
+def test_tc_variant_takes_up_to_16_rows_of_x(variant, m, rows, k, silu_mul):
+    """Small decode batches: x's rows are the tensor-core operand's columns, each row with its own e4m3 scales (per
+    chunk in the kernel, or per row first: tcq); every row within the bound, and each row's result equals that row
+    alone through the batch-1 kernel (the other rows change nothing, split-K partials included)."""
     x, w_q, w_scale = make_case(rows, k, seed=rows + k + m, m=m)
     x[1] *= 300.0  # rows of very different magnitudes: one shared scale would flush the small rows to zero
-    config = first_config("tc")
+    config = first_config(variant)
     y = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=config)
     assert y.dtype == torch.bfloat16
     check(y, x, w_q, w_scale, silu_mul, error_bound(config))
@@ -88,7 +90,7 @@ def test_tc_variant_takes_up_to_16_rows_of_x(m, rows, k, silu_mul):
 
 def test_more_than_one_row_takes_the_tc_variant_only():
     x, w_q, w_scale = make_case(96, 128, seed=3, m=4)
-    with pytest.raises(ValueError, match="'tc' variant only"):
+    with pytest.raises(ValueError, match="'tc' or 'tcq' variant only"):
         fp8_gemv(x, w_q, w_scale, config=first_config("f16"))
     x17, _, _ = make_case(96, 128, seed=3, m=17)
     with pytest.raises(ValueError, match="fp8_gemv needs"):
@@ -119,15 +121,35 @@ def test_fp8_gemv_f16_scales_x_per_chunk(variant):
           error_bound(first_config(variant)))
 
 
-def test_fp8_gemv_tc_split_k_resets_its_counters():
+@pytest.mark.parametrize("variant", ["tc", "tcq"])
+def test_fp8_gemv_tc_split_k_resets_its_counters(variant):
     """Split over K, the last program of each row tile sums the partials and resets its counter: a second call
     (another x) gives its own answer; an empty split (more splits than chunks) adds 0."""
     x, w_q, w_scale = make_case(70, 96, seed=5)
     x2 = x.flip(-1).contiguous()
     for split in (2, 4):
-        config = first_config("tc", split_k=split)
+        config = first_config(variant, split_k=split)
         check(fp8_gemv(x, w_q, w_scale, config=config), x, w_q, w_scale, False, error_bound(config))
         check(fp8_gemv(x2, w_q, w_scale, config=config), x2, w_q, w_scale, False, error_bound(config))
+
+
+@pytest.mark.parametrize("m,silu_mul", [(1, False), (4, False), (3, True)])
+def test_tcq_is_the_product_of_x_quantized_per_row(m, silu_mul):
+    """tcq = quantize_rows' e4m3 x and row scales (one launch), then the tensor-core kernel on them: its answer is that
+    quantized x times the dequantized weight up to fp32 sums and the bf16 output's rounding, the row scales applied
+    (rows 300x apart, a chunk of each row 1000x the rest)."""
+    x, w_q, w_scale = make_case(2 * 48 if silu_mul else 96, 256, seed=11 + m, m=m)
+    x[:, :32] *= 1000.0
+    if m > 1:
+        x[1] *= 300.0
+    y = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=first_config("tcq"))
+    x_q, x_scale = fp8_kernels.quantize_rows_triton(x)
+    ref = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t()
+    if silu_mul:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate.to(torch.bfloat16).double()) * up.to(torch.bfloat16).double()
+    scale = ref.abs().amax(dim=1, keepdim=True)
+    assert ((y.double() - ref).abs() / scale).max().item() < 2 ** -6
 
 
 def test_fp8_gemv_refuses_bad_inputs():

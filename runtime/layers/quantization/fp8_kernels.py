@@ -13,8 +13,9 @@ checkpoint's static `input_scale`).
 - `fp8_gemv`: 1..16 rows of x (decode batches) against an e4m3 weight with row scales, one Triton launch that streams
   W once, SiLU-and-mul fusable: at one row the GEMV variants below (x kept in 16 bits), at 2..16 the "tc" variant
   (x rounded to e4m3 per row and chunk, fp8 tensor-core dots: small_batch_gemm.py's kernel, shared with bf16
-  weights). At these sizes a decode step is a stream over the weights; quantize + torch._scaled_mm measured 1.1-2.2
-  TB/s there against the tc kernel's 1.4-2.5 (H200).
+  weights), or "tcq" (x quantized per row by quantize_rows first, the same kernel on e4m3 x: two launches, no
+  rounding work in the weight loop). At these sizes a decode step is a stream over the weights; quantize +
+  torch._scaled_mm measured 1.1-2.2 TB/s there against the tc kernel's 1.4-2.5 (H200).
 - `check_fp8_device`: fp8 needs compute capability 8.9+ on CUDA; on CPU the casts must exist.
 """
 
@@ -177,6 +178,9 @@ def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, we
 #            programs for N = 4096, so K is split over SPLIT_K programs that store their partial sums in an fp32
 #            workspace; the last program of a row tile (told by an atomic counter) adds them in split order
 #            (deterministic), applies scales and activation, writes y and zeroes the counter for the next call.
+#   "tcq"    "tc" on x quantized to e4m3 per row by quantize_rows (one launch of its own, PDL) instead of per chunk
+#            inside the weight loop, whose max-reduction and divide per chunk sit between the weight loads and the
+#            dots; x's row scales are applied in the epilogue. Within tc's bound: a row's max |x| bounds every chunk's.
 # Error against the fp32 matmul of the dequantized weight with the unrounded x (Fp8GemvConfig.error_bound, checked
 # by tests/kernels/test_fp8_gemv_variants.py and by the autotuner): |y - ref| <= C * sum_k |w_k x_k| + F * max|x| *
 # sum_k |w_k| (+ the output's own rounding), C the relative rounding of the path, F the absolute floor of values too
@@ -186,7 +190,8 @@ def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, we
 # e4m3's smallest subnormal at the chunk's scale). All keep PDL (the first weight chunk streams before the wait for
 # x) and fuse SiLU-and-mul for a [gate; up] weight.
 
-FP8_GEMV_VARIANTS = ("f16", "f16bit", "tc")
+FP8_GEMV_VARIANTS = ("f16", "f16bit", "tc", "tcq")
+_TC_VARIANTS = ("tc", "tcq")
 
 
 @triton.jit
@@ -316,7 +321,7 @@ def _fp8_gemv_f16_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, n
 @dataclasses.dataclass(frozen=True)
 class Fp8GemvConfig:
     """One launch of fp8_gemv: the variant (FP8_GEMV_VARIANTS) and its tile. group: products summed in fp16 per
-    fp32 add ("f16", "f16bit"); split_k: programs per row tile along K ("tc"; 0: enough for two per SM); programs:
+    fp32 add ("f16", "f16bit"); split_k: programs per row tile along K ("tc", "tcq"; 0: enough for two per SM); programs:
     a persistent grid ("f16", "f16bit"; 0: one program per row block)."""
     variant: str
     block_n: int
@@ -330,17 +335,17 @@ class Fp8GemvConfig:
     def __post_init__(self):
         if self.variant not in FP8_GEMV_VARIANTS:
             raise ValueError(f"fp8 GEMV variant {self.variant!r}: one of {FP8_GEMV_VARIANTS}")
-        if self.variant == "tc":
+        if self.variant in _TC_VARIANTS:
             _ = self.tile  # small_batch_gemm.TcTile's checks (block_n >= 64 keeps the fp8 wgmma)
-        if self.variant != "tc" and (self.group < 1 or self.block_k % self.group):
+        if self.variant not in _TC_VARIANTS and (self.group < 1 or self.block_k % self.group):
             raise ValueError(f"group {self.group} must divide block_k {self.block_k}")
-        if self.programs < 0 or (self.programs and self.variant == "tc"):
+        if self.programs < 0 or (self.programs and self.variant in _TC_VARIANTS):
             raise ValueError(f"programs (a persistent grid) is for the f16 variants and >= 0, got {self.programs} "
                              f"for {self.variant}")
 
     @property
     def tile(self) -> TcTile:
-        """The "tc" variant's launch in small_batch_gemm.py's terms."""
+        """The tensor-core variants' launch in small_batch_gemm.py's terms."""
         return TcTile(self.block_n, self.block_k, self.num_warps, self.num_stages, self.split_k)
 
     @property
@@ -348,7 +353,7 @@ class Fp8GemvConfig:
         """(C, F) of the variant's bound |y - ref| <= C * sum_k |w_k x_k| + F * max|x| * sum_k |w_k| (before the
         output's rounding): fp16 products and group sums (2**-11 each, GROUP + 2 of them at most on a path; fp16
         subnormals), or x rounded to e4m3 (2**-4; below e4m3's subnormals at the chunk's scale)."""
-        if self.variant == "tc":
+        if self.variant in _TC_VARIANTS:
             return 2 ** -4, 2 ** -10 / FP8_MAX
         return (self.group + 2) * 2 ** -11, self.group * 2 ** -23
 
@@ -387,14 +392,15 @@ def fp8_gemv_candidates() -> list[Fp8GemvConfig]:
     graph capture). The interpreter gets one small tile per variant."""
     if _INTERPRET:
         return [Fp8GemvConfig("f16", 4, 32, 1, 1, group=8), Fp8GemvConfig("f16bit", 4, 32, 1, 1, group=8),
-                Fp8GemvConfig("tc", 64, 32, 4, 1, split_k=0)]
+                Fp8GemvConfig("tc", 64, 32, 4, 1, split_k=0), Fp8GemvConfig("tcq", 64, 32, 4, 1, split_k=0)]
     # tiles of 8-16 KB per load and about 60 registers (f16), fp8 wgmma tiles of 16-32 KB per stage (tc);
     # benchmarks/gpu/fp8_gemv_variants.py sweeps wider and prints the measured winners per Llama-3-8B shape
     return [Fp8GemvConfig("f16", 4, 2048, 4, 3, group=16), Fp8GemvConfig("f16", 8, 1024, 4, 3, group=16),
             Fp8GemvConfig("f16", 4, 1024, 4, 4, group=8), Fp8GemvConfig("f16", 8, 2048, 8, 3, group=16),
             Fp8GemvConfig("f16bit", 4, 2048, 4, 3, group=16),
             Fp8GemvConfig("f16bit", 8, 1024, 4, 3, group=16), Fp8GemvConfig("tc", 64, 256, 4, 4, split_k=0),
-            Fp8GemvConfig("tc", 64, 512, 4, 3, split_k=0), Fp8GemvConfig("tc", 128, 256, 4, 3, split_k=0)]
+            Fp8GemvConfig("tc", 64, 512, 4, 3, split_k=0), Fp8GemvConfig("tc", 128, 256, 4, 3, split_k=0),
+            Fp8GemvConfig("tcq", 64, 256, 4, 4, split_k=0)]
 
 
 # The fastest variant and tile per (weight rows, K, SiLU-and-mul fused) on an H200, from
@@ -439,6 +445,10 @@ def _launch_fp8_gemv(config: Fp8GemvConfig, x, weight, weight_scale, y, n, k, si
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(x.device))
     if config.variant == "tc":
         launch_small_batch_tc(config.tile, x, weight, weight_scale, y, n, k, "silu" if silu_mul else "")
+    elif config.variant == "tcq":
+        x_q, x_scale = quantize_rows_triton(x)
+        launch_small_batch_tc(config.tile, x_q, weight, weight_scale, y, n, k, "silu" if silu_mul else "",
+                              x_scale=x_scale)
     else:
         blocks = triton.cdiv(n, config.block_n)
         programs = min(blocks, config.programs or blocks)
@@ -482,9 +492,9 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     """x: [M, K] bf16/fp16, 1 <= M <= 16; weight: e4m3 [N, K] (or [2N, K] = [gate; up] with silu_mul), unit stride
     along K; weight_scale: fp32 [rows] -> y [M, N] = act(x @ (weight * weight_scale[:, None])^T) in x's dtype.
 
-    config: one variant and tile (benchmarks; M > 1 takes "tc" only). By default, at M = 1 the fastest of
+    config: one variant and tile (benchmarks; M > 1 takes "tc" or "tcq" only). By default, at M = 1 the fastest of
     fp8_gemv_candidates() for this shape, timed on its first call (the CUDA-graph runner's warm-up passes make it
-    before capture); at M > 1 the "tc" tile of MEASURED_FP8_SMALL_BATCH_CONFIGS, else SMALL_BATCH_TC_CONFIG. CUDA, or
+    before capture); at M > 1 the tensor-core config of MEASURED_FP8_SMALL_BATCH_CONFIGS, else SMALL_BATCH_TC_CONFIG. CUDA, or
     CPU tensors under TRITON_INTERPRET=1 (there the first candidate, or config)."""
     rows, k = weight.shape
     m = x.shape[0] if x.dim() == 2 else 0
@@ -496,8 +506,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         raise ValueError(f"fp8_gemv needs x [1..{SMALL_BATCH_MAX_ROWS}, K] bf16/fp16, an e4m3 weight [N, K] ([2N, K] "
                          f"with silu_mul) and an fp32 scale per row; got {tuple(x.shape)} {x.dtype}, "
                          f"{tuple(weight.shape)} {weight.dtype}, {tuple(weight_scale.shape)} {weight_scale.dtype}")
-    if m > 1 and config is not None and config.variant != "tc":
-        raise ValueError(f"fp8_gemv of {m} rows of x takes the 'tc' variant only, got {config}")
+    if m > 1 and config is not None and config.variant not in _TC_VARIANTS:
+        raise ValueError(f"fp8_gemv of {m} rows of x takes the 'tc' or 'tcq' variant only, got {config}")
     n = rows // 2 if silu_mul else rows
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     silu_mul = bool(silu_mul)
