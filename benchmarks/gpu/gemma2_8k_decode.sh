@@ -1,4 +1,8 @@
 # Gemma-2-9B-shaped dummy bf16 (benchmarks/configs/gemma2-9b.json) at 8K context on the H200:
+#   0. first, on a card with no MEASURED_TILES entry yet (the bf16 small-batch kernel's shapes that beat cuBLAS): the
+#      Gemma-2-9B sweep at 2 and 8 rows with the batch-8 step A/B, which writes the card's rows into
+#      runtime/layers/small_batch_gemm.py (copied to $OUT/small_batch_gemm.py to bring back) before the figures
+#      (~3 min more)
 #   1. the Gemma-2 GPU parity tests (tests/models/test_gemma2_parity.py -m gpu: Triton fp32 vs HF, Triton and
 #      FlashInfer bf16, window 64 crossed in prefill, chunked prefill, cached prefixes and decode, CUDA graphs) and
 #      the fused decode kernels' tests (tests/kernels/test_gemma_kernels.py on the GPU)
@@ -15,6 +19,13 @@ source benchmarks/gpu/setup.sh
 nvidia-smi -L
 RESULT="$OUT/gemma2_8k.jsonl"
 rm -f "$RESULT"
+
+if ! python3 -c "import torch; from braid.runtime.layers.small_batch_gemm import MEASURED_TILES as t; \
+import sys; sys.exit(torch.cuda.get_device_name() not in t)"; then
+  timeout 200 python3 benchmarks/gpu/small_batch_gemm.py --models gemma2-9b --rows 2 8 --budget-s 110 \
+    --out "$OUT/small_batch_sweep.jsonl" --step gemma2-9b:8:8000 --write-table 2>&1 | grep -v -E "Warning|^\{" \
+    | tail -16 && cp runtime/layers/small_batch_gemm.py "$OUT/small_batch_gemm.py"
+fi
 
 install_staged_flashinfer
 BACKENDS=triton
