@@ -9,11 +9,12 @@
 #   2. per attention backend (triton; flashinfer when it imports, or when its wheel halves were staged as
 #      flashinfer_vs_triton.sh describes): an 8,000-token prompt prefilled and decoded 64 steps at batch 1 and 8,
 #      and a 4,000-token one; decode tok/s and its fraction of the ceiling (weights + window-trimmed KV per step at
-#      4.28 TB/s); HF transformers generate (eager) on the same shape at batch 1 beside the Triton run
+#      the card's copy rate, measured first: 4.28 TB/s on the H200); HF transformers generate (eager) on the same
+#      shape at batch 1 beside the Triton run
 #   3. the table, then PASS/FAIL lines (the 85% target at 8K per backend and batch size; token ids valid; from 4K to
 #      8K the step grows by the global layers' KV only)
 # carry: .whl (and .gpu/fi2 on the second call of a flashinfer staging)
-#   bash benchmarks/gpu/gemma2_8k_decode.sh        (~4-6 min; time-boxed to 5.7 min, 9 min with FlashInfer)
+#   bash benchmarks/gpu/gemma2_8k_decode.sh        (~4-6 min; time-boxed to 5.7 min, 9 min with FlashInfer; +3 for step 0)
 set -o pipefail
 source benchmarks/gpu/setup.sh
 nvidia-smi -L
