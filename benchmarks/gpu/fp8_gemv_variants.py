@@ -11,7 +11,7 @@
         with PASS/FAIL against 450 tok/s, and the winners as Fp8GemvConfig rows to paste into fp8_gemv_candidates.
 
 Error bounds (per output row, Fp8GemvConfig.error_bound): C * sum|w x| + F * max|x| * sum|w| + 2**-8 |y| (the bf16
-output), f16 / f16bit C = (GROUP + 2) * 2**-11, F = GROUP * 2**-23; tc (x rounded to e4m3 per chunk) C = 2**-4,
+output), f16 / f16bit C = (GROUP + 2) * 2**-11, F = GROUP * 2**-23; tc / tcq (x rounded to e4m3 per chunk / row) C = 2**-4,
 F = 2**-10 / 448.
 """
 
@@ -39,6 +39,8 @@ def sweep_configs():
                C("f16", 8, 2048, 8, 3, group=16), C("f16bit", 4, 2048, 4, 3, group=16),
                C("f16bit", 8, 1024, 4, 3, group=16), C("tc", 64, 256, 4, 4, split_k=0),
                C("tc", 64, 512, 4, 3, split_k=0), C("tc", 128, 256, 4, 3, split_k=0),
+               C("tcq", 64, 256, 4, 4, split_k=0), C("tcq", 64, 512, 4, 3, split_k=0),
+               C("tcq", 128, 256, 4, 3, split_k=0), C("tcq", 64, 128, 4, 6, split_k=0),
                C("f16", 2, 4096, 4, 2, group=16), C("f16", 16, 512, 4, 4, group=16),
                C("f16", 8, 1024, 4, 4, group=8), C("f16", 4, 4096, 8, 2, group=16), C("f16", 4, 2048, 4, 3, group=32),
                C("f16bit", 8, 2048, 8, 3, group=16), C("f16bit", 4, 1024, 4, 4, group=16),
@@ -96,7 +98,7 @@ def sweep(out_path: str, seconds: float) -> None:
             row["err_over_bound"], row["max_abs_err"] = fp8_gemv_error_excess(y, x, *fp8[0], silu,
                                                                               config.error_bound)
             row["within_bound"] = row["err_over_bound"] <= 1.0
-            if config.variant == "tc":
+            if config.variant in ("tc", "tcq"):
                 row["split_k"] = split_k(config.tile, n, k, x.device)
             row["us"] = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu, config=config) for q, s in fp8])
             row["tb_s"] = nbytes / layers / row["us"] / 1e6
@@ -109,7 +111,7 @@ def sweep(out_path: str, seconds: float) -> None:
                 print(f"sweep: time is up before {name} {config}", flush=True)
                 break
             row = run_config(config)
-            if config.variant != "tc" and row.get("within_bound") and row["us"] == row["us"]:
+            if config.variant not in ("tc", "tcq") and row.get("within_bound") and row["us"] == row["us"]:
                 f16_timed.append((row["us"], config))
         # the fastest f16 / f16bit config again on persistent grids of 1, 2, 4, 8 programs per SM
         sm_count = torch.cuda.get_device_properties(0).multi_processor_count
@@ -150,7 +152,7 @@ def summary(folder: str) -> int:
             shapes.append(r["shape"])
     winners = {}
     print("\nbatch-1 fp8 GEMV per Llama-3-8B shape, all 32 layers in one CUDA graph: TB/s of weight bytes (us/layer)")
-    variants = ["old-fp32", "f16", "f16bit", "tc", "autotuned", "bf16-gemv"]
+    variants = ["old-fp32", "f16", "f16bit", "tc", "tcq", "autotuned", "bf16-gemv"]
     print(f"{'shape':>8} " + " ".join(f"{v:>16}" for v in variants) + "  best config")
     step_us = 0.0
     for shape in shapes:
@@ -160,7 +162,7 @@ def summary(folder: str) -> int:
                      and "tb_s" in r and r.get("within_bound", True)]
             best = max(timed, key=lambda r: r["tb_s"], default=None)
             cells.append(f"{best['tb_s']:7.2f} ({best['us']:6.1f})" if best else f"{'-':>16}")
-            if best and v in ("f16", "f16bit", "tc"):
+            if best and v in ("f16", "f16bit", "tc", "tcq"):
                 if shape not in winners or best["tb_s"] > winners[shape]["tb_s"]:
                     winners[shape] = best
         win = winners.get(shape)
