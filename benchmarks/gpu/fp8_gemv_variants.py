@@ -11,8 +11,8 @@
         with PASS/FAIL against 450 tok/s, and the winners as Fp8GemvConfig rows to paste into fp8_gemv_candidates.
 
 Error bounds (per output row, Fp8GemvConfig.error_bound): C * sum|w x| + F * max|x| * sum|w| + 2**-8 |y| (the bf16
-output), f16 / f16bit C = (GROUP + 2) * 2**-11, F = GROUP * 2**-23; tc / tcq (x rounded to e4m3 per chunk / row) C = 2**-4,
-F = 2**-10 / 448.
+output), f16 / f16bit C = (GROUP + 2) * 2**-11, F = GROUP * 2**-23; tc / tcq (x rounded to e4m3 per chunk / row)
+C = 2**-4, F = 2**-10 / 448.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ rounded to e4m3 per row and chunk in the kernel; every tile below), `tcq` the sa
 quantize_rows first (two launches), `scaled_mm` quantize_rows + torch._scaled_mm (two launches).
 Each fp8 result is checked against the dequantized fp32 matmul within its error bound before it is timed. The table
 gives per (shape, rows) the best of each, and per row count the step's 128 linear layers: bf16, fp8 as run,
-_scaled_mm, the default tc tile and the best tensor-core configs (tc or tcq). (2026-12-05's published run also timed the bf16-dot kernel
-the runtime used before; it was removed after losing at every shape but gate_up.)
+_scaled_mm, the default tc tile and the best tensor-core configs (tc or tcq). (2026-12-05's published run also timed
+the bf16-dot kernel the runtime used before; it was removed after losing at every shape but gate_up.)
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@
 #   3. the table, then PASS/FAIL lines (the 85% target at 8K per backend and batch size; token ids valid; from 4K to
 #      8K the step grows by the global layers' KV only)
 # carry: .whl (and .gpu/fi2 on the second call of a flashinfer staging)
-#   bash benchmarks/gpu/gemma2_8k_decode.sh        (~4-6 min; time-boxed to 5.7 min, 9 min with FlashInfer; +3 for step 0)
+#   bash benchmarks/gpu/gemma2_8k_decode.sh   (~4-6 min; time-boxed to 5.7 min, 9 with FlashInfer; +3 for step 0)
 set -o pipefail
 source benchmarks/gpu/setup.sh
 nvidia-smi -L

@@ -242,8 +242,9 @@ def launch_small_batch_tc(tile: TcTile, x: torch.Tensor, weight: torch.Tensor, w
     _small_batch_tc_kernel[(tiles, split)](
         x, y if x_scale is None else x_scale, weight, weight if weight_scale is None else weight_scale, y, partial,
         count, x.shape[0], n, k, x.stride(0), weight.stride(0), ACT=ACTIVATIONS[activation],
-        FP8_W=weight_scale is not None, X_PREQUANT=x_scale is not None, DOT_F32=_INTERPRET and weight_scale is None, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, SPLIT_K=split, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        FP8_W=weight_scale is not None, X_PREQUANT=x_scale is not None, DOT_F32=_INTERPRET and weight_scale is None,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, SPLIT_K=split, num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
         **pdl.launch_options(x.device))
 
 

@@ -321,8 +321,8 @@ def _fp8_gemv_f16_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, n
 @dataclasses.dataclass(frozen=True)
 class Fp8GemvConfig:
     """One launch of fp8_gemv: the variant (FP8_GEMV_VARIANTS) and its tile. group: products summed in fp16 per
-    fp32 add ("f16", "f16bit"); split_k: programs per row tile along K ("tc", "tcq"; 0: enough for two per SM); programs:
-    a persistent grid ("f16", "f16bit"; 0: one program per row block)."""
+    fp32 add ("f16", "f16bit"); split_k: programs per row tile along K ("tc", "tcq"; 0: enough for two per SM);
+    programs: a persistent grid ("f16", "f16bit"; 0: one program per row block)."""
     variant: str
     block_n: int
     block_k: int
@@ -494,8 +494,8 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
 
     config: one variant and tile (benchmarks; M > 1 takes "tc" or "tcq" only). By default, at M = 1 the fastest of
     fp8_gemv_candidates() for this shape, timed on its first call (the CUDA-graph runner's warm-up passes make it
-    before capture); at M > 1 the tensor-core config of MEASURED_FP8_SMALL_BATCH_CONFIGS, else SMALL_BATCH_TC_CONFIG. CUDA, or
-    CPU tensors under TRITON_INTERPRET=1 (there the first candidate, or config)."""
+    before capture); at M > 1 the tensor-core config of MEASURED_FP8_SMALL_BATCH_CONFIGS, else SMALL_BATCH_TC_CONFIG.
+    CUDA, or CPU tensors under TRITON_INTERPRET=1 (there the first candidate, or config)."""
     rows, k = weight.shape
     m = x.shape[0] if x.dim() == 2 else 0
     if not (x.dim() == 2 and 1 <= m <= SMALL_BATCH_MAX_ROWS and x.shape[1] == k
