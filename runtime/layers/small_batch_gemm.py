@@ -13,7 +13,8 @@ to arrive (an atomic counter) adds them in split order, so every call gives the 
 With PDL the first weight tile streams before the wait for x, as in the batch-1 GEMV (gemv.py).
 
 Weights: bf16/fp16 with x in the same dtype, or e4m3 with one fp32 scale per row (FP8_W: each row of x rounded to
-e4m3 with its own scale per BLOCK_K chunk, an fp8 dot; the fp8 LinearMethod through fp8_kernels.fp8_gemv).
+e4m3 with its own scale per BLOCK_K chunk, an fp8 dot; or X_PREQUANT: x e4m3 already, its row scales applied in the
+epilogue; the fp8 LinearMethod through fp8_kernels.fp8_gemv).
 Gated outputs round gate and up (and GELU's result) to the output dtype where the unfused path rounds them.
 """
 
