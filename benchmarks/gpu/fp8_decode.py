@@ -156,8 +156,10 @@ def summary(folder: str) -> int:
         print(f"{bs:>6} {cell(a, 'decode_throughput'):>11} {cell(b, 'decode_throughput'):>10} {ratio:9.2f} "
               f"{cell(a, 'median_decode_latency_s', 1e3):>8} {cell(b, 'median_decode_latency_s', 1e3):>8} {prefill:>20}")
     context = 128 + 512 / 2  # the mean context of the 512 decode steps
-    bandwidth = copy_bandwidth() if torch.cuda.is_available() else H200_COPY_BYTES_PER_S
-    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU (H200 copy rate assumed)"
+    if torch.cuda.is_available():
+        bandwidth, card = copy_bandwidth(), torch.cuda.get_device_name()
+    else:
+        bandwidth, card = H200_COPY_BYTES_PER_S, "no GPU (H200 copy rate assumed)"
     # the H200 target as a fraction of its fp8 ceiling, which applies on any card
     target_fraction = TARGET_B1_FP8_TOK_S / (H200_COPY_BYTES_PER_S / _step_bytes(True, context))
     for name, rows, is_fp8 in (("bf16", bf16, False), ("fp8", fp8, True)):

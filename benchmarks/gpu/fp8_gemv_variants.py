@@ -98,7 +98,7 @@ def sweep(out_path: str, seconds: float) -> None:
             row["err_over_bound"], row["max_abs_err"] = fp8_gemv_error_excess(y, x, *fp8[0], silu,
                                                                               config.error_bound)
             row["within_bound"] = row["err_over_bound"] <= 1.0
-            if config.variant in ("tc", "tcq"):
+            if config.variant in fp8_kernels.TENSOR_CORE_VARIANTS:
                 row["split_k"] = split_k(config.tile, n, k, x.device)
             row["us"] = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu, config=config) for q, s in fp8])
             row["tb_s"] = nbytes / layers / row["us"] / 1e6
@@ -111,7 +111,7 @@ def sweep(out_path: str, seconds: float) -> None:
                 print(f"sweep: time is up before {name} {config}", flush=True)
                 break
             row = run_config(config)
-            if config.variant not in ("tc", "tcq") and row.get("within_bound") and row["us"] == row["us"]:
+            if config.variant not in fp8_kernels.TENSOR_CORE_VARIANTS and row.get("within_bound") and row["us"] == row["us"]:
                 f16_timed.append((row["us"], config))
         # the fastest f16 / f16bit config again on persistent grids of 1, 2, 4, 8 programs per SM
         sm_count = torch.cuda.get_device_properties(0).multi_processor_count

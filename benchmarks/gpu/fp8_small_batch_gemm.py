@@ -119,6 +119,8 @@ def sweep(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> int:
+    from braid.runtime.layers.quantization.fp8_kernels import TENSOR_CORE_VARIANTS
+
     ok = [r for r in rows if "us" in r and r["us"] == r["us"]]
     if not ok:
         print("FAIL: no timing")
@@ -136,7 +138,7 @@ def table(rows: list[dict]) -> int:
                 mine = [r for r in ok if r["shape"] == shape and r["m"] == m and r["kernel"] == kernel]
                 best = min(mine, key=lambda r: r["us"], default=None)
                 cells.append(f"{best['tb_s']:6.2f} ({best['us']:6.1f})" if best else f"{'-':>16}")
-                if kernel in ("tc", "tcq") and best and best["us"] < best_tc.get((shape, m), {}).get("us", 1e30):
+                if kernel in TENSOR_CORE_VARIANTS and best and best["us"] < best_tc.get((shape, m), {}).get("us", 1e30):
                     best_tc[(shape, m)] = best
             tile = best_tc.get((shape, m), {}).get("config", "-")
             print(f"{shape:>8} {m:>3} " + " ".join(f"{c:>16}" for c in cells) + f"  {tile}")

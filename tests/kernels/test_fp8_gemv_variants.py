@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from braid.runtime.layers.quantization import fp8_kernels
-from braid.runtime.layers.quantization.fp8_kernels import (FP8_GEMV_VARIANTS, Fp8GemvConfig, fp8_gemv,
-                                                           fp8_gemv_candidates, fp8_gemv_error_excess,
+from braid.runtime.layers.quantization.fp8_kernels import (FP8_GEMV_VARIANTS, TENSOR_CORE_VARIANTS, Fp8GemvConfig,
+                                                           fp8_gemv, fp8_gemv_candidates, fp8_gemv_error_excess,
                                                            quantize_weight_per_channel)
 
 HAS_CUDA = torch.cuda.is_available()
@@ -33,7 +33,7 @@ LLAMA3_8B_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4
 def error_bound(config: Fp8GemvConfig) -> tuple[float, float]:
     """The variant's (C, F); the tensor-core variants' doubled under the interpreter (its e4m3 rounding may be a step
     off)."""
-    slack = TC_INTERPRETER_SLACK if config.variant in ("tc", "tcq") else 1
+    slack = TC_INTERPRETER_SLACK if config.variant in TENSOR_CORE_VARIANTS else 1
     return tuple(slack * term for term in config.error_bound)
 
 
@@ -70,7 +70,7 @@ def check(y, x, w_q, w_scale, silu_mul, bound):
     assert rms < (e4m3_rms if bound[0] >= 2 ** -4 else 0.01), rms
 
 
-@pytest.mark.parametrize("variant", ["tc", "tcq"])
+@pytest.mark.parametrize("variant", TENSOR_CORE_VARIANTS)
 @pytest.mark.parametrize("m,rows,k,silu_mul", [(2, 96, 128, False), (5, 70, 200, False), (16, 2 * 40, 160, True)])
 def test_tc_variant_takes_up_to_16_rows_of_x(variant, m, rows, k, silu_mul):
     """Small decode batches: x's rows are the tensor-core operand's columns, each row with its own e4m3 scales (per
@@ -121,7 +121,7 @@ def test_fp8_gemv_f16_scales_x_per_chunk(variant):
           error_bound(first_config(variant)))
 
 
-@pytest.mark.parametrize("variant", ["tc", "tcq"])
+@pytest.mark.parametrize("variant", TENSOR_CORE_VARIANTS)
 def test_fp8_gemv_tc_split_k_resets_its_counters(variant):
     """Split over K, the last program of each row tile sums the partials and resets its counter: a second call
     (another x) gives its own answer; an empty split (more splits than chunks) adds 0."""

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "SMALL_BATCH_MAX_ROWS", "check_fp8_device", "quantize_weight_per_channel",
            "quantize_rows", "quantize_rows_triton", "quantize_rows_reference", "scaled_mm",
-           "FP8_GEMV_VARIANTS", "Fp8GemvConfig", "fp8_gemv_candidates", "fp8_gemv", "fp8_gemv_error_excess"]
+           "FP8_GEMV_VARIANTS", "TENSOR_CORE_VARIANTS", "Fp8GemvConfig", "fp8_gemv_candidates", "fp8_gemv", "fp8_gemv_error_excess"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -191,7 +191,7 @@ def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, we
 # x) and fuse SiLU-and-mul for a [gate; up] weight.
 
 FP8_GEMV_VARIANTS = ("f16", "f16bit", "tc", "tcq")
-_TC_VARIANTS = ("tc", "tcq")
+TENSOR_CORE_VARIANTS = ("tc", "tcq")  # small_batch_gemm.py's kernel: x's rows as the dot's columns
 
 
 @triton.jit
@@ -335,11 +335,11 @@ class Fp8GemvConfig:
     def __post_init__(self):
         if self.variant not in FP8_GEMV_VARIANTS:
             raise ValueError(f"fp8 GEMV variant {self.variant!r}: one of {FP8_GEMV_VARIANTS}")
-        if self.variant in _TC_VARIANTS:
+        if self.variant in TENSOR_CORE_VARIANTS:
             _ = self.tile  # small_batch_gemm.TcTile's checks (block_n >= 64 keeps the fp8 wgmma)
-        if self.variant not in _TC_VARIANTS and (self.group < 1 or self.block_k % self.group):
+        if self.variant not in TENSOR_CORE_VARIANTS and (self.group < 1 or self.block_k % self.group):
             raise ValueError(f"group {self.group} must divide block_k {self.block_k}")
-        if self.programs < 0 or (self.programs and self.variant in _TC_VARIANTS):
+        if self.programs < 0 or (self.programs and self.variant in TENSOR_CORE_VARIANTS):
             raise ValueError(f"programs (a persistent grid) is for the f16 variants and >= 0, got {self.programs} "
                              f"for {self.variant}")
 
@@ -353,7 +353,7 @@ class Fp8GemvConfig:
         """(C, F) of the variant's bound |y - ref| <= C * sum_k |w_k x_k| + F * max|x| * sum_k |w_k| (before the
         output's rounding): fp16 products and group sums (2**-11 each, GROUP + 2 of them at most on a path; fp16
         subnormals), or x rounded to e4m3 (2**-4; below e4m3's subnormals at the chunk's scale)."""
-        if self.variant in _TC_VARIANTS:
+        if self.variant in TENSOR_CORE_VARIANTS:
             return 2 ** -4, 2 ** -10 / FP8_MAX
         return (self.group + 2) * 2 ** -11, self.group * 2 ** -23
 
@@ -443,11 +443,11 @@ def measured_fp8_gemv_config(device: torch.device, rows: int, k: int, silu_mul: 
 
 def _launch_fp8_gemv(config: Fp8GemvConfig, x, weight, weight_scale, y, n, k, silu_mul) -> None:
     launch = dict(num_warps=config.num_warps, num_stages=config.num_stages, **pdl.launch_options(x.device))
-    if config.variant == "tc":
-        launch_small_batch_tc(config.tile, x, weight, weight_scale, y, n, k, "silu" if silu_mul else "")
-    elif config.variant == "tcq":
-        x_q, x_scale = quantize_rows_triton(x)
-        launch_small_batch_tc(config.tile, x_q, weight, weight_scale, y, n, k, "silu" if silu_mul else "",
+    if config.variant in TENSOR_CORE_VARIANTS:
+        x_scale = None
+        if config.variant == "tcq":  # x rounded to e4m3 per row first, its scales applied in the epilogue
+            x, x_scale = quantize_rows_triton(x)
+        launch_small_batch_tc(config.tile, x, weight, weight_scale, y, n, k, "silu" if silu_mul else "",
                               x_scale=x_scale)
     else:
         blocks = triton.cdiv(n, config.block_n)
@@ -506,7 +506,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         raise ValueError(f"fp8_gemv needs x [1..{SMALL_BATCH_MAX_ROWS}, K] bf16/fp16, an e4m3 weight [N, K] ([2N, K] "
                          f"with silu_mul) and an fp32 scale per row; got {tuple(x.shape)} {x.dtype}, "
                          f"{tuple(weight.shape)} {weight.dtype}, {tuple(weight_scale.shape)} {weight_scale.dtype}")
-    if m > 1 and config is not None and config.variant not in _TC_VARIANTS:
+    if m > 1 and config is not None and config.variant not in TENSOR_CORE_VARIANTS:
         raise ValueError(f"fp8_gemv of {m} rows of x takes the 'tc' or 'tcq' variant only, got {config}")
     n = rows // 2 if silu_mul else rows
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
