@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-BANDWIDTH = 4.28e12  # H200 copy bandwidth measured on the device (bytes/s)
+from sweep_rows import H200_COPY_BYTES_PER_S as BANDWIDTH  # benchmarks/gpu, this script's folder
 
 
 def parse_setting(text: str) -> tuple[str, str, object]:

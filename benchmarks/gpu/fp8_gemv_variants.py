@@ -23,10 +23,9 @@ import os
 import sys
 import time
 
-from sweep_rows import append_row, read_rows, time_or_nan  # benchmarks/gpu, this script's folder
+from sweep_rows import H200_COPY_BYTES_PER_S, append_row, read_rows, time_or_nan  # benchmarks/gpu, this folder
 
 CONFIG = "benchmarks/configs/llama3-8b.json"
-HBM_BYTES_PER_S = 4.28e12
 TARGET_B1_FP8_TOK_S = 450.0
 LM_HEAD_BYTES = 128256 * 4096 * 2
 
@@ -187,7 +186,7 @@ def summary(folder: str) -> int:
     step_gb = (7.0e9 + LM_HEAD_BYTES) / 1e9
     verdict = "PASS" if tok_s >= TARGET_B1_FP8_TOK_S else "FAIL"
     print(f"{verdict} bench_one_batch --quantization fp8, batch 1, 128 in / 512 out: {tok_s:.1f} tok/s (target "
-          f">= {TARGET_B1_FP8_TOK_S:.0f}; ceiling ~{HBM_BYTES_PER_S / (step_gb * 1e9):.0f} at 4.28 TB/s for "
+          f">= {TARGET_B1_FP8_TOK_S:.0f}; ceiling ~{H200_COPY_BYTES_PER_S / (step_gb * 1e9):.0f} at 4.28 TB/s for "
           f"{step_gb:.2f} GB of weights per step; median step {b1[-1].get('median_decode_latency_s', 0) * 1e3:.2f} ms)")
     return failures + (verdict == "FAIL")
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-BANDWIDTH = 4.28e12
+from sweep_rows import H200_COPY_BYTES_PER_S as BANDWIDTH  # benchmarks/gpu, this script's folder
 HEADS, KV_HEADS, HEAD_DIM, CAP = 16, 8, 256, 50.0
 # stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice (decode_attention._decode_launch_configs)
 BEFORE_SPLITS = 16  # the runtime's split count for every batch size before decode_kv_splits

@@ -20,7 +20,9 @@ import torch.nn.functional as torch_F
 from braid.runtime.layers.gemv import gemv
 from decode_b1 import graph_time_us  # benchmarks/gpu, this script's folder
 
-COPY_TB_S = 4.28  # the H200's measured device-to-device copy rate
+from sweep_rows import H200_COPY_BYTES_PER_S  # benchmarks/gpu, this script's folder
+
+COPY_TB_S = H200_COPY_BYTES_PER_S / 1e12
 
 
 def shapes_of(cfg: dict) -> list[tuple[str, int, int, int, str]]:
