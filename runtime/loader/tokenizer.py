@@ -18,7 +18,11 @@ def load_tokenizer(path: str):
         return transformers.AutoTokenizer.from_pretrained(path)
 
     def convert(out_dir: str) -> None:
-        tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        from braid.runtime.loader.gguf import transformers_reads_through_braids_reader
+
+        # the reader braid parsed for the config (or parses now for the weights) instead of another parse
+        with transformers_reads_through_braids_reader(path):
+            tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         tok.save_pretrained(out_dir)
 
     return transformers.AutoTokenizer.from_pretrained(cached_dir(path, "tokenizer", convert))

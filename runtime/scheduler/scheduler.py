@@ -20,6 +20,7 @@ import torch
 
 from braid.runtime.core import FinishReason, ForwardOutput, Req, ReqOutput
 from braid.runtime.layers.sampler import SamplingBatchInfo
+from braid.runtime.loader.gguf import release_gguf_readers
 from braid.runtime.loader.tokenizer import get_tokenizer
 from braid.runtime.mem_cache.chunk_cache import ChunkCache
 from braid.runtime.mem_cache.radix_cache import RadixCache
@@ -98,6 +99,7 @@ class Scheduler:
         self.server_args = server_args
         self.runner = ModelRunner(server_args)
         self.tokenizer = get_tokenizer(server_args)
+        release_gguf_readers()  # a GGUF's conversions are on disk now
         self.device = self.runner.device
         self.context_len = self.runner.context_len
         self.max_running_requests = self.runner.max_running_requests  # the cap, derived from the KV pool if unset

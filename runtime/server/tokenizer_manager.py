@@ -121,6 +121,7 @@ class TokenizerManager:
 
     # ---- start / stop -------------------------------------------------------------------------
     async def start(self, timeout_s: float = 900.0) -> None:
+        from braid.runtime.loader.gguf import release_gguf_readers
         from braid.runtime.loader.tokenizer import get_tokenizer
 
         self._loop = asyncio.get_running_loop()
@@ -140,6 +141,7 @@ class TokenizerManager:
         try:
             ready = await self._wait_ready(timeout_s)
             self.tokenizer = with_chat_template(await tokenizer_task, self.server_args.chat_template)
+            release_gguf_readers()  # a GGUF's tokenizer conversion is on disk now
         except BaseException:
             tokenizer_task.cancel()
             await self.close()

@@ -68,14 +68,12 @@ def _hf_scores(model, tok, prefix, choices):
 
 
 def test_select_picks_what_hf_picks(runtime):
-    import transformers
+    from hf_gguf import hf_model_from_gguf
 
     from braid.runtime.loader.model_path import resolve_model_path
     from braid.runtime.loader.tokenizer import load_tokenizer
 
-    path = resolve_model_path("smollm2")
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                              dtype=torch.float32).eval()
+    model = hf_model_from_gguf(resolve_model_path("smollm2"))
     tok = load_tokenizer("smollm2")
     for prefix, choices in SELECT_CASES:
         scores = _hf_scores(model, tok, prefix, choices)

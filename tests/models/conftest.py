@@ -1,5 +1,3 @@
-import os
-
 import pytest
 import torch
 from suite_memory import close_when_leaving_folder
@@ -31,13 +29,11 @@ def new_tokens():
 
 @pytest.fixture(scope="session")
 def hf_smollm2(request):
-    import transformers
+    from hf_gguf import hf_model_from_gguf
 
-    path = resolve_model_path("smollm2")
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                              torch_dtype=torch.float32)
+    model = hf_model_from_gguf(resolve_model_path("smollm2"))
     close_when_leaving_folder(request, __file__, lambda: model.to_empty(device="meta"))  # frees the weights
-    return model.eval()
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -175,16 +175,14 @@ REAL_PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def gemma3_270m():
     """(GGUF path, its tokenizer, HF Gemma3ForCausalLM loaded by transformers' own GGUF reader in fp32)."""
-    import transformers
+    from hf_gguf import hf_model_from_gguf
 
     from braid.runtime.loader.model_path import resolve_model_path
 
     path = resolve_model_path("gemma3-270m")
-    folder, name = os.path.split(path)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tok, hf = hf_model_from_gguf(path, with_tokenizer=True)
     hf.config._attn_implementation = "eager"
-    return path, tok, hf.eval()
+    return path, tok, hf
 
 
 def test_gemma3_270m_greedy_and_logits_equal_hf_across_the_window(gemma3_270m):
