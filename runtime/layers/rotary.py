@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Optional
 
@@ -64,7 +65,22 @@ class RotaryEmbedding(nn.Module):
         # the cache is built in post_load (never on meta)
         self.cos_sin_cache: Optional[torch.Tensor] = None
 
-    def build_cache(self, device, dtype=torch.float32) -> None:
+    def cache_key(self) -> tuple:
+        """What cos_sin_cache depends on: equal keys give equal caches (a model's layers share one tensor)."""
+        return self.rotary_dim, self.max_position, self.base, json.dumps(self.scaling, sort_keys=True)
+
+    def build_cache(self, device, built: Optional[dict] = None) -> None:
+        """cos_sin_cache on `device`; built: cache_key() -> a cache already built for another layer, taken if there
+        (Gemma-3-270M's 18 layers hold 2 distinct 32 MB caches), else filled with this one."""
+        key = (self.cache_key(), torch.device(device))
+        if built is not None and key in built:
+            self.cos_sin_cache = built[key]
+            return
+        self._compute_cache(device)
+        if built is not None:
+            built[key] = self.cos_sin_cache
+
+    def _compute_cache(self, device) -> None:
         inv_freq = 1.0 / (self.base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float64, device="cpu") / self.rotary_dim))
         rope_type = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type"))
         max_pos = self.max_position

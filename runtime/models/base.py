@@ -7,6 +7,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from braid.runtime.layers.rotary import RotaryEmbedding
+
 
 class CausalLM(nn.Module):
     """Base for braid's model classes.
@@ -65,8 +67,11 @@ class CausalLM(nn.Module):
                 param.data.copy_(loaded)
 
     def post_load(self, device, dtype) -> None:
+        rotary_caches: dict = {}  # layers whose rotary parameters are equal share one cos/sin tensor
         for m in self.modules():
-            if hasattr(m, "build_cache"):
+            if isinstance(m, RotaryEmbedding):
+                m.build_cache(device, built=rotary_caches)
+            elif hasattr(m, "build_cache"):
                 m.build_cache(device)
         self.prepack_weights()
 
