@@ -65,14 +65,11 @@ class RotaryEmbedding(nn.Module):
         # the cache is built in post_load (never on meta)
         self.cos_sin_cache: Optional[torch.Tensor] = None
 
-    def cache_key(self) -> tuple:
-        """What cos_sin_cache depends on: equal keys give equal caches (a model's layers share one tensor)."""
-        return self.rotary_dim, self.max_position, self.base, json.dumps(self.scaling, sort_keys=True)
-
     def build_cache(self, device, built: Optional[dict] = None) -> None:
-        """cos_sin_cache on `device`; built: cache_key() -> a cache already built for another layer, taken if there
-        (Gemma-3-270M's 18 layers hold 2 distinct 32 MB caches), else filled with this one."""
-        key = (self.cache_key(), torch.device(device))
+        """cos_sin_cache on `device`; built: (what the cache depends on, device) -> a cache already built for another
+        layer, taken if there (Gemma-3-270M's 18 layers hold 2 distinct 32 MB caches), else filled with this one."""
+        key = (self.rotary_dim, self.max_position, self.base, json.dumps(self.scaling, sort_keys=True),
+               torch.device(device))
         if built is not None and key in built:
             self.cos_sin_cache = built[key]
             return

@@ -20,7 +20,7 @@ def load_tokenizer(path: str):
     def convert(out_dir: str) -> None:
         from braid.runtime.loader.gguf import transformers_reads_through_braids_reader
 
-        # the reader braid parsed for the config (or parses now for the weights) instead of another parse
+        # braid's reader of the file (parsed for the config or the weights, else now), not a parse of its own
         with transformers_reads_through_braids_reader(path):
             tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         tok.save_pretrained(out_dir)
