@@ -24,8 +24,10 @@ from sweep_rows import append_row, read_rows
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-# stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice
-CONFIGS = [None, (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4), (128, 4, 3)]
+# stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice; UNSTAGED: the runtime's launch with fp8 V
+# tiles upcast after their shared-memory staging (the kernel before _upcast_before_staging; fp8 caches only)
+UNSTAGED = "runtime, fp8 V upcast after staging"
+CONFIGS = [None, UNSTAGED, (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4), (128, 4, 3)]
 
 
 def runtime_splits(bs: int) -> int:
@@ -45,7 +47,7 @@ def calls(ks, vs, req_to_token, bs, context, splits, config):
     scratch = torch.empty(bs, HEADS, splits, HEAD_DIM + 1, device="cuda", dtype=torch.float32)
     rows = torch.arange(bs, device="cuda")
     seq_lens = torch.full((bs,), context, device="cuda", dtype=torch.int32)
-    options = decode_options(config)
+    options = {"launch_config": {"STAGE_V": False}} if config == UNSTAGED else decode_options(config)
     scale = 1.0 if ks[0].dtype == torch.bfloat16 else 0.5  # fp8 caches: stored x / scale, as the pool writes them
     return [lambda k=k, v=v: decode_attention_fwd(q, k, v, o, req_to_token, rows, seq_lens, scratch, splits,
                                                   HEAD_DIM ** -0.5, k_scale=scale, v_scale=scale, **options)
@@ -78,7 +80,9 @@ def sweep(args) -> list[dict]:
                 for config in CONFIGS:
                     if time.time() > deadline:
                         break
-                    row = {**base, "splits": splits, "config": config_label(config)}
+                    if config == UNSTAGED and name == "bf16":
+                        continue
+                    row = {**base, "splits": splits, "config": UNSTAGED if config == UNSTAGED else config_label(config)}
                     try:
                         sec = time_graph(calls(ks, vs, req_to_token, bs, args.context, splits, config), args.reps)
                     except Exception as e:  # noqa: BLE001 - a config that does not fit is a row too
@@ -115,7 +119,13 @@ def table(rows: list[dict]) -> int:
                 ratio_now = f"{a['us'] / b['us']:.2f}x" if a and b else "-"
                 print(f"bs={bs} {name} vs bf16 KV, attention alone: runtime {ratio_now}, each at its best "
                       f"{best[bs, 'bf16']['us'] / best[bs, name]['us']:.2f}x (ideal 2.0x)")
-            cur, top = now.get((bs, name)), best.get((bs, name))
+            cur = now.get((bs, name))
+            old = next((r for r in ok if r["batch_size"] == bs and r["kv_dtype"] == name and r["config"] == UNSTAGED
+                        and r["splits"] == r["runtime_splits"]), None)
+            if cur and old:
+                print(f"bs={bs} {name}: V upcast before staging {cur['us']:.1f} us vs after {old['us']:.1f} us: "
+                      f"{old['us'] / cur['us']:.2f}x")
+            top = best.get((bs, name))
             if cur and top and top["us"] < 0.97 * cur["us"]:
                 print(f"RECOMMEND bs={bs} {name}: splits {top['splits']} {top['config']} ({top['us']:.1f} us vs "
                       f"{cur['us']:.1f} us now)")

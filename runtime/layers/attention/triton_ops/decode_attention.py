@@ -88,7 +88,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    STAGE_V: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -141,7 +141,7 @@ def _decode_stage1_kernel(
             acc, m_i, l_i, q, qpe, offs_h, offs_kv, rows, offs_kv < split_hi,
             K_h, V_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
             sm_scale, logit_cap, sliding_window, 1.0,
-            BLOCK_DPE, False, False, USE_CAP, False, False, DOT_DTYPE)
+            BLOCK_DPE, False, False, USE_CAP, False, False, DOT_DTYPE, STAGE_V)
     if full_hi < split_hi:
         offs_kv = full_hi + offs_n
         mask_n = offs_kv < split_hi
@@ -150,7 +150,7 @@ def _decode_stage1_kernel(
             acc, m_i, l_i, q, qpe, offs_h, offs_kv, rows, mask_n,
             K_h, V_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
             sm_scale, logit_cap, sliding_window, 1.0,
-            BLOCK_DPE, True, False, USE_CAP, False, False, DOT_DTYPE)
+            BLOCK_DPE, True, False, USE_CAP, False, False, DOT_DTYPE, STAGE_V)
 
     att_base = Att + cur_batch.to(tl.int64) * stride_ab + offs_h * stride_ah + split * stride_as
     tl.store(att_base[:, None] + offs_dv[None, :], acc * (v_scale / l_i)[:, None],
@@ -207,6 +207,12 @@ def _decode_dot_dtype(q: torch.Tensor, k_buffer: torch.Tensor):
     return dt
 
 
+def _stage_fp8_values(v_buffer: torch.Tensor, dot_dt) -> bool:
+    """Whether stage 1 upcasts V tiles before their shared-memory staging (_upcast_before_staging): fp8 caches on the
+    GPU (the interpreter dots in fp32 and runs no inline PTX)."""
+    return dot_dt != tl.float32 and v_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def decode_attention_fwd(
     q: torch.Tensor,  # [B, H, D]
     k_buffer: torch.Tensor,  # [S, Hkv, D]
@@ -249,9 +255,11 @@ def decode_attention_fwd(
     block_dv = max(16, triton.next_power_of_2(dv))
     use_window = sliding_window > 0
     dot_dt = _decode_dot_dtype(q, k_buffer)
-    configs = [dict(launch_config)] if launch_config else _decode_launch_configs(d, dv, q.device)
+    launch_config = dict(launch_config or {})
+    stage_v = bool(launch_config.pop("STAGE_V", _stage_fp8_values(v_buffer, dot_dt)))
+    configs = [launch_config] if launch_config else _decode_launch_configs(d, dv, q.device)
     block_s = max(2, min(triton.next_power_of_2(num_kv_splits), STAGE2_VALUES_PER_LOAD // block_dv))
-    key = ("decode", q.device, q.dtype, k_buffer.dtype, d, dv, tuple(sorted((launch_config or {}).items())))
+    key = ("decode", q.device, q.dtype, k_buffer.dtype, d, dv, stage_v, tuple(sorted(launch_config.items())))
     cfg = launch_first_fitting(
         _decode_stage1_kernel, lambda cfg: (b, h_kv * head_blocks, num_kv_splits), configs, key,
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, attn_logits,
@@ -261,7 +269,7 @@ def decode_attention_fwd(
         KV_GROUP=group, HEAD_BLOCKS=head_blocks, D=d, DV=dv,
         BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=block_dv, BLOCK_H=_BLOCK_H,
         USE_CAP=logit_cap > 0, USE_WINDOW=use_window, DOT_DTYPE=dot_dt,
-        CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16,
+        CLAMP_Q=dot_dt == tl.float16 and q.dtype == torch.bfloat16, STAGE_V=stage_v,
         **pdl.launch_options(q.device),
     )
     # stage 2 must split the keys exactly as stage 1 did: same BLOCK_N

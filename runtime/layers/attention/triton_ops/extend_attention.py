@@ -52,8 +52,20 @@ def _scale_scores(qk, sm_scale, logit_cap, USE_CAP: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, s, v, v_scale, V_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """One flash-attention update. s: [M, N] log2-unit scores (-inf where masked), v: [N, DV] (times v_scale)."""
+def _upcast_before_staging(v, DOT_DTYPE: tl.constexpr):
+    """v in DOT_DTYPE, converted where it was loaded. Left to itself the compiler moves an upcast past the shared-memory
+    staging of a dot operand, and an 8-bit V tile (keys x head dims, the keys axis reduced) then leaves shared memory a
+    byte per load: 128 LDS.U8 per 64-key tile on sm90. The opaque copy keeps the conversion ahead, so the staged tile
+    is 16-bit and the dot reads it with transposing ldmatrix, as for a bf16 cache."""
+    upcast = v.to(DOT_DTYPE)
+    return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [upcast], dtype=upcast.dtype, is_pure=False, pack=1)
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, s, v, v_scale, V_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                         STAGE_V: tl.constexpr):
+    """One flash-attention update. s: [M, N] log2-unit scores (-inf where masked), v: [N, DV] (times v_scale).
+    STAGE_V: v is an fp8 tile to upcast before its shared-memory staging (GPU only)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # rows with nothing visible yet keep m = -inf; subtract 0 there so exp2 yields 0, not NaN
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -62,6 +74,8 @@ def _online_softmax_step(acc, m_i, l_i, s, v, v_scale, V_SCALED: tl.constexpr, D
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_SCALED:
         p = p * v_scale
+    if STAGE_V:
+        v = _upcast_before_staging(v, DOT_DTYPE)
     acc = acc * alpha[:, None] + _mm(p, v, DOT_DTYPE)
     return acc, m_new, l_i
 
@@ -72,7 +86,7 @@ def _attend_tile(
     K_head, V_head, stride_ks, stride_vs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
     sm_scale, logit_cap, sliding_window, v_scale,
     BLOCK_DPE: tl.constexpr, MASK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_CAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr, V_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    USE_WINDOW: tl.constexpr, V_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGE_V: tl.constexpr,
 ):
     """Attend the query tile to BLOCK_N keys stored at `rows` [N] of K_head/V_head (one KV head's base).
 
@@ -105,7 +119,7 @@ def _attend_tile(
         s = tl.where(visible, s, float("-inf"))
     # v: [BLOCK_N, BLOCK_DV]
     v = tl.load(V_head + rows[:, None] * stride_vs + offs_dv[None, :], mask=v_mask, other=0.0)
-    return _online_softmax_step(acc, m_i, l_i, s, v, v_scale, V_SCALED, DOT_DTYPE)
+    return _online_softmax_step(acc, m_i, l_i, s, v, v_scale, V_SCALED, DOT_DTYPE, STAGE_V)
 
 
 @triton.jit
@@ -181,7 +195,8 @@ def _extend_fwd_kernel(
             acc, m_i, l_i, q, qpe, q_pos, offs_kv, rows, offs_kv < prefix_len,
             K_buf_h, V_buf_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
             sm_scale * k_scale, logit_cap, sliding_window, v_scale,
-            BLOCK_DPE, False, False, USE_CAP, USE_WINDOW, V_SCALED, DOT_DTYPE)
+            BLOCK_DPE, False, False, USE_CAP, USE_WINDOW, V_SCALED, DOT_DTYPE, False)
+    # (STAGE_V off: these tiles compile to warpgroup dots on sm90, which read fp8 V without byte loads)
     if full_hi < prefix_len:
         offs_kv = full_hi + offs_n
         mask_n = offs_kv < prefix_len
@@ -190,7 +205,7 @@ def _extend_fwd_kernel(
             acc, m_i, l_i, q, qpe, q_pos, offs_kv, rows, mask_n,
             K_buf_h, V_buf_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
             sm_scale * k_scale, logit_cap, sliding_window, v_scale,
-            BLOCK_DPE, True, False, USE_CAP, USE_WINDOW, V_SCALED, DOT_DTYPE)
+            BLOCK_DPE, True, False, USE_CAP, USE_WINDOW, V_SCALED, DOT_DTYPE, False)
 
     # ---- the new tokens, causally (indices within the extend run) ----
     K_ext_h = K_ext + cur_kv_head * stride_kh
@@ -207,14 +222,14 @@ def _extend_fwd_kernel(
                 acc, m_i, l_i, q, qpe, offs_m, offs_kv, (ext_start + offs_kv).to(tl.int64), offs_kv < hi,
                 K_ext_h, V_ext_h, stride_kt, stride_vt, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
                 sm_scale, logit_cap, sliding_window, 1.0,
-                BLOCK_DPE, False, False, USE_CAP, USE_WINDOW, False, DOT_DTYPE)
+                BLOCK_DPE, False, False, USE_CAP, USE_WINDOW, False, DOT_DTYPE, False)
     for start_n in range(diag_lo, hi, BLOCK_N):
         offs_kv = start_n + offs_n
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, qpe, offs_m, offs_kv, (ext_start + offs_kv).to(tl.int64), offs_kv < hi,
             K_ext_h, V_ext_h, stride_kt, stride_vt, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
             sm_scale, logit_cap, sliding_window, 1.0,
-            BLOCK_DPE, True, True, USE_CAP, USE_WINDOW, False, DOT_DTYPE)
+            BLOCK_DPE, True, True, USE_CAP, USE_WINDOW, False, DOT_DTYPE, False)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]

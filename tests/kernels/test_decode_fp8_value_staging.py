@@ -1,0 +1,99 @@
+"""Decode attention over fp8 KV caches upcasts V tiles before their shared-memory staging (STAGE_V).
+
+Compiled for sm90 (offline, with Triton's bundled ptxas: no GPU needed), stage 1 with fp8 V read the staged tile a
+byte per shared-memory load (LDS.U8); with STAGE_V it reads 16-bit tiles through ldmatrix as for bf16 caches. On a
+GPU both launches give the same output, and it matches attention over the dequantized cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from braid.runtime.layers.attention.triton_ops import decode_attention_fwd
+
+# Compiled in a subprocess: under TRITON_INTERPRET=1 (the test run's setting) kernels are interpreted, not compiled.
+# Shapes: Llama-3-8B heads (the runtime's launch for head_dim 128) and DeepSeek-V2's latent (576 = 512 + 64 keys,
+# 512 values, one buffer). Prints the number of LDS.U8 instructions of stage 1 compiled for sm90.
+COUNT_SHARED_BYTE_LOADS = """
+import os, re, subprocess, sys, tempfile
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from braid.runtime.layers.attention.triton_ops.decode_attention import _decode_stage1_kernel as fn
+
+kv_type, shape, stage_v = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+shape_constants, num_warps = {
+    "gqa-128": (dict(KV_GROUP=4, D=128, DV=128, BLOCK_D=128, BLOCK_DPE=0, BLOCK_DV=128, BLOCK_N=64), 2),
+    "mla-576": (dict(KV_GROUP=16, D=576, DV=512, BLOCK_D=512, BLOCK_DPE=64, BLOCK_DV=512, BLOCK_N=32), 8),
+}[shape]
+constants = dict(shape_constants, HEAD_BLOCKS=1, BLOCK_H=16, USE_CAP=False, USE_WINDOW=False, DOT_DTYPE=tl.float16,
+                 CLAMP_Q=True, STAGE_V=stage_v, USE_PDL=False)
+pointers = dict(Q="*bf16", K_buf="*" + kv_type, V_buf="*" + kv_type, Req_to_token="*i32", B_req_idx="*i64",
+                B_seq_len="*i64", Att="*fp32")
+signature = {n: pointers.get(n, "fp32" if n in ("sm_scale", "logit_cap", "v_scale") else "i32") for n in fn.arg_names}
+signature.update({n: "constexpr" for n in constants})
+# what the launcher specializes at run time: 16-byte aligned pointers and strides divisible by 16
+aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
+           if n in pointers or n.startswith("stride")}
+kernel = triton.compile(ASTSource(fn, signature, constants, aligned), target=GPUTarget("cuda", 90, 32),
+                        options=dict(num_warps=num_warps, num_stages=2))
+with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+    f.write(kernel.asm["cubin"])
+    f.flush()
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+assert "HMMA" in sass, "not the kernel's disassembly: no tensor-core dot"
+print(len(re.findall(r"\\bLDS\\.U8\\b", sass)))
+"""
+
+
+def shared_byte_loads(kv_type: str, shape: str, stage_v: bool) -> int:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COUNT_SHARED_BYTE_LOADS, kv_type, shape, str(int(stage_v))],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.parametrize("shape", ["gqa-128", "mla-576"])
+def test_fp8_values_leave_shared_memory_in_16_bit_loads(shape):
+    assert shared_byte_loads("fp8e4nv", shape, stage_v=False) >= 64
+    assert shared_byte_loads("fp8e4nv", shape, stage_v=True) == 0
+    assert shared_byte_loads("fp8e5", shape, stage_v=True) == 0
+
+
+def _decode(q, k_cache, v_cache, scale, splits, stage_v):
+    b, h, _ = q.shape
+    seq_len = k_cache.shape[0] // b
+    o = torch.empty(b, h, v_cache.shape[-1], device=q.device, dtype=q.dtype)
+    scratch = torch.empty(b, h, splits, v_cache.shape[-1] + 1, device=q.device, dtype=torch.float32)
+    req_to_token = torch.arange(b * seq_len, device=q.device, dtype=torch.int32).view(b, seq_len)
+    seq_lens = torch.full((b,), seq_len, device=q.device, dtype=torch.int32)
+    decode_attention_fwd(q, k_cache, v_cache, o, req_to_token, torch.arange(b, device=q.device), seq_lens, scratch,
+                         splits, q.shape[-1] ** -0.5, k_scale=scale, v_scale=scale,
+                         launch_config={"STAGE_V": stage_v})
+    return o
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_gpu_staged_fp8_values_give_the_same_attention(fp8):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, h, h_kv, d, seq_len, scale = 3, 32, 8, 128, 700, 0.25
+    q = torch.randn(b, h, d, device="cuda", generator=gen).bfloat16()
+    k_cache = (torch.randn(b * seq_len, h_kv, d, device="cuda", generator=gen) / scale).to(fp8)
+    v_cache = (torch.randn(b * seq_len, h_kv, d, device="cuda", generator=gen) / scale).to(fp8)
+    staged = _decode(q, k_cache, v_cache, scale, 8, stage_v=True)
+    unstaged = _decode(q, k_cache, v_cache, scale, 8, stage_v=False)
+    # the same fp16 operands reach the same dots: only where the upcast happens differs
+    assert torch.equal(staged, unstaged)
+    k = (k_cache.float() * scale).view(b, seq_len, h_kv, d).repeat_interleave(h // h_kv, dim=2)
+    v = (v_cache.float() * scale).view(b, seq_len, h_kv, d).repeat_interleave(h // h_kv, dim=2)
+    probs = torch.softmax(torch.einsum("bhd,bshd->bhs", q.float(), k) * d ** -0.5, dim=-1)
+    reference = torch.einsum("bhs,bshd->bhd", probs, v)
+    assert (staged.float() - reference).abs().max().item() < 2e-2
