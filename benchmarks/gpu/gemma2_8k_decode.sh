@@ -14,7 +14,7 @@
 #   3. the table, then PASS/FAIL lines (the 85% target at 8K per backend and batch size; token ids valid; from 4K to
 #      8K the step grows by the global layers' KV only)
 # carry: .whl (and .gpu/fi2 on the second call of a flashinfer staging)
-#   bash benchmarks/gpu/gemma2_8k_decode.sh   (~4-6 min; time-boxed to 5.7 min, 9 with FlashInfer; +3 for step 0)
+#   bash benchmarks/gpu/gemma2_8k_decode.sh   (~5-7 min; time-boxed to 7 min, 10 with FlashInfer; +3 for step 0)
 set -o pipefail
 source benchmarks/gpu/setup.sh
 nvidia-smi -L
@@ -43,8 +43,10 @@ timeout 100 python3 -m pytest tests/models/test_gemma2_parity.py -q -m gpu -p no
 grep -q " passed" "$OUT/gpu_tests.log" && ! grep -q "failed\|error" "$OUT/gpu_tests.log" \
   && echo "PASS Gemma-2 GPU parity tests" || echo "FAIL Gemma-2 GPU parity tests (see gpu_tests.log)"
 # the fused decode kernels compiled for the H200 (sandwich norms, GELU-tanh GEMV, the split merge at head_dim 256)
-timeout 70 python3 -m pytest tests/kernels/test_gemma_kernels.py -q -p no:cacheprovider 2>&1 | tail -4 \
+# (70 s cut them off on the H200 on 2026-12-06, all passing so far: their first compiles take most of it)
+timeout 150 python3 -m pytest tests/kernels/test_gemma_kernels.py -q -p no:cacheprovider 2>&1 | tail -4 \
   > "$OUT/kernel_tests.log"
+[ "${PIPESTATUS[0]}" = 124 ] && echo "(time box of 150 s reached)" >> "$OUT/kernel_tests.log"
 grep -q " passed" "$OUT/kernel_tests.log" && ! grep -q "failed\|error" "$OUT/kernel_tests.log" \
   && echo "PASS Gemma-2 fused kernel tests" || echo "FAIL Gemma-2 fused kernel tests (see kernel_tests.log)"
 
