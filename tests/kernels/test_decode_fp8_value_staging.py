@@ -2,7 +2,7 @@
 
 Compiled for sm90 (offline, with Triton's bundled ptxas: no GPU needed), stage 1 with fp8 V read the staged tile a
 byte per shared-memory load (LDS.U8); with STAGE_V it reads 16-bit tiles through ldmatrix as for bf16 caches. On a
-GPU both launches give the same output, and it matches attention over the dequantized cache."""
+GPU both launches give the same output (within 1e-5) and match attention over the dequantized cache."""
 
 from __future__ import annotations
 
@@ -90,8 +90,9 @@ def test_gpu_staged_fp8_values_give_the_same_attention(fp8):
     v_cache = (torch.randn(b * seq_len, h_kv, d, device="cuda", generator=gen) / scale).to(fp8)
     staged = _decode(q, k_cache, v_cache, scale, 8, stage_v=True)
     unstaged = _decode(q, k_cache, v_cache, scale, 8, stage_v=False)
-    # the same fp16 operands reach the same dots: only where the upcast happens differs
-    assert torch.equal(staged, unstaged)
+    # the same fp16 operands reach the dots; only where the upcast happens differs (and with it, on an H100, the
+    # order of some e4m3 products within a dot: 4.8e-7 apart at most, against 5e-4 of either from the reference)
+    assert (staged.float() - unstaged.float()).abs().max().item() <= 1e-5
     k = (k_cache.float() * scale).view(b, seq_len, h_kv, d).repeat_interleave(h // h_kv, dim=2)
     v = (v_cache.float() * scale).view(b, seq_len, h_kv, d).repeat_interleave(h // h_kv, dim=2)
     probs = torch.softmax(torch.einsum("bhd,bshd->bhs", q.float(), k) * d ** -0.5, dim=-1)
