@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.runtime.layers.dtypes import FP8_DTYPES
 from braid.runtime.layers.kernel_inputs import token_rows_stride
 
 __all__ = ["store_kv"]
@@ -46,9 +47,6 @@ def _store_kv_kernel(k_ptr, v_ptr, loc_ptr, k_cache_ptr, v_cache_ptr, k_row_stri
     tl.store(v_cache_ptr + slot * v_cache_row_stride + offs_v, row_v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
 
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> bool:
     """k_cache: [S, Hkv, D], v_cache: [S, Hkv, Dv] contiguous; loc: [T] slots; k: [T, Hkv*D] or [T, Hkv, D]
@@ -61,10 +59,10 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     tokens = loc.numel()
     k_width, v_width = k_cache[0].numel(), v_cache[0].numel()
     k_rows, v_rows = token_rows_stride(k, tokens, k_width), token_rows_stride(v, tokens, v_width)
-    quantize = k_cache.dtype in _FP8
+    quantize = k_cache.dtype in FP8_DTYPES
     if quantize:
         dtypes_fit = (v_cache.dtype == k_cache.dtype and k.is_floating_point() and v.is_floating_point()
-                      and k.dtype not in _FP8 and v.dtype not in _FP8)
+                      and k.dtype not in FP8_DTYPES and v.dtype not in FP8_DTYPES)
     else:
         dtypes_fit = k.dtype == k_cache.dtype and v.dtype == v_cache.dtype
     if (k_rows is None or v_rows is None or not dtypes_fit or not k_cache.is_contiguous()

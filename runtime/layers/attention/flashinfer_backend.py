@@ -54,7 +54,7 @@ except Exception as e:  # an import that fails for any reason (missing package, 
 from braid.runtime.layers import pdl
 from braid.runtime.layers.attention.base import AttentionBackend
 from braid.runtime.layers.attention.triton_ops.kv_indices import build_kv_indices, csr_indptr, window_kv_spans
-from braid.runtime.layers.dtypes import kv_cache_dtype
+from braid.runtime.layers.dtypes import FP8_DTYPES, kv_cache_dtype
 
 if TYPE_CHECKING:
     from braid.runtime.core import ForwardBatch
@@ -62,7 +62,6 @@ if TYPE_CHECKING:
 __all__ = ["FlashInferAttnBackend", "FlashInferMetadata"]
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
 # from this query/KV head ratio on, decode runs FlashInfer's tensor-core (prefill) kernel instead of the CUDA-core
@@ -146,14 +145,14 @@ class FlashInferAttnBackend(AttentionBackend):
         self.dtype = dtype
         kv_dtype = getattr(pool, "cache_dtype", None) or kv_cache_dtype(getattr(server_args, "kv_cache_dtype", None),
                                                                          dtype)
-        if kv_dtype != dtype and kv_dtype not in FP8_KV_DTYPES:
+        if kv_dtype != dtype and kv_dtype not in FP8_DTYPES:
             raise ValueError(f"attention_backend='flashinfer' reads KV caches in the model dtype {dtype} or fp8 "
                              f"(e4m3, e5m2), got {kv_dtype}")
         self.kv_dtype = kv_dtype
         # an fp8 cache's values times the layer's (k_scale, v_scale) are the stored K and V: FlashInfer folds k_scale
         # into the softmax scale and multiplies the output by v_scale (host floats, fixed once calibrated, so the
         # CUDA graphs captured after calibration hold them)
-        self.kv_is_fp8 = kv_dtype in FP8_KV_DTYPES
+        self.kv_is_fp8 = kv_dtype in FP8_DTYPES
 
         # head counts come from the layers themselves (already divided by TP); only the dims are checked here
         self.head_dim = int(getattr(mc, "head_dim", None) or mc.hidden_size // int(mc.num_attention_heads))
