@@ -5,7 +5,8 @@ captures its own CUDA graphs, so a constant read at capture time (a kernel route
   python3 benchmarks/gpu/decode_step_ab.py --model gemma2-9b --batch-sizes 1 8 --context 8000 \
       --server-arg disable_gemv_rotary_kv_store=True
 
---set MODULE:NAME=VALUE (a Python literal; repeatable: all in one build, or one build each with --separately) and
+--set MODULE:NAME=VALUE (a Python literal, or an expression over MODULE's names such as
+`{"NVIDIA H200": {(3584, 4096, ""): (TcTile(64, 128), 8)}}`; repeatable: all in one build, or one build each with --separately) and
 --server-arg NAME=VALUE (a ServerArgs field for the changed build, e.g. disable_gemv_rotary_kv_store=True). Prints
 per batch size the step as committed and as changed (ms, tok/s, and for non-MLA models the share of the weights + KV
 ceiling at 4.28 TB/s, as gemma2_8k_decode.py counts it), and their ratio.
@@ -27,12 +28,24 @@ from sweep_rows import H200_COPY_BYTES_PER_S as BANDWIDTH  # benchmarks/gpu, thi
 
 
 def parse_setting(text: str) -> tuple[str, str, object]:
-    """'package.module:NAME=literal' -> (module, name, value)."""
+    """'package.module:NAME=literal' -> (module, name, value); a value that is no literal stays its text, evaluated in
+    the module's namespace when the setting is applied (module_value)."""
     target, _, literal = text.partition("=")
     module, _, name = target.partition(":")
     if not (module and name and literal):
         raise ValueError(f"--set takes MODULE:NAME=VALUE, got {text!r}")
-    return module, name, ast.literal_eval(literal)
+    try:
+        return module, name, ast.literal_eval(literal)
+    except (ValueError, SyntaxError):
+        return module, name, _Expression(literal)
+
+
+class _Expression(str):
+    """A --set value to evaluate over its module's names."""
+
+
+def module_value(module, value):
+    return eval(value, vars(module)) if isinstance(value, _Expression) else value
 
 
 def parse_server_arg(text: str) -> tuple[str, object]:
@@ -94,7 +107,7 @@ def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tupl
                 if not hasattr(module, name):
                     raise AttributeError(f"{module_name} has no {name}")
                 saved.append((module, name, getattr(module, name)))
-                setattr(module, name, value)
+                setattr(module, name, module_value(module, value))
             changed = timed_steps(model, batch_sizes, context, steps, backend, fields)
         finally:
             for module, name, value in reversed(saved):
