@@ -6,8 +6,9 @@ captures its own CUDA graphs, so a constant read at capture time (a kernel route
       --server-arg disable_gemv_rotary_kv_store=True
 
 --set MODULE:NAME=VALUE (a Python literal, or an expression over MODULE's names such as
-`{"NVIDIA H200": {(3584, 4096, ""): (TcTile(64, 128), 8)}}`; repeatable: all in one build, or one build each with --separately) and
---server-arg NAME=VALUE (a ServerArgs field for the changed build, e.g. disable_gemv_rotary_kv_store=True). Prints
+`{"NVIDIA H200": {(3584, 4096, ""): (TcTile(64, 128), 8)}}`; repeatable: all in one build, one build each with
+--separately, or builds of the groups that --next separates) and --server-arg NAME=VALUE (a ServerArgs field for the
+changed build, e.g. disable_gemv_rotary_kv_store=True). Prints
 per batch size the step as committed and as changed (ms, tok/s, and for non-MLA models the share of the weights + KV
 ceiling at 4.28 TB/s, as gemma2_8k_decode.py counts it), and their ratio.
 """
@@ -92,12 +93,16 @@ def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int, ba
 
 def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tuple], steps: int = 48,
            separately: bool = False, backend: Optional[str] = None) -> dict:
-    """Times the steps as committed, then with `settings` applied (all together, or each on its own with
-    `separately`; restored after): (module, name, value) constants and ("ServerArgs", field, value) fields; prints
-    each against the committed build and the ratio."""
+    """Times the steps as committed, then with `settings` applied (all together, each on its own with `separately`,
+    or by group; restored after): (module, name, value) constants and ("ServerArgs", field, value) fields, each
+    optionally after its group number as (group, module, name, value); prints each build against the committed one
+    and the ratio."""
     committed = timed_steps(model, batch_sizes, context, steps, backend)
     results = {"committed": committed}
-    for variant in ([[s] for s in settings] if separately else [settings]):
+    groups: dict = {}
+    for s in settings:
+        groups.setdefault(s[0] if len(s) == 4 else 0, []).append(s[-3:])
+    for variant in ([[s[-3:]] for s in settings] if separately else list(groups.values())):
         fields = {name: value for module_name, name, value in variant if module_name == "ServerArgs"}
         variant = [s for s in variant if s[0] != "ServerArgs"]
         saved = []
@@ -112,7 +117,7 @@ def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tupl
         finally:
             for module, name, value in reversed(saved):
                 setattr(module, name, value)
-        what = ", ".join([name for _, name, _ in variant] + list(fields))
+        what = ", ".join(f"{name}={str(value)[:70]}" for _, name, value in variant + [("", *f) for f in fields.items()])
         results[what] = changed
         for bs in batch_sizes:
             (before, f_before), (after, f_after) = committed[bs], changed[bs]
@@ -123,6 +128,19 @@ def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tupl
     return results
 
 
+class _InGroup(argparse.Action):
+    """Appends (group, module, name, value) for a --set or a --server-arg (module "ServerArgs")."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setting = value if len(value) == 3 else ("ServerArgs", *value)
+        namespace.settings = namespace.settings + [(namespace.group, *setting)]
+
+
+class _NextGroup(argparse.Action):
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.group += 1
+
+
 def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -130,16 +148,18 @@ def main() -> int:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--context", type=int, default=8000)
     p.add_argument("--decode-steps", type=int, default=48)
-    p.add_argument("--set", dest="settings", action="append", default=[], type=parse_setting,
+    p.add_argument("--set", dest="settings", action=_InGroup, default=[], type=parse_setting,
                    metavar="MODULE:NAME=VALUE")
-    p.add_argument("--server-arg", dest="server_args", action="append", default=[], type=parse_server_arg,
+    p.add_argument("--server-arg", dest="settings", action=_InGroup, type=parse_server_arg,
                    metavar="NAME=VALUE", help="a ServerArgs field set in the changed build")
+    p.add_argument("--next", dest="group", action=_NextGroup, nargs=0, default=0,
+                   help="the settings after it make the next build")
     p.add_argument("--separately", action="store_true",
                    help="one build per --set / --server-arg instead of one with all of them")
     p.add_argument("--attention-backend", default=None, choices=["triton", "flashinfer"],
                    help="the runtime's default (Triton on a GPU) unless given")
     args = p.parse_args()
-    settings = args.settings + [("ServerArgs", name, value) for name, value in args.server_args]
+    settings = args.settings
     if not settings:
         p.error("nothing to change: give --set MODULE:NAME=VALUE or --server-arg NAME=VALUE")
     run_ab(args.model, args.batch_sizes, args.context, settings, args.decode_steps, args.separately,
