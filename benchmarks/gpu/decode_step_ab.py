@@ -92,12 +92,13 @@ def timed_steps(model: str, batch_sizes: list[int], context: int, steps: int, ba
 
 
 def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tuple], steps: int = 48,
-           separately: bool = False, backend: Optional[str] = None) -> dict:
+           separately: bool = False, backend: Optional[str] = None, common: Optional[dict] = None) -> dict:
     """Times the steps as committed, then with `settings` applied (all together, each on its own with `separately`,
     or by group; restored after): (module, name, value) constants and ("ServerArgs", field, value) fields, each
     optionally after its group number as (group, module, name, value); prints each build against the committed one
-    and the ratio."""
-    committed = timed_steps(model, batch_sizes, context, steps, backend)
+    and the ratio. common: ServerArgs fields of every build, the committed one included."""
+    common = common or {}
+    committed = timed_steps(model, batch_sizes, context, steps, backend, dict(common))
     results = {"committed": committed}
     groups: dict = {}
     for s in settings:
@@ -113,7 +114,7 @@ def run_ab(model: str, batch_sizes: list[int], context: int, settings: list[tupl
                     raise AttributeError(f"{module_name} has no {name}")
                 saved.append((module, name, getattr(module, name)))
                 setattr(module, name, module_value(module, value))
-            changed = timed_steps(model, batch_sizes, context, steps, backend, fields)
+            changed = timed_steps(model, batch_sizes, context, steps, backend, {**common, **fields})
         finally:
             for module, name, value in reversed(saved):
                 setattr(module, name, value)
@@ -152,6 +153,8 @@ def main() -> int:
                    metavar="MODULE:NAME=VALUE")
     p.add_argument("--server-arg", dest="settings", action=_InGroup, type=parse_server_arg,
                    metavar="NAME=VALUE", help="a ServerArgs field set in the changed build")
+    p.add_argument("--common-server-arg", dest="common", action="append", default=[], type=parse_server_arg,
+                   metavar="NAME=VALUE", help="a ServerArgs field of every build (e.g. kv_cache_dtype='fp8_e4m3')")
     p.add_argument("--next", dest="group", action=_NextGroup, nargs=0, default=0,
                    help="the settings after it make the next build")
     p.add_argument("--separately", action="store_true",
@@ -163,7 +166,7 @@ def main() -> int:
     if not settings:
         p.error("nothing to change: give --set MODULE:NAME=VALUE or --server-arg NAME=VALUE")
     run_ab(args.model, args.batch_sizes, args.context, settings, args.decode_steps, args.separately,
-           args.attention_backend)
+           args.attention_backend, dict(args.common))
     return 0
 
 

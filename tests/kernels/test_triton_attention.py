@@ -114,7 +114,7 @@ def run_extend_case(h, h_kv, d, dv, prefix_lens, extend_lens, dtype=torch.float3
 
 
 def run_decode_case(h, h_kv, d, dv, seq_lens, num_kv_splits, dtype=torch.float32, kv_dtype=None,
-                    logit_cap=0.0, window=-1, seed=0, device=DEVICE, k_scale=1.0, v_scale=1.0):
+                    logit_cap=0.0, window=-1, seed=0, device=DEVICE, k_scale=1.0, v_scale=1.0, launch_config=None):
     kv_dtype = kv_dtype or dtype
     gen = torch.Generator().manual_seed(seed)
     batch = len(seq_lens)
@@ -128,7 +128,8 @@ def run_decode_case(h, h_kv, d, dv, seq_lens, num_kv_splits, dtype=torch.float32
 
     decode_attention_fwd(q, k_buffer, v_buffer, o, req_to_token, rows,
                          torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                         attn_logits, num_kv_splits, sm_scale, logit_cap, window, k_scale, v_scale)
+                         attn_logits, num_kv_splits, sm_scale, logit_cap, window, k_scale, v_scale,
+                         launch_config=launch_config)
 
     errs = []
     for b, n in enumerate(seq_lens):
@@ -164,6 +165,17 @@ def test_decode_matches_reference(name):
     h, h_kv, d, dv, dtype, kv_dtype, cap, window = SMALL_CASES[name]
     err = run_decode_case(h, h_kv, d, dv, seq_lens=[1, 70, 17, 40], num_kv_splits=4,
                           dtype=dtype, kv_dtype=kv_dtype, logit_cap=cap, window=window, seed=len(name))
+    assert err <= tolerance(dtype, kv_dtype), err
+
+
+@pytest.mark.parametrize("name", ["gqa4_dv_ne_d_softcap", "gqa8_window", "bf16_fp8_e4m3_kv"])
+def test_decode_with_slots_loaded_a_tile_ahead(name):
+    # ROWS_AHEAD: each full tile's KV slots come from the iteration before; splits of 0..4 full 16-key tiles, with
+    # and without a partial last tile
+    h, h_kv, d, dv, dtype, kv_dtype, cap, window = SMALL_CASES[name]
+    err = run_decode_case(h, h_kv, d, dv, seq_lens=[1, 16, 70, 64, 33], num_kv_splits=2, dtype=dtype,
+                          kv_dtype=kv_dtype, logit_cap=cap, window=window, seed=len(name),
+                          launch_config=dict(BLOCK_N=16, num_warps=4, num_stages=1, ROWS_AHEAD=True))
     assert err <= tolerance(dtype, kv_dtype), err
 
 

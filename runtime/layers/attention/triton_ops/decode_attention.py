@@ -17,6 +17,11 @@ docs/benchmarks.md, session 16.)
 Splits cover ceil(len / num_kv_splits) keys rounded up to a whole BLOCK_N tile, so short sequences use
 fewer splits (the rest exit at once); the split count stays fixed, which CUDA graphs need.
 Values read from fp8 buffers are multiplied by k_scale / v_scale (the pool stores x / scale).
+
+Triton keeps one shared-memory buffer for K and V tiles gathered through slots loaded in the same iteration, whatever
+num_stages says, so a program's next tile loads only after this one's dots. ROWS_AHEAD (a launch-config key) loads each
+tile's slots one iteration ahead; the K/V loads then depend on no load of their iteration, and num_stages >= 3 gives
+them num_stages - 1 buffers (benchmarks/decode_attention_occupancy.py shows the shared memory it takes).
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr,
-    STAGE_V: tl.constexpr, USE_PDL: tl.constexpr,
+    STAGE_V: tl.constexpr, USE_PDL: tl.constexpr, ROWS_AHEAD: tl.constexpr = False,
 ):
     let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -135,9 +140,15 @@ def _decode_stage1_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     # split_len is a whole number of tiles: only the sequence's last tile can be partial
     full_hi = split_lo + (split_hi - split_lo) // BLOCK_N * BLOCK_N
+    rows_next = tl.load(req_row + split_lo + offs_n, mask=split_lo + offs_n < full_hi, other=0)
     for start_n in range(split_lo, full_hi, BLOCK_N):
         offs_kv = start_n + offs_n
-        rows = tl.load(req_row + offs_kv).to(tl.int64)
+        if ROWS_AHEAD:
+            # the tile's slots were loaded one iteration ahead, so its K/V loads depend on no load of this iteration
+            rows = rows_next.to(tl.int64)
+            rows_next = tl.load(req_row + offs_kv + BLOCK_N, mask=offs_kv + BLOCK_N < full_hi, other=0)
+        else:
+            rows = tl.load(req_row + offs_kv).to(tl.int64)
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, qpe, offs_h, offs_kv, rows, offs_kv < split_hi,
             K_h, V_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
@@ -229,7 +240,7 @@ def decode_attention_fwd(
     sliding_window: int = -1,
     k_scale: float = 1.0,  # dequantisation scales of values read from k_buffer / v_buffer (fp8 caches)
     v_scale: float = 1.0,
-    launch_config: Optional[dict] = None,  # stage 1's BLOCK_N, num_warps, num_stages (benchmark sweeps)
+    launch_config: Optional[dict] = None,  # stage 1's BLOCK_N, num_warps, num_stages[, ROWS_AHEAD]
 ) -> None:
     b, h, d = q.shape
     h_kv = k_buffer.shape[1]
