@@ -75,9 +75,14 @@ MEASURED_TILES: dict = {
         (3584, 14336, ""): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0), 8),
         (28672, 3584, "gelu"): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1), 8),
     },
-    # 2026-12-06, Gemma-2-9B shapes at 2 and 8 rows: no best tile beat cuBLAS by more than 2% (gate_up + GELU
-    # 4.09 / 4.05 TB/s against 4.02 / 3.96; qkv, o, down at or below it), so every shape stays on cuBLAS
-    "NVIDIA H200": {},
+    # Gemma-2-9B: alone, no tile beat cuBLAS by more than 2% (2026-12-06, session 21), but in the batch-8 decode step
+    # at 8K these three together made it 1.020x (session 22: streaming their first tiles during the kernel before);
+    # qkv on the tile too made it 1.024x, so qkv stays on cuBLAS
+    "NVIDIA H200": {
+        (28672, 3584, "gelu"): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1), 8),
+        (3584, 14336, ""): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0), 8),
+        (3584, 4096, ""): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0), 8),
+    },
 }
 
 

@@ -16,7 +16,8 @@ import torch
 from braid.runtime.layers.attention.triton_ops import decode_attention_fwd
 
 # Compiled in a subprocess: under TRITON_INTERPRET=1 (the test run's setting) kernels are interpreted, not compiled.
-# Shapes: Llama-3-8B heads (the runtime's launch for head_dim 128) and DeepSeek-V2's latent (576 = 512 + 64 keys,
+# Shapes: Llama-3-8B heads (the launch for head_dim 128, and with ROWS_AHEAD as the runtime launches it over fp8) and
+# DeepSeek-V2's latent (576 = 512 + 64 keys,
 # 512 values, one buffer). Prints the number of LDS.U8 instructions of stage 1 compiled for sm90.
 COUNT_SHARED_BYTE_LOADS = """
 import os, re, subprocess, sys, tempfile
@@ -26,12 +27,14 @@ from triton.compiler import ASTSource
 from braid.runtime.layers.attention.triton_ops.decode_attention import _decode_stage1_kernel as fn
 
 kv_type, shape, stage_v = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-shape_constants, num_warps = {
-    "gqa-128": (dict(KV_GROUP=4, D=128, DV=128, BLOCK_D=128, BLOCK_DPE=0, BLOCK_DV=128, BLOCK_N=64), 2),
-    "mla-576": (dict(KV_GROUP=16, D=576, DV=512, BLOCK_D=512, BLOCK_DPE=64, BLOCK_DV=512, BLOCK_N=32), 8),
+gqa_128 = dict(KV_GROUP=4, D=128, DV=128, BLOCK_D=128, BLOCK_DPE=0, BLOCK_DV=128, BLOCK_N=64)
+shape_constants, num_warps, num_stages = {
+    "gqa-128": (gqa_128, 2, 2),
+    "gqa-128-rows-ahead": (dict(gqa_128, ROWS_AHEAD=True), 2, 3),  # the runtime's launch for fp8 caches
+    "mla-576": (dict(KV_GROUP=16, D=576, DV=512, BLOCK_D=512, BLOCK_DPE=64, BLOCK_DV=512, BLOCK_N=32), 8, 2),
 }[shape]
-constants = dict(shape_constants, HEAD_BLOCKS=1, BLOCK_H=16, USE_CAP=False, USE_WINDOW=False, DOT_DTYPE=tl.float16,
-                 CLAMP_Q=True, STAGE_V=stage_v, USE_PDL=False)
+constants = dict(dict(ROWS_AHEAD=False), **shape_constants, HEAD_BLOCKS=1, BLOCK_H=16, USE_CAP=False,
+                 USE_WINDOW=False, DOT_DTYPE=tl.float16, CLAMP_Q=True, STAGE_V=stage_v, USE_PDL=False)
 pointers = dict(Q="*bf16", K_buf="*" + kv_type, V_buf="*" + kv_type, Req_to_token="*i32", B_req_idx="*i64",
                 B_seq_len="*i64", Att="*fp32")
 signature = {n: pointers.get(n, "fp32" if n in ("sm_scale", "logit_cap", "v_scale") else "i32") for n in fn.arg_names}
@@ -40,7 +43,7 @@ signature.update({n: "constexpr" for n in constants})
 aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
            if n in pointers or n.startswith("stride")}
 kernel = triton.compile(ASTSource(fn, signature, constants, aligned), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=num_warps, num_stages=2))
+                        options=dict(num_warps=num_warps, num_stages=num_stages))
 with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
     f.write(kernel.asm["cubin"])
     f.flush()
@@ -59,7 +62,7 @@ def shared_byte_loads(kv_type: str, shape: str, stage_v: bool) -> int:
     return int(done.stdout.split()[-1])
 
 
-@pytest.mark.parametrize("shape", ["gqa-128", "mla-576"])
+@pytest.mark.parametrize("shape", ["gqa-128", "gqa-128-rows-ahead", "mla-576"])
 def test_fp8_values_leave_shared_memory_in_16_bit_loads(shape):
     assert shared_byte_loads("fp8e4nv", shape, stage_v=False) >= 64
     assert shared_byte_loads("fp8e4nv", shape, stage_v=True) == 0
