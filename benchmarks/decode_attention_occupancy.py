@@ -4,7 +4,7 @@ model shape and launch config: registers, spills, shared memory, how many progra
 an H200 / H100 (132 SMs).
 
   python benchmarks/decode_attention_occupancy.py [--shapes gemma2-9b llama3-8b llama3-8b-fp8] [--batch-sizes 1 8 64]
-      [--splits 4 6 8 12 16 32] [--configs 64,4,2 32,4,2 ...]
+      [--splits 4 6 8 12 16 32] [--configs 64,4,2 32,4,3,ahead ...]   (",ahead": ROWS_AHEAD)
 
 Run with TRITON_INTERPRET unset (the test suite sets it; interpreted kernels are not compiled).
 """
@@ -28,10 +28,10 @@ SHAPES = {
     "llama3-8b": (4, 8, 128, False, "bf16"),
     "llama3-8b-fp8": (4, 8, 128, False, "fp8e4nv"),
 }
-DEFAULT_CONFIGS = ["64,4,2", "64,2,2", "32,4,2", "32,2,2", "16,4,2", "64,8,2"]
+DEFAULT_CONFIGS = ["64,4,2", "64,2,2", "32,4,2", "32,2,2", "16,4,2", "64,8,2", "32,4,3,ahead", "64,2,3,ahead"]
 
 
-def compile_stage1(shape: str, block_n: int, num_warps: int, num_stages: int) -> dict:
+def compile_stage1(shape: str, block_n: int, num_warps: int, num_stages: int, rows_ahead: bool = False) -> dict:
     """-> {"registers", "spill_bytes", "shared_bytes"} of stage 1 for sm90 at this shape and config."""
     import triton
     import triton.language as tl
@@ -44,7 +44,8 @@ def compile_stage1(shape: str, block_n: int, num_warps: int, num_stages: int) ->
     fp8 = kv_type != "bf16"
     constants = dict(KV_GROUP=group, HEAD_BLOCKS=1, D=head_dim, DV=head_dim, BLOCK_D=head_dim, BLOCK_DPE=0,
                      BLOCK_DV=head_dim, BLOCK_H=16, BLOCK_N=block_n, USE_CAP=cap, USE_WINDOW=False,
-                     DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, CLAMP_Q=fp8, STAGE_V=fp8, USE_PDL=True)
+                     DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, CLAMP_Q=fp8, STAGE_V=fp8, USE_PDL=True,
+                     ROWS_AHEAD=rows_ahead)
     pointers = dict(Q="*bf16", K_buf="*" + kv_type, V_buf="*" + kv_type, Req_to_token="*i32", B_req_idx="*i64",
                     B_seq_len="*i64", Att="*fp32")
     signature = {n: pointers.get(n, "fp32" if n in ("sm_scale", "logit_cap", "v_scale") else "i32")
@@ -85,17 +86,17 @@ def main() -> int:
     import triton
     print(f"Triton {triton.__version__}, sm90")
     print("waves = batch x KV heads x splits / (programs per SM x %d SMs)" % SMS)
-    print(f"{'shape':<14} {'config':<9} {'regs':>4} {'spill':>5} {'smem KB':>7} {'per SM':>6}  waves "
+    print(f"{'shape':<14} {'config':<13} {'regs':>4} {'spill':>5} {'smem KB':>7} {'per SM':>6}  waves "
           + " ".join(f"b{b}" for b in args.batch_sizes) + " at splits " + ",".join(map(str, args.splits)))
     for shape in args.shapes:
         for text in args.configs:
-            block_n, num_warps, num_stages = (int(v) for v in text.split(","))
-            r = compile_stage1(shape, block_n, num_warps, num_stages)
+            block_n, num_warps, num_stages = (int(v) for v in text.split(",")[:3])
+            r = compile_stage1(shape, block_n, num_warps, num_stages, text.endswith(",ahead"))
             per_sm = programs_per_sm(r["registers"], r["shared_bytes"], num_warps)
             kv_heads = SHAPES[shape][1]
             waves = "  ".join(f"b{b}: " + "/".join(f"{b * kv_heads * s / (per_sm * SMS):.2f}" for s in args.splits)
                               for b in args.batch_sizes)
-            print(f"{shape:<14} {text:<9} {r['registers']:>4} {r['spill_bytes']:>5} {r['shared_bytes'] / 1024:>7.1f} "
+            print(f"{shape:<14} {text:<13} {r['registers']:>4} {r['spill_bytes']:>5} {r['shared_bytes'] / 1024:>7.1f} "
                   f"{per_sm:>6}  {waves}", flush=True)
     return 0
 
