@@ -23,20 +23,24 @@ import torch
 
 from sweep_rows import H200_COPY_BYTES_PER_S as BANDWIDTH  # benchmarks/gpu, this script's folder
 HEADS, KV_HEADS, HEAD_DIM, CAP = 16, 8, 256, 50.0
-# stage-1 (BLOCK_N, num_warps, num_stages); None: the runtime's own choice (decode_attention._decode_launch_configs)
+# stage-1 (BLOCK_N, num_warps, num_stages[, ROWS_AHEAD]); None: the runtime's own choice
+# (decode_attention._decode_launch_configs)
 BEFORE_SPLITS = 16  # the runtime's split count for every batch size before decode_kv_splits
 CONFIGS = [None, (64, 4, 2), (64, 4, 3), (64, 8, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (32, 8, 3),
-           (16, 4, 4), (128, 8, 2)]
+           (16, 4, 4), (128, 8, 2), (32, 4, 4, True)]
 
 
 def config_label(config) -> str:
     """A CONFIGS entry's name in the result rows."""
-    return "runtime" if config is None else "BLOCK_N=%d warps=%d stages=%d" % config
+    if config is None:
+        return "runtime"
+    return "BLOCK_N=%d warps=%d stages=%d" % config[:3] + (" rows ahead" if config[3:] == (True,) else "")
 
 
 def decode_options(config) -> dict:
     """A CONFIGS entry as decode_attention_fwd's launch_config argument."""
-    launch = None if config is None else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2])
+    launch = None if config is None else dict(BLOCK_N=config[0], num_warps=config[1], num_stages=config[2],
+                                              ROWS_AHEAD=config[3:] == (True,))
     return {"launch_config": launch}
 
 
