@@ -17,8 +17,8 @@ from braid.runtime.layers.attention.triton_ops import decode_attention_fwd
 
 # Compiled in a subprocess: under TRITON_INTERPRET=1 (the test run's setting) kernels are interpreted, not compiled.
 # Shapes: Llama-3-8B heads (the launch for head_dim 128, and with ROWS_AHEAD as the runtime launches it over fp8) and
-# DeepSeek-V2's latent (576 = 512 + 64 keys,
-# 512 values, one buffer). Prints the number of LDS.U8 instructions of stage 1 compiled for sm90.
+# DeepSeek-V2's latent (576 = 512 + 64 keys, 512 values, one buffer). Prints the number of LDS.U8 instructions of
+# stage 1 compiled for sm90.
 COUNT_SHARED_BYTE_LOADS = """
 import os, re, subprocess, sys, tempfile
 import triton, triton.language as tl

@@ -140,7 +140,8 @@ def _decode_stage1_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     # split_len is a whole number of tiles: only the sequence's last tile can be partial
     full_hi = split_lo + (split_hi - split_lo) // BLOCK_N * BLOCK_N
-    rows_next = tl.load(req_row + split_lo + offs_n, mask=split_lo + offs_n < full_hi, other=0)
+    if ROWS_AHEAD:
+        rows_next = tl.load(req_row + split_lo + offs_n, mask=split_lo + offs_n < full_hi, other=0)
     for start_n in range(split_lo, full_hi, BLOCK_N):
         offs_kv = start_n + offs_n
         if ROWS_AHEAD:
