@@ -11,6 +11,8 @@ ranges of K, and dots each [BLOCK_N, BLOCK_K] weight tile with x's rows as the c
 (one wgmma: BLOCK_N >= 64). With SPLIT_K > 1 the programs of a row tile store their sums in a workspace and the last
 to arrive (an atomic counter) adds them in split order, so every call gives the same result, and runs the epilogue.
 With PDL the first weight tile streams before the wait for x, as in the batch-1 GEMV (gemv.py).
+small_batch_rotary_store is a decode step's qkv projection with rotary and the KV write as its epilogue, as the batch-1
+GEMV has it: each row tile pairs the rows of half a q or k head with those half a head further (neox rotation pairs).
 
 Weights: bf16/fp16 with x in the same dtype, or e4m3 with one fp32 scale per row (FP8_W: each row of x rounded to
 e4m3 with its own scale per BLOCK_K chunk, an fp8 dot; or X_PREQUANT: x e4m3 already, its row scales applied in the

@@ -1,10 +1,10 @@
 """Dense weights in the activation dtype (bf16/fp16/fp32).
 
 Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA and its tensor-core form for 2..16 rows on the shapes
-where it was measured faster than cuBLAS (SiLU- or GELU-tanh-and-mul fused after them; gemv.py, small_batch_gemm.py;
-a decode step's qkv projection with rotary and the KV write as its epilogue, at 2..16 rows where MEASURED_TILES has
-the shape under "rotary"), a
-oneDNN-prepacked copy of the weight on CPU (cpu_gemm.py), F.linear everywhere else.
+where it was measured faster than cuBLAS (SiLU- or GELU-tanh-and-mul fused after them; gemv.py, small_batch_gemm.py),
+each also as a decode step's qkv projection with rotary and the KV write as its epilogue (the tile where
+MEASURED_TILES has the shape under "rotary"); a oneDNN-prepacked copy of the weight on CPU (cpu_gemm.py); F.linear
+everywhere else.
 """
 
 from __future__ import annotations
