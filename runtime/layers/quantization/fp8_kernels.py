@@ -433,6 +433,15 @@ MEASURED_FP8_SMALL_BATCH_CONFIGS = {
         (4096, 4096, False): Fp8GemvConfig("tc", 64, 128, 4, 6, split_k=0),  # o
         (4096, 14336, False): Fp8GemvConfig("tc", 128, 128, 4, 4, split_k=0),  # down
     },
+    # "tcq" (x quantized per row by quantize_rows first; the kernel's loop then holds no reduction) on the H200's tiles:
+    # Llama-3-8B fp8 batch-8 decode step at 2K context 5.398 ms with SMALL_BATCH_TC_CONFIG everywhere, 5.282 with the
+    # H200's tc tiles, 5.140 (1.050x) with these (benchmarks/gpu/decode_step_ab.py, 2026-12-06)
+    "NVIDIA H100 80GB HBM3": {
+        (6144, 4096, False): Fp8GemvConfig("tcq", 64, 128, 4, 6, split_k=0),  # qkv
+        (4096, 4096, False): Fp8GemvConfig("tcq", 64, 128, 4, 6, split_k=0),  # o
+        (4096, 14336, False): Fp8GemvConfig("tcq", 128, 128, 4, 4, split_k=0),  # down
+        (28672, 4096, True): Fp8GemvConfig("tcq", 64, 256, 4, 4, split_k=0),  # gate_up + SiLU-and-mul
+    },
 }
 
 
