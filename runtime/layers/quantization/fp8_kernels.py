@@ -433,13 +433,14 @@ MEASURED_FP8_SMALL_BATCH_CONFIGS = {
         (4096, 4096, False): Fp8GemvConfig("tc", 64, 128, 4, 6, split_k=0),  # o
         (4096, 14336, False): Fp8GemvConfig("tc", 128, 128, 4, 4, split_k=0),  # down
     },
-    # "tcq" (x quantized per row by quantize_rows first; the kernel's loop then holds no reduction) on the H200's tiles:
-    # Llama-3-8B fp8 batch-8 decode step at 2K context 5.398 ms with SMALL_BATCH_TC_CONFIG everywhere, 5.282 with the
-    # H200's tc tiles, 5.140 (1.050x) with these (benchmarks/gpu/decode_step_ab.py, 2026-12-06)
+    # "tcq" (x quantized per row by quantize_rows first: the kernel's loop then holds no reduction), 64 x 256 tiles:
+    # Llama-3-8B fp8 batch-8 decode step at 2K context, each A/B in one process (benchmarks/gpu/decode_step_ab.py,
+    # 2026-12-06): SMALL_BATCH_TC_CONFIG everywhere 5.398 ms, the H200's tc tiles 5.282, tcq on those tiles 5.140
+    # (1.050x), tcq 64 x 256 everywhere 1.025x that (tcq 128 x 128 0.945x, 64 x 128 x 8 stages 0.977x)
     "NVIDIA H100 80GB HBM3": {
-        (6144, 4096, False): Fp8GemvConfig("tcq", 64, 128, 4, 6, split_k=0),  # qkv
-        (4096, 4096, False): Fp8GemvConfig("tcq", 64, 128, 4, 6, split_k=0),  # o
-        (4096, 14336, False): Fp8GemvConfig("tcq", 128, 128, 4, 4, split_k=0),  # down
+        (6144, 4096, False): Fp8GemvConfig("tcq", 64, 256, 4, 4, split_k=0),  # qkv
+        (4096, 4096, False): Fp8GemvConfig("tcq", 64, 256, 4, 4, split_k=0),  # o
+        (4096, 14336, False): Fp8GemvConfig("tcq", 64, 256, 4, 4, split_k=0),  # down
         (28672, 4096, True): Fp8GemvConfig("tcq", 64, 256, 4, 4, split_k=0),  # gate_up + SiLU-and-mul
     },
 }
