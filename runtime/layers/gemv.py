@@ -292,41 +292,28 @@ class RotaryKVStore:
                              self.num_kv_heads * self.v_head_dim], dim=-1)
         return self.unfused(q, k, v)
 
-    def fused_target(self, x: torch.Tensor, weight: torch.Tensor):
-        """For a kernel that runs the projection x [T, K] @ weight^T with this epilogue in one launch: (cos_sin
-        [max_pos, D], K cache, V cache, slots [T]), or None where such a kernel does not apply: rotary over part of a
-        head or in interleaved pairs, a weight that is not this layer's qkv, no cache target, a cache in another
-        dtype than x."""
-        h, h_kv, d, dv = self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim
-        rotary, tokens = self.rotary, x.shape[0]
-        cos_sin = getattr(rotary, "cos_sin_cache", None)
-        if (weight.dim() != 2 or weight.shape[0] != (h + h_kv) * d + h_kv * dv or self.positions.numel() != tokens
-                or not rotary.is_neox_style or rotary.rotary_dim != d or d % 16 or cos_sin is None
-                or cos_sin.device != x.device or cos_sin.dim() != 2 or cos_sin.shape[1] != d
-                or cos_sin.stride(1) != 1):
-            return None
-        target = self.target()
-        if target is None:
-            return None
-        k_cache, v_cache, loc = target
-        if (k_cache.dtype != x.dtype or v_cache.dtype != x.dtype or not k_cache.is_contiguous()
-                or not v_cache.is_contiguous() or k_cache.shape[1:] != (h_kv, d) or v_cache[0].numel() != h_kv * dv
-                or loc.numel() != tokens or loc.device != x.device):
-            return None
-        return cos_sin, k_cache, v_cache, loc
-
 
 def gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, epilogue: RotaryKVStore,
                       config: Optional[dict] = None) -> Optional[torch.Tensor]:
     """x: [1, K]; weight: the qkv projection [H*D + Hkv*D + Hkv*Dv, K] -> q [1, H*D], rotated, with the rotated k and
     v written to the cache `epilogue.target()` names: the projection, rotary and the KV write in one launch. None
-    (nothing done) where the kernel does not apply (RotaryKVStore.fused_target). `config` (BLOCK_N, BLOCK_K,
-    num_warps, num_stages) skips the autotuner."""
-    found = epilogue.fused_target(x, weight) if supports(x, weight) else None
-    if found is None:
-        return None  # (the configs' up to 8 pairs per program must divide a half head: fused_target's d % 16)
-    cos_sin, k_cache, v_cache, loc = found
+    (nothing done) where the kernel does not apply: rotary over part of a head or in interleaved pairs, no cache
+    target, a cache in another dtype than x. `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) skips the autotuner."""
+    rotary = epilogue.rotary
     h, h_kv, d, dv = epilogue.num_heads, epilogue.num_kv_heads, epilogue.head_dim, epilogue.v_head_dim
+    cos_sin = getattr(rotary, "cos_sin_cache", None)
+    if (not supports(x, weight) or weight.shape[0] != (h + h_kv) * d + h_kv * dv or epilogue.positions.numel() != 1
+            or not rotary.is_neox_style or rotary.rotary_dim != d or d % 16 or cos_sin is None
+            or cos_sin.device != x.device or cos_sin.dim() != 2 or cos_sin.shape[1] != d or cos_sin.stride(1) != 1):
+        return None  # (the configs' up to 8 pairs per program must divide a half head)
+    target = epilogue.target()
+    if target is None:
+        return None
+    k_cache, v_cache, loc = target
+    if (k_cache.dtype != x.dtype or v_cache.dtype != x.dtype or not k_cache.is_contiguous()
+            or not v_cache.is_contiguous() or k_cache.shape[1:] != (h_kv, d) or v_cache[0].numel() != h_kv * dv
+            or loc.numel() != 1 or loc.device != x.device):
+        return None
     x = x.contiguous()
     q = torch.empty((1, h * d), dtype=x.dtype, device=x.device)
     k = weight.shape[1]

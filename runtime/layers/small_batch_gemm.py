@@ -11,8 +11,6 @@ ranges of K, and dots each [BLOCK_N, BLOCK_K] weight tile with x's rows as the c
 (one wgmma: BLOCK_N >= 64). With SPLIT_K > 1 the programs of a row tile store their sums in a workspace and the last
 to arrive (an atomic counter) adds them in split order, so every call gives the same result, and runs the epilogue.
 With PDL the first weight tile streams before the wait for x, as in the batch-1 GEMV (gemv.py).
-small_batch_rotary_store is a decode step's qkv projection with rotary and the KV write as its epilogue, as the batch-1
-GEMV has it: each row tile pairs the rows of half a q or k head with those half a head further (neox rotation pairs).
 
 Weights: bf16/fp16 with x in the same dtype, or e4m3 with one fp32 scale per row (FP8_W: each row of x rounded to
 e4m3 with its own scale per BLOCK_K chunk, an fp8 dot; or X_PREQUANT: x e4m3 already, its row scales applied in the
@@ -36,7 +34,7 @@ from braid.runtime.layers.activation_kernels import gelu_tanh
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
 __all__ = ["MAX_ROWS", "TcTile", "DEFAULT_TILE", "CANDIDATE_TILES", "MEASURED_TILES", "measured_tile",
-           "small_batch_gemm", "small_batch_gemm_applies", "small_batch_rotary_store", "launch_small_batch_tc"]
+           "small_batch_gemm", "small_batch_gemm_applies", "launch_small_batch_tc"]
 
 MAX_ROWS = 16  # x's rows: the columns of the [BLOCK_K, 16] tensor-core operand
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -139,69 +137,6 @@ def _epilogue(y, y_up, w_scale_ptr, x_scale_ptr, x_rows, x_row_mask, out_ptrs, r
 
 
 @triton.jit
-def _stream_dots(x_ptr, x_row_stride, x_rows, x_row_mask, w_ptr, w_row_stride, rows, row_mask, pair_offset, cols,
-                 k_start, k_end, PAIRED: tl.constexpr, FP8_W: tl.constexpr, X_PREQUANT: tl.constexpr,
-                 DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_K: tl.constexpr):
-    """-> (acc, acc_pair) [BLOCK_N, 16] fp32: W[rows] @ x^T over K in [k_start, k_end) (cols: arange(BLOCK_K)), column m
-    for x's row m, and with PAIRED W[rows + pair_offset] @ x^T (else acc_pair is acc)."""
-    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + (k_start + cols)[None, :]
-    pair_step = pair_offset.to(tl.int64) * w_row_stride
-    # the first weight tile streams before the wait for x (PDL; no kernel of the step writes W)
-    kk = k_start + cols
-    k_mask = kk < k_end
-    w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-    u = w
-    if PAIRED:
-        u = tl.load(w_ptrs + pair_step, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
-                    eviction_policy="evict_first")
-    wait_for_previous_kernel(USE_PDL)
-    x, x_scale = _x_tile(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask, FP8_W, X_PREQUANT)
-    acc = _tile_dot(w, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)
-    acc_pair = acc
-    if PAIRED:
-        acc_pair = _tile_dot(u, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        w_ptrs += BLOCK_K
-        kk = k0 + cols
-        k_mask = kk < k_end
-        x, x_scale = _x_tile(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask, FP8_W, X_PREQUANT)
-        w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
-        acc += _tile_dot(w, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)
-        if PAIRED:
-            u = tl.load(w_ptrs + pair_step, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            acc_pair += _tile_dot(u, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)
-    return acc, acc_pair
-
-
-@triton.jit
-def _add_split_sums(acc, acc_pair, partial_ptr, count_ptr, tile, pid_k, rows, pair_rows, x_rows, out_mask,
-                    split_stride, PAIRED: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Split over K: stores this program's sums in partial [SPLIT_K, 16, split_stride] (at their weight rows) ->
-    (whether this program is the last of its row tile to arrive, and then the sums of every split added in split
-    order, so every call gives the same bits; the tile's counter is back at zero after)."""
-    part = partial_ptr + x_rows[None, :] * split_stride
-    tl.store(part + pid_k * 16 * split_stride + rows[:, None], acc, mask=out_mask)
-    if PAIRED:
-        tl.store(part + pid_k * 16 * split_stride + pair_rows[:, None], acc_pair, mask=out_mask)
-    # every thread's stores precede one thread's release of the counter (as CUTLASS's semaphores do)
-    tl.debug_barrier()
-    last = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1
-    if last:
-        # read from L2, where the other programs' stores are
-        acc = tl.zeros_like(acc)
-        acc_pair = tl.zeros_like(acc_pair)
-        for split in tl.static_range(SPLIT_K):
-            acc += tl.load(part + split * 16 * split_stride + rows[:, None], mask=out_mask, other=0.0,
-                           cache_modifier=".cg")
-            if PAIRED:
-                acc_pair += tl.load(part + split * 16 * split_stride + pair_rows[:, None], mask=out_mask, other=0.0,
-                                    cache_modifier=".cg")
-        tl.atomic_xchg(count_ptr + tile, 0)
-    return last, acc, acc_pair
-
-
-@triton.jit
 def _small_batch_tc_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, y_ptr, partial_ptr, count_ptr, M, N, K,
                            x_row_stride, w_row_stride, ACT: tl.constexpr, FP8_W: tl.constexpr,
                            X_PREQUANT: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
@@ -219,93 +154,60 @@ def _small_batch_tc_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, y_ptr, partia
     row_mask = rows < N
     x_rows = tl.arange(0, 16)
     x_row_mask = x_rows < M
-    acc, acc_up = _stream_dots(x_ptr, x_row_stride, x_rows, x_row_mask, w_ptr, w_row_stride, rows, row_mask, N, cols,
-                               k_start, k_end, ACT != 0, FP8_W, X_PREQUANT, DOT_F32, USE_PDL, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride + (k_start + cols)[None, :]
+    up_offset = N.to(tl.int64) * w_row_stride
+    # the first weight tile streams before the wait for x (PDL; no kernel of the step writes W)
+    kk = k_start + cols
+    k_mask = kk < k_end
+    w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+    u = w
+    if ACT != 0:
+        u = tl.load(w_ptrs + up_offset, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+                    eviction_policy="evict_first")
+    wait_for_previous_kernel(USE_PDL)
+    x, x_scale = _x_tile(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask, FP8_W, X_PREQUANT)
+    acc = _tile_dot(w, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)  # [BLOCK_N, 16]: column m for x's row m
+    acc_up = acc
+    if ACT != 0:
+        acc_up = _tile_dot(u, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        w_ptrs += BLOCK_K
+        kk = k0 + cols
+        k_mask = kk < k_end
+        x, x_scale = _x_tile(x_ptr, x_row_stride, x_rows, x_row_mask, kk, k_mask, FP8_W, X_PREQUANT)
+        w = tl.load(w_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0, eviction_policy="evict_first")
+        acc += _tile_dot(w, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)
+        if ACT != 0:
+            u = tl.load(w_ptrs + up_offset, mask=row_mask[:, None] & k_mask[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            acc_up += _tile_dot(u, x, x_scale, FP8_W, X_PREQUANT, DOT_F32)
     out_mask = row_mask[:, None] & x_row_mask[None, :]
     out_ptrs = y_ptr + x_rows[None, :] * N + rows[:, None]  # y [M, N]
     if SPLIT_K == 1:
         _epilogue(acc, acc_up, w_scale_ptr, x_scale_ptr, x_rows, x_row_mask, out_ptrs, rows, row_mask, out_mask, N,
                   ACT, FP8_W, X_PREQUANT)
     else:
-        last, acc, acc_up = _add_split_sums(acc, acc_up, partial_ptr, count_ptr, pid_n, pid_k, rows, rows + N, x_rows,
-                                            out_mask, 2 * N if ACT != 0 else N, ACT != 0, SPLIT_K)
-        if last:
+        split_stride = 2 * N if ACT != 0 else N
+        tile = partial_ptr + x_rows[None, :] * split_stride + rows[:, None]  # split 0's [BLOCK_N, 16] sums
+        tl.store(tile + pid_k * 16 * split_stride, acc, mask=out_mask)
+        if ACT != 0:
+            tl.store(tile + pid_k * 16 * split_stride + N, acc_up, mask=out_mask)
+        # every thread's stores precede one thread's release of the counter (as CUTLASS's semaphores do)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            # the last of the row tile: the sums in split order, read from L2 where the others' stores are; then the
+            # counter back to zero
+            acc = tl.zeros_like(acc)
+            acc_up = tl.zeros_like(acc_up)
+            for split in tl.static_range(SPLIT_K):
+                acc += tl.load(tile + split * 16 * split_stride, mask=out_mask, other=0.0, cache_modifier=".cg")
+                if ACT != 0:
+                    acc_up += tl.load(tile + split * 16 * split_stride + N, mask=out_mask, other=0.0,
+                                      cache_modifier=".cg")
+            tl.atomic_xchg(count_ptr + pid_n, 0)
             _epilogue(acc, acc_up, w_scale_ptr, x_scale_ptr, x_rows, x_row_mask, out_ptrs, rows, row_mask, out_mask,
                       N, ACT, FP8_W, X_PREQUANT)
-
-
-@triton.jit
-def _rotary_store_epilogue(y1, y2, rotated, first, pair_offset, offs, x_rows, x_row_mask, q_ptr, pos_ptr,
-                           cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr, v_cache_ptr, k_cache_stride,
-                           v_cache_stride, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QK_ROWS: tl.constexpr):
-    """y1, y2 [BLOCK_N, 16] fp32: rows first + offs and pair_offset further of the qkv projection, column m for token
-    m. A q or k head's rows (rotated): the first half's and the second half's, rotated together into q or the K cache;
-    else V rows, written to the V cache as they are."""
-    out_dtype = q_ptr.dtype.element_ty
-    HALF: tl.constexpr = HEAD_DIM // 2
-    # rounded where the unfused projection's output is, then rotated in fp32 as rotary_kernels does
-    y1 = y1.to(out_dtype).to(tl.float32)
-    y2 = y2.to(out_dtype).to(tl.float32)
-    mask = (offs[:, None] >= 0) & x_row_mask[None, :]
-    slot = tl.load(loc_ptr + x_rows, mask=x_row_mask, other=0).to(tl.int64)[None, :]
-    if rotated:
-        pos = tl.load(pos_ptr + x_rows, mask=x_row_mask, other=0).to(tl.int64)
-        cos_sin = cos_sin_ptr + pos[None, :] * cos_sin_stride + (first % HEAD_DIM + offs)[:, None]
-        cos = tl.load(cos_sin, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(cos_sin + HALF, mask=mask, other=0.0).to(tl.float32)
-        o1 = (y1 * cos - y2 * sin).to(out_dtype)
-        o2 = (y2 * cos + y1 * sin).to(out_dtype)
-        if first < NUM_Q_HEADS * HEAD_DIM:
-            q_rows = q_ptr + x_rows[None, :] * (NUM_Q_HEADS * HEAD_DIM) + (first + offs)[:, None]  # q [T, H*D]
-            tl.store(q_rows, o1, mask=mask)
-            tl.store(q_rows + HALF, o2, mask=mask)
-        else:
-            k_rows = k_cache_ptr + slot * k_cache_stride + (first - NUM_Q_HEADS * HEAD_DIM + offs)[:, None]
-            tl.store(k_rows, o1, mask=mask)
-            tl.store(k_rows + HALF, o2, mask=mask)
-    else:
-        v_rows = v_cache_ptr + slot * v_cache_stride + (first - QK_ROWS + offs)[:, None]
-        tl.store(v_rows, y1.to(out_dtype), mask=mask)
-        tl.store(v_rows + pair_offset, y2.to(out_dtype), mask=mask)
-
-
-@triton.jit
-def _small_batch_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
-                                     v_cache_ptr, k_cache_stride, v_cache_stride, partial_ptr, count_ptr, M, K,
-                                     x_row_stride, w_row_stride, NUM_Q_HEADS: tl.constexpr,
-                                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, V_WIDTH: tl.constexpr,
-                                     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """A decode batch's qkv projection with rotary and the KV write as its epilogue (gemv.py's batch-1 kernel, for 2..16
-    tokens on tensor cores). Row tile pid_n owns BLOCK_N rows of a q or k head's first half and the rows HEAD_DIM / 2
-    further that they rotate with (neox pairs), or BLOCK_N rows of V's first half and those V_WIDTH / 2 further."""
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    let_next_kernel_launch(USE_PDL)
-    QK_ROWS: tl.constexpr = (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM
-    TILES_PER_HEAD: tl.constexpr = HEAD_DIM // 2 // BLOCK_N
-    ROTATED_TILES: tl.constexpr = (NUM_Q_HEADS + NUM_KV_HEADS) * TILES_PER_HEAD
-    rotated = pid_n < ROTATED_TILES
-    first = tl.where(rotated, pid_n // TILES_PER_HEAD * HEAD_DIM + pid_n % TILES_PER_HEAD * BLOCK_N,
-                     QK_ROWS + (pid_n - ROTATED_TILES) * BLOCK_N)
-    pair_offset = tl.where(rotated, HEAD_DIM // 2, V_WIDTH // 2)
-    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
-    offs = tl.arange(0, BLOCK_N)
-    rows = first + offs
-    x_rows = tl.arange(0, 16)
-    x_row_mask = x_rows < M
-    y1, y2 = _stream_dots(x_ptr, x_row_stride, x_rows, x_row_mask, w_ptr, w_row_stride, rows, offs >= 0, pair_offset,
-                          tl.arange(0, BLOCK_K), k_start, k_end, True, False, False, DOT_F32, USE_PDL, BLOCK_K)
-    last = True
-    if SPLIT_K > 1:
-        last, y1, y2 = _add_split_sums(y1, y2, partial_ptr, count_ptr, pid_n, pid_k, rows, rows + pair_offset, x_rows,
-                                       (offs[:, None] >= 0) & x_row_mask[None, :], QK_ROWS + V_WIDTH, True, SPLIT_K)
-    if last:
-        _rotary_store_epilogue(y1, y2, rotated, first, pair_offset, offs, x_rows, x_row_mask, q_ptr, pos_ptr,
-                               cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr, v_cache_ptr, k_cache_stride,
-                               v_cache_stride, NUM_Q_HEADS, HEAD_DIM, QK_ROWS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -397,38 +299,3 @@ def small_batch_gemm(x: torch.Tensor, weight: torch.Tensor, *, activation: str =
     y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     launch_small_batch_tc(tile, x, weight, None, y, n, k, activation)
     return y
-
-
-def small_batch_rotary_store(x: torch.Tensor, weight: torch.Tensor, epilogue: gemv.RotaryKVStore,
-                             tile: Optional[TcTile] = None) -> Optional[torch.Tensor]:
-    """A decode batch's qkv projection with its epilogue in one launch: x [M, K], 2 <= M <= 16, bf16/fp16; weight
-    [H*D + Hkv*D + Hkv*Dv, K] of x's dtype -> q [M, H*D], rotated, with the rotated k and v written to the cache that
-    epilogue.target() names (gemv.gemv_rotary_store for one row). None (nothing done) where it does not apply: the
-    epilogue's fused_target refuses, no tile (tile: a launch, for benchmarks and tests; by default, with the decode
-    GEMVs on, the MEASURED_TILES entry of this GPU and shape under the key "rotary"), or a tile whose BLOCK_N does not
-    divide half a head and half of V's rows."""
-    rows, k = weight.shape
-    h, h_kv, d, dv = epilogue.num_heads, epilogue.num_kv_heads, epilogue.head_dim, epilogue.v_head_dim
-    if not (x.dim() == 2 and 2 <= x.shape[0] <= MAX_ROWS and x.shape[1] == k and x.dtype in _HALF_DTYPES
-            and weight.dtype == x.dtype and weight.stride(1) == 1 and x.device == weight.device):
-        return None
-    if tile is None and gemv.enabled():
-        tile = measured_tile(x.device, rows, k, "rotary", x.shape[0])
-    if tile is None or (d // 2) % tile.block_n or (h_kv * dv // 2) % tile.block_n:
-        return None
-    found = epilogue.fused_target(x, weight)
-    if found is None:
-        return None
-    cos_sin, k_cache, v_cache, loc = found
-    x = x.contiguous()
-    q = torch.empty((x.shape[0], h * d), dtype=x.dtype, device=x.device)
-    tiles = rows // 2 // tile.block_n  # each owns BLOCK_N rows and their pairs
-    split = split_k(tile, rows // 2, k, x.device)
-    partial, count = _workspace(x.device, split, rows, tiles) if split > 1 else (q, q)
-    _small_batch_rotary_store_kernel[(tiles, split)](
-        x, weight, q, epilogue.positions, cos_sin, cos_sin.stride(0), loc, k_cache, v_cache, k_cache.stride(0),
-        v_cache.stride(0), partial, count, x.shape[0], k, x.stride(0), weight.stride(0), NUM_Q_HEADS=h,
-        NUM_KV_HEADS=h_kv, HEAD_DIM=d, V_WIDTH=h_kv * dv, DOT_F32=_INTERPRET, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, SPLIT_K=split, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **pdl.launch_options(x.device))
-    return q

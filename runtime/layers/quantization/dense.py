@@ -1,10 +1,9 @@
 """Dense weights in the activation dtype (bf16/fp16/fp32).
 
-Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA and its tensor-core form for 2..16 rows on the shapes
-where it was measured faster than cuBLAS (SiLU- or GELU-tanh-and-mul fused after them; gemv.py, small_batch_gemm.py),
-each also as a decode step's qkv projection with rotary and the KV write as its epilogue (the tile where
-MEASURED_TILES has the shape under "rotary"); a oneDNN-prepacked copy of the weight on CPU (cpu_gemm.py); F.linear
-everywhere else.
+Kernels: braid's Triton GEMV for batch-1 bf16/fp16 on CUDA (a decode step's qkv projection with rotary and the KV
+write as its epilogue) and its tensor-core form for 2..16 rows on the shapes where
+it was measured faster than cuBLAS (SiLU- or GELU-tanh-and-mul fused after them; gemv.py, small_batch_gemm.py), a
+oneDNN-prepacked copy of the weight on CPU (cpu_gemm.py), F.linear everywhere else.
 """
 
 from __future__ import annotations
@@ -42,15 +41,11 @@ class DenseLinearMethod(LinearMethod):
               act: Optional[nn.Module] = None) -> torch.Tensor:
         weight = layer.weight
         fused = _fused_activation(act)
-        if isinstance(act, gemv.RotaryKVStore) and bias is None:  # a decode step's qkv: rotary and the KV write
-            # in the epilogue of one launch, where a kernel applies
-            if gemv.decode_gemv_applies(x, weight):
-                q = gemv.gemv_rotary_store(x, weight, act)
-            else:
-                q = small_batch_gemm.small_batch_rotary_store(x, weight, act)
-            if q is not None:
-                return q
         if gemv.decode_gemv_applies(x, weight, bias):
+            if isinstance(act, gemv.RotaryKVStore):  # a decode step's qkv: rotary and the KV write in the epilogue
+                q = gemv.gemv_rotary_store(x, weight, act)
+                if q is not None:
+                    return q
             y = gemv.gemv(x, weight, silu_mul=fused == "silu", gelu_tanh_mul=fused == "gelu")
         elif small_batch_gemm.small_batch_gemm_applies(x, weight, bias, fused):
             y = small_batch_gemm.small_batch_gemm(x, weight, activation=fused)
