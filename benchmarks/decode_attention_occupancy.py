@@ -31,21 +31,15 @@ SHAPES = {
 DEFAULT_CONFIGS = ["64,4,2", "64,2,2", "32,4,2", "32,2,2", "16,4,2", "64,8,2", "32,4,3,ahead", "64,2,3,ahead"]
 
 
-def compile_stage1(shape: str, block_n: int, num_warps: int, num_stages: int, rows_ahead: bool = False) -> dict:
-    """-> {"registers", "spill_bytes", "shared_bytes"} of stage 1 for sm90 at this shape and config."""
+def stage1_for_sm90(constants: dict, kv_type: str, num_warps: int, num_stages: int):
+    """Decode stage 1 compiled for sm90 with `constants` (its tl.constexpr arguments, all of them) and K/V buffers of
+    kv_type ("bf16", "fp8e4nv", "fp8e5") -> Triton's compiled kernel (.asm["cubin"], .metadata.shared)."""
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from braid.runtime.layers.attention.triton_ops.decode_attention import _decode_stage1_kernel as fn
 
-    group, _, head_dim, cap, kv_type = SHAPES[shape]
-    fp8 = kv_type != "bf16"
-    constants = dict(KV_GROUP=group, HEAD_BLOCKS=1, D=head_dim, DV=head_dim, BLOCK_D=head_dim, BLOCK_DPE=0,
-                     BLOCK_DV=head_dim, BLOCK_H=16, BLOCK_N=block_n, USE_CAP=cap, USE_WINDOW=False,
-                     DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, CLAMP_Q=fp8, STAGE_V=fp8, USE_PDL=True,
-                     ROWS_AHEAD=rows_ahead)
     pointers = dict(Q="*bf16", K_buf="*" + kv_type, V_buf="*" + kv_type, Req_to_token="*i32", B_req_idx="*i64",
                     B_seq_len="*i64", Att="*fp32")
     signature = {n: pointers.get(n, "fp32" if n in ("sm_scale", "logit_cap", "v_scale") else "i32")
@@ -54,14 +48,34 @@ def compile_stage1(shape: str, block_n: int, num_warps: int, num_stages: int, ro
     # as the launcher specializes them: 16-byte aligned pointers, strides divisible by 16
     aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
                if n in pointers or n.startswith("stride")}
-    kernel = triton.compile(ASTSource(fn, signature, constants, aligned), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return triton.compile(ASTSource(fn, signature, constants, aligned), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def run_on_cubin(kernel, tool: str, *args: str) -> str:
+    """The stdout of Triton's bundled CUDA tool ("cuobjdump", "nvdisasm") run on a compiled kernel's cubin."""
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        # "... REG:254 STACK:0 SHARED:0 LOCAL:0 ..." (SHARED: static only; Triton's is dynamic, in its metadata)
-        usage = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([path, *args, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def compile_stage1(shape: str, block_n: int, num_warps: int, num_stages: int, rows_ahead: bool = False) -> dict:
+    """-> {"registers", "spill_bytes", "shared_bytes"} of stage 1 for sm90 at this shape and config."""
+    import triton.language as tl
+
+    group, _, head_dim, cap, kv_type = SHAPES[shape]
+    fp8 = kv_type != "bf16"
+    constants = dict(KV_GROUP=group, HEAD_BLOCKS=1, D=head_dim, DV=head_dim, BLOCK_D=head_dim, BLOCK_DPE=0,
+                     BLOCK_DV=head_dim, BLOCK_H=16, BLOCK_N=block_n, USE_CAP=cap, USE_WINDOW=False,
+                     DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, CLAMP_Q=fp8, STAGE_V=fp8, USE_PDL=True,
+                     ROWS_AHEAD=rows_ahead)
+    kernel = stage1_for_sm90(constants, kv_type, num_warps, num_stages)
+    # "... REG:254 STACK:0 SHARED:0 LOCAL:0 ..." (SHARED: static only; Triton's is dynamic, in its metadata)
+    usage = run_on_cubin(kernel, "cuobjdump", "-res-usage")
     fields = dict(item.split(":", 1) for item in usage.split() if item[:4] in ("REG:", "STAC", "LOCA"))
     registers, spills = int(fields["REG"]), int(fields["LOCAL"])
     return {"registers": registers, "spill_bytes": spills, "shared_bytes": kernel.metadata.shared}

@@ -16,15 +16,14 @@ import torch
 from braid.runtime.layers.attention.triton_ops import decode_attention_fwd
 
 # Compiled in a subprocess: under TRITON_INTERPRET=1 (the test run's setting) kernels are interpreted, not compiled.
-# Shapes: Llama-3-8B heads (the launch for head_dim 128, and with ROWS_AHEAD as the runtime launches it over fp8) and
-# DeepSeek-V2's latent (576 = 512 + 64 keys, 512 values, one buffer). Prints the number of LDS.U8 instructions of
-# stage 1 compiled for sm90.
+# With benchmarks/decode_attention_occupancy.py's offline compile. Shapes: Llama-3-8B heads (the launch for head_dim
+# 128, and with ROWS_AHEAD as the runtime launches it over fp8) and DeepSeek-V2's latent (576 = 512 + 64 keys, 512
+# values, one buffer). Prints the number of LDS.U8 instructions of stage 1 compiled for sm90.
+BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "benchmarks")
 COUNT_SHARED_BYTE_LOADS = """
-import os, re, subprocess, sys, tempfile
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from braid.runtime.layers.attention.triton_ops.decode_attention import _decode_stage1_kernel as fn
+import re, sys
+import triton.language as tl
+from decode_attention_occupancy import run_on_cubin, stage1_for_sm90
 
 kv_type, shape, stage_v = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 gqa_128 = dict(KV_GROUP=4, D=128, DV=128, BLOCK_D=128, BLOCK_DPE=0, BLOCK_DV=128, BLOCK_N=64)
@@ -35,20 +34,7 @@ shape_constants, num_warps, num_stages = {
 }[shape]
 constants = dict(dict(ROWS_AHEAD=False), **shape_constants, HEAD_BLOCKS=1, BLOCK_H=16, USE_CAP=False,
                  USE_WINDOW=False, DOT_DTYPE=tl.float16, CLAMP_Q=True, STAGE_V=stage_v, USE_PDL=False)
-pointers = dict(Q="*bf16", K_buf="*" + kv_type, V_buf="*" + kv_type, Req_to_token="*i32", B_req_idx="*i64",
-                B_seq_len="*i64", Att="*fp32")
-signature = {n: pointers.get(n, "fp32" if n in ("sm_scale", "logit_cap", "v_scale") else "i32") for n in fn.arg_names}
-signature.update({n: "constexpr" for n in constants})
-# what the launcher specializes at run time: 16-byte aligned pointers and strides divisible by 16
-aligned = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in fn.arg_names
-           if n in pointers or n.startswith("stride")}
-kernel = triton.compile(ASTSource(fn, signature, constants, aligned), target=GPUTarget("cuda", 90, 32),
-                        options=dict(num_warps=num_warps, num_stages=num_stages))
-with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-    f.write(kernel.asm["cubin"])
-    f.flush()
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+sass = run_on_cubin(stage1_for_sm90(constants, kv_type, num_warps, num_stages), "nvdisasm", "-c")
 assert "HMMA" in sass, "not the kernel's disassembly: no tensor-core dot"
 print(len(re.findall(r"\\bLDS\\.U8\\b", sass)))
 """
@@ -56,6 +42,7 @@ print(len(re.findall(r"\\bLDS\\.U8\\b", sass)))
 
 def shared_byte_loads(kv_type: str, shape: str, stage_v: bool) -> int:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [BENCHMARKS, env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", COUNT_SHARED_BYTE_LOADS, kv_type, shape, str(int(stage_v))],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
