@@ -14,8 +14,9 @@ checkpoint's static `input_scale`).
   W once, SiLU-and-mul fusable: at one row the GEMV variants below (x kept in 16 bits), at 2..16 the "tc" variant
   (x rounded to e4m3 per row and chunk, fp8 tensor-core dots: small_batch_gemm.py's kernel, shared with bf16
   weights), or "tcq" (x quantized per row by quantize_rows first, the same kernel on e4m3 x: two launches, no
-  rounding work in the weight loop). At these sizes a decode step is a stream over the weights; quantize +
-  torch._scaled_mm measured 1.1-2.2 TB/s there against the tc kernel's 1.4-2.5 (H200).
+  rounding work in the weight loop; the H100 runs it: MEASURED_FP8_SMALL_BATCH_CONFIGS). At these sizes a decode step
+  is a stream over the weights; quantize + torch._scaled_mm measured 1.1-2.2 TB/s there against the tc kernel's
+  1.4-2.5 (H200).
 - `check_fp8_device`: fp8 needs compute capability 8.9+ on CUDA; on CPU the casts must exist.
 """
 
