@@ -32,14 +32,17 @@ DEFAULT_CONFIGS = ["64,4,2", "64,2,2", "32,4,2", "32,2,2", "16,4,2", "64,8,2", "
 
 
 def stage1_for_sm90(constants: dict, kv_type: str, num_warps: int, num_stages: int):
-    """Decode stage 1 compiled for sm90 with `constants` (its tl.constexpr arguments, all of them) and K/V buffers of
-    kv_type ("bf16", "fp8e4nv", "fp8e5") -> Triton's compiled kernel (.asm["cubin"], .metadata.shared)."""
+    """Decode stage 1 compiled for sm90 with `constants` (its tl.constexpr arguments; one head block of 16 query
+    rows, no window, no soft-cap, no rope part, no ROWS_AHEAD, PDL on unless given) and K/V buffers of kv_type
+    ("bf16", "fp8e4nv", "fp8e5") -> Triton's compiled kernel (.asm["cubin"], .metadata.shared)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from braid.runtime.layers.attention.triton_ops.decode_attention import _decode_stage1_kernel as fn
 
+    constants = dict(dict(HEAD_BLOCKS=1, BLOCK_H=16, USE_CAP=False, USE_WINDOW=False, BLOCK_DPE=0, ROWS_AHEAD=False,
+                          USE_PDL=True), **constants)
     pointers = dict(Q="*bf16", K_buf="*" + kv_type, V_buf="*" + kv_type, Req_to_token="*i32", B_req_idx="*i64",
                     B_seq_len="*i64", Att="*fp32")
     signature = {n: pointers.get(n, "fp32" if n in ("sm_scale", "logit_cap", "v_scale") else "i32")
@@ -69,9 +72,8 @@ def compile_stage1(shape: str, block_n: int, num_warps: int, num_stages: int, ro
 
     group, _, head_dim, cap, kv_type = SHAPES[shape]
     fp8 = kv_type != "bf16"
-    constants = dict(KV_GROUP=group, HEAD_BLOCKS=1, D=head_dim, DV=head_dim, BLOCK_D=head_dim, BLOCK_DPE=0,
-                     BLOCK_DV=head_dim, BLOCK_H=16, BLOCK_N=block_n, USE_CAP=cap, USE_WINDOW=False,
-                     DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, CLAMP_Q=fp8, STAGE_V=fp8, USE_PDL=True,
+    constants = dict(KV_GROUP=group, D=head_dim, DV=head_dim, BLOCK_D=head_dim, BLOCK_DV=head_dim, BLOCK_N=block_n,
+                     USE_CAP=cap, DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, CLAMP_Q=fp8, STAGE_V=fp8,
                      ROWS_AHEAD=rows_ahead)
     kernel = stage1_for_sm90(constants, kv_type, num_warps, num_stages)
     # "... REG:254 STACK:0 SHARED:0 LOCAL:0 ..." (SHARED: static only; Triton's is dynamic, in its metadata)

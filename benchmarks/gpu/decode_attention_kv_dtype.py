@@ -24,8 +24,9 @@ from sweep_rows import append_row, read_rows
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-# stage-1 (BLOCK_N, num_warps, num_stages[, ROWS_AHEAD]); None: the runtime's own choice; UNSTAGED: the runtime's launch with fp8 V
-# tiles upcast after their shared-memory staging (the kernel before _upcast_before_staging; fp8 caches only)
+# stage-1 (BLOCK_N, num_warps, num_stages[, ROWS_AHEAD]); None: the runtime's own choice; UNSTAGED: the runtime's
+# launch with fp8 V tiles upcast after their shared-memory staging (the kernel before _upcast_before_staging; fp8
+# caches only)
 UNSTAGED = "runtime, fp8 V upcast after staging"
 CONFIGS = [None, UNSTAGED, (64, 2, 2), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 4),
            (128, 4, 3), (64, 2, 4, True), (32, 2, 3, True)]

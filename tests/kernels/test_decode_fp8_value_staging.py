@@ -32,8 +32,7 @@ shape_constants, num_warps, num_stages = {
     "gqa-128-rows-ahead": (dict(gqa_128, ROWS_AHEAD=True), 2, 3),  # the runtime's launch for fp8 caches
     "mla-576": (dict(KV_GROUP=16, D=576, DV=512, BLOCK_D=512, BLOCK_DPE=64, BLOCK_DV=512, BLOCK_N=32), 8, 2),
 }[shape]
-constants = dict(dict(ROWS_AHEAD=False), **shape_constants, HEAD_BLOCKS=1, BLOCK_H=16, USE_CAP=False,
-                 USE_WINDOW=False, DOT_DTYPE=tl.float16, CLAMP_Q=True, STAGE_V=stage_v, USE_PDL=False)
+constants = dict(shape_constants, DOT_DTYPE=tl.float16, CLAMP_Q=True, STAGE_V=stage_v, USE_PDL=False)
 sass = run_on_cubin(stage1_for_sm90(constants, kv_type, num_warps, num_stages), "nvdisasm", "-c")
 assert "HMMA" in sass, "not the kernel's disassembly: no tensor-core dot"
 print(len(re.findall(r"\\bLDS\\.U8\\b", sass)))
