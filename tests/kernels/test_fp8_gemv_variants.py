@@ -109,10 +109,10 @@ def test_fp8_gemv_variant_within_bound(variant, rows, k, silu_mul):
 
 
 @pytest.mark.parametrize("variant", ["f16", "f16bit"])
-def test_fp8_gemv_f16_scales_x_per_chunk(variant):
-    """x far outside fp16's range in one chunk (products would overflow fp16 unscaled), tiny in another, and one
-    outlier among ordinary values in a third (their products fall below fp16's normals: the floor F): each chunk
-    gets its own scale, so all stay within the bound."""
+def test_fp8_gemv_f16_scales_x_per_group(variant):
+    """x far outside fp16's range in some columns (products would overflow fp16 unscaled), tiny in others, and one
+    outlier among ordinary values (products of a shared scale fall below fp16's normals: the floor F): each group
+    of GROUP columns gets its own scale, so all stay within the bound."""
     x, w_q, w_scale = make_case(24, 96, seed=3)
     x[0, :32] *= 3e4
     x[0, 40] = 5e4

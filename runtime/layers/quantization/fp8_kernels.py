@@ -169,10 +169,10 @@ def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, we
 # streamed 2.0-2.8 TB/s. The variants here, autotuned together per shape (fp8_gemv):
 #   "f16"    e4m3 pairs -> f16x2 (one cvt per two values on sm_90), products and sums of GROUP products in packed
 #            fp16, each group sum added to an fp32 accumulator [BLOCK_N, BLOCK_K / GROUP]; ~1.6 instructions per
-#            value, ~60 registers. x is scaled per BLOCK_K chunk to max |x| = 145 / GROUP so that no fp16 product
-#            or group sum can overflow (|e4m3| <= 448, 448 * 145 < 65504), and unscaled in fp32.
+#            value, ~60 registers. x is scaled per group of GROUP columns to max |x| = 145 / GROUP so that no fp16
+#            product or group sum can overflow (|e4m3| <= 448, 448 * 145 < 65504), and unscaled in fp32.
 #   "f16bit" the same with e4m3 -> fp16 by bit moves (no conversion unit: byte permute, and, shift, or), which
-#            yields value * 2**-8, folded into x's chunk scale.
+#            yields value * 2**-8, folded into x's group scales.
 #   "tc"     tensor cores: x rounded to e4m3 per BLOCK_K chunk (its own scale) in the kernel, fp8 x fp8 wgmma of a
 #            [BLOCK_N >= 64, BLOCK_K] weight tile against x broadcast to [BLOCK_K, 16], fp32 accumulators; the
 #            weight goes global -> shared -> tensor core with no per-value instruction. BLOCK_N = 64 leaves too few
@@ -186,10 +186,10 @@ def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, we
 # by tests/kernels/test_fp8_gemv_variants.py and by the autotuner): |y - ref| <= C * sum_k |w_k x_k| + F * max|x| *
 # sum_k |w_k| (+ the output's own rounding), C the relative rounding of the path, F the absolute floor of values too
 # small for the format: "f16"/"f16bit" round each product and partial group sum to fp16, C = (GROUP + 2) * 2**-11,
-# F = GROUP * 2**-23 (a product below fp16's normals is off by up to 2**-25 <= 2**-16 |w| in the chunk's scale,
-# 145 / GROUP; sums there are exact); "tc" rounds x to e4m3, C = 2**-4, F = 2**-10 / 448 (half of
-# e4m3's smallest subnormal at the chunk's scale). All keep PDL (the first weight chunk streams before the wait for
-# x) and fuse SiLU-and-mul for a [gate; up] weight.
+# F = GROUP * 2**-23 (a product below fp16's normals is off by up to 2**-25 <= 2**-16 |w| in the group's scale,
+# 145 / GROUP at the group's max |x| <= max|x|; sums there are exact); "tc" rounds x to e4m3, C = 2**-4,
+# F = 2**-10 / 448 (half of e4m3's smallest subnormal at the chunk's scale). All keep PDL (the first weight chunk
+# streams before the wait for x) and fuse SiLU-and-mul for a [gate; up] weight.
 
 FP8_GEMV_VARIANTS = ("f16", "f16bit", "tc", "tcq")
 TENSOR_CORE_VARIANTS = ("tc", "tcq")  # small_batch_gemm.py's kernel: x's rows as the dot's columns
@@ -240,14 +240,18 @@ def _f16_group_sums(w, xs, BIT_DEQUANT: tl.constexpr, ASM: tl.constexpr, BLOCK_N
 @triton.jit
 def _f16_chunk(w, u, x, acc, acc_up, SILU_MUL: tl.constexpr, BIT_DEQUANT: tl.constexpr, ASM: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """One BLOCK_K chunk: x [BLOCK_K] fp32 scaled into fp16 so that |x| <= 145 / GROUP (448 * 145 < 65504: no
-    product or group sum overflows), products summed by groups in fp16, added into acc [BLOCK_N, BLOCK_K // GROUP]
-    fp32 unscaled."""
-    x_scale = (145.0 / GROUP) / tl.maximum(tl.max(tl.abs(x), axis=0), 1e-30)
-    unscale = 1.0 / x_scale
+    """One BLOCK_K chunk: x [BLOCK_K] fp32 scaled into fp16 per group of GROUP columns so that the group's |x| <= 145
+    / GROUP (448 * 145 < 65504: no product or group sum overflows), products summed by groups in fp16, each group sum
+    unscaled into acc [BLOCK_N, BLOCK_K // GROUP] fp32. A group's columns sit in one or two threads, so its max takes
+    at most one shuffle; one scale for the chunk took a reduction across warps (shuffles, a shared-memory round trip,
+    a barrier) every chunk: the Llama-3-8B fp8 batch-1 step was 1.026x slower with it on an H100."""
+    x_groups = tl.reshape(x, [BLOCK_K // GROUP, GROUP])
+    group_max = tl.maximum(tl.max(tl.abs(x_groups), axis=1), 1e-30)  # [BLOCK_K // GROUP]
+    x_scale = (145.0 / GROUP) / group_max
+    unscale = (group_max * (GROUP / 145.0))[None, :]
     if BIT_DEQUANT:
         x_scale = x_scale * 256.0
-    xs = (x * x_scale).to(tl.float16)
+    xs = tl.reshape(x_groups * x_scale[:, None], [BLOCK_K]).to(tl.float16)
     acc += _f16_group_sums(w, xs, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP).to(tl.float32) * unscale
     if SILU_MUL:
         acc_up += _f16_group_sums(u, xs, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP).to(tl.float32) * unscale
@@ -273,7 +277,8 @@ def _fp8_gemv_f16_rows(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stri
                        EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr, BIT_DEQUANT: tl.constexpr,
                        ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
     # rows [block * BLOCK_N, +BLOCK_N) (and the up rows N further with SILU_MUL), all of K; WAIT: the program's
-    # first block, which waits for the previous kernel (PDL) after loading its first chunk
+    # first block, which waits for the previous kernel (PDL) after loading its first chunk. (Software-pipelining the
+    # weight loop through shared memory, tl.range with num_stages=3, made the batch-1 step 1.08x slower on an H100.)
     cols = tl.arange(0, BLOCK_K)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
