@@ -161,51 +161,60 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, num_progr
 
 
 @triton.jit
+def rotary_store_pair(y1, y2, head, pairs, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
+                      k_cache_stride, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The epilogue of a qkv GEMV's program that owns the rows `pairs` [P] of a q or k head's first half (y1: their
+    fp32 sums) and the rows HEAD_DIM / 2 further (y2): rounded where the unfused GEMV's output is, rotated in fp32 as
+    rotary_kernels does (neox pairs over the whole head), q to q_ptr, k to k_cache[loc[0]]."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    out_dtype = q_ptr.dtype.element_ty
+    y1 = y1.to(out_dtype).to(tl.float32)
+    y2 = y2.to(out_dtype).to(tl.float32)
+    pos = tl.load(pos_ptr).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pairs).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + pairs).to(tl.float32)
+    o1 = (y1 * cos - y2 * sin).to(out_dtype)
+    o2 = (y2 * cos + y1 * sin).to(out_dtype)
+    if head < NUM_Q_HEADS:
+        q_head = q_ptr + head * HEAD_DIM
+        tl.store(q_head + pairs, o1)
+        tl.store(q_head + HALF + pairs, o2)
+    else:
+        slot = tl.load(loc_ptr).to(tl.int64)
+        k_head = k_cache_ptr + slot * k_cache_stride + (head - NUM_Q_HEADS) * HEAD_DIM
+        tl.store(k_head + pairs, o1)
+        tl.store(k_head + HALF + pairs, o2)
+
+
+@triton.jit
 def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
                               v_cache_ptr, k_cache_stride, v_cache_stride, K, w_row_stride,
                               NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                               V_WIDTH: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The qkv projection of one token with rotary and the KV write as its epilogue. The first programs each own
-    BLOCK_N / 2 rows of a q or k head's first half and the rows HEAD_DIM / 2 further that they rotate with (neox
-    pairs over the whole head): q goes to q_ptr, k to k_cache[loc[0]]. The rest own BLOCK_N rows of v each, which
-    go to v_cache[loc[0]]."""
+    BLOCK_N / 2 rows of a q or k head's first half and the rows HEAD_DIM / 2 further that they rotate with: q goes to
+    q_ptr, k to k_cache[loc[0]]. The rest own BLOCK_N rows of v each, which go to v_cache[loc[0]]."""
     let_next_kernel_launch(USE_PDL)
     pid = tl.program_id(0)
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIRS: tl.constexpr = BLOCK_N // 2
     PROGRAMS_PER_HEAD: tl.constexpr = HALF // PAIRS
-    out_dtype = q_ptr.dtype.element_ty
     if pid < (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD:
         head = pid // PROGRAMS_PER_HEAD
         pairs = (pid % PROGRAMS_PER_HEAD) * PAIRS + tl.arange(0, PAIRS)  # [PAIRS], offsets in the first half
         rows = head * HEAD_DIM + pairs
         y1, y2 = _gemv_rows(rows, rows >= 0, HALF, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL, True,
                             BLOCK_K)
-        # rounded where the unfused GEMV's output is, then rotated in fp32 as rotary_kernels does
-        y1 = y1.to(out_dtype).to(tl.float32)
-        y2 = y2.to(out_dtype).to(tl.float32)
-        pos = tl.load(pos_ptr).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + pairs).to(tl.float32)
-        sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + pairs).to(tl.float32)
-        o1 = (y1 * cos - y2 * sin).to(out_dtype)
-        o2 = (y2 * cos + y1 * sin).to(out_dtype)
-        if head < NUM_Q_HEADS:
-            q_head = q_ptr + head * HEAD_DIM
-            tl.store(q_head + pairs, o1)
-            tl.store(q_head + HALF + pairs, o2)
-        else:
-            slot = tl.load(loc_ptr).to(tl.int64)
-            k_head = k_cache_ptr + slot * k_cache_stride + (head - NUM_Q_HEADS) * HEAD_DIM
-            tl.store(k_head + pairs, o1)
-            tl.store(k_head + HALF + pairs, o2)
+        rotary_store_pair(y1, y2, head, pairs, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
+                          k_cache_stride, NUM_Q_HEADS, HEAD_DIM)
     else:
         cols = (pid - (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < V_WIDTH
         y, _ = _gemv_rows((NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + cols, col_mask, 0, x_ptr, w_ptr, K,
                           w_row_stride, False, EVEN_K, USE_PDL, True, BLOCK_K)
         slot = tl.load(loc_ptr).to(tl.int64)
-        tl.store(v_cache_ptr + slot * v_cache_stride + cols, y.to(out_dtype), mask=col_mask)
+        tl.store(v_cache_ptr + slot * v_cache_stride + cols, y.to(q_ptr.dtype.element_ty), mask=col_mask)
 
 
 # The fastest config per (weight rows, K, fused activation) on an H200, from benchmarks/gpu/gemv_shape_sweep.py (every
@@ -293,19 +302,18 @@ class RotaryKVStore:
         return self.unfused(q, k, v)
 
 
-def gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, epilogue: RotaryKVStore,
-                      config: Optional[dict] = None) -> Optional[torch.Tensor]:
-    """x: [1, K]; weight: the qkv projection [H*D + Hkv*D + Hkv*Dv, K] -> q [1, H*D], rotated, with the rotated k and
-    v written to the cache `epilogue.target()` names: the projection, rotary and the KV write in one launch. None
-    (nothing done) where the kernel does not apply: rotary over part of a head or in interleaved pairs, no cache
-    target, a cache in another dtype than x. `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) skips the autotuner."""
+def rotary_store_args(x: torch.Tensor, weight: torch.Tensor, epilogue: RotaryKVStore) -> Optional[tuple]:
+    """What a batch-1 qkv GEMV with the rotary + KV-store epilogue launches with, or None where it does not apply:
+    rotary over part of a head or in interleaved pairs, no cache target, a cache in another dtype than x. -> (q [1, H*D]
+    to fill, the kernel's arguments from x_ptr to w_row_stride less the weight's scales, its shape constexprs,
+    programs(block_n) -> grid size). A program's BLOCK_N / 2 pairs must divide a half head: the caller's check."""
     rotary = epilogue.rotary
     h, h_kv, d, dv = epilogue.num_heads, epilogue.num_kv_heads, epilogue.head_dim, epilogue.v_head_dim
     cos_sin = getattr(rotary, "cos_sin_cache", None)
-    if (not supports(x, weight) or weight.shape[0] != (h + h_kv) * d + h_kv * dv or epilogue.positions.numel() != 1
-            or not rotary.is_neox_style or rotary.rotary_dim != d or d % 16 or cos_sin is None
+    if (x.dim() != 2 or x.shape[0] != 1 or weight.shape[0] != (h + h_kv) * d + h_kv * dv
+            or epilogue.positions.numel() != 1 or not rotary.is_neox_style or rotary.rotary_dim != d or cos_sin is None
             or cos_sin.device != x.device or cos_sin.dim() != 2 or cos_sin.shape[1] != d or cos_sin.stride(1) != 1):
-        return None  # (the configs' up to 8 pairs per program must divide a half head)
+        return None
     target = epilogue.target()
     if target is None:
         return None
@@ -314,16 +322,29 @@ def gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, epilogue: RotaryKVS
             or not v_cache.is_contiguous() or k_cache.shape[1:] != (h_kv, d) or v_cache[0].numel() != h_kv * dv
             or loc.numel() != 1 or loc.device != x.device):
         return None
-    x = x.contiguous()
     q = torch.empty((1, h * d), dtype=x.dtype, device=x.device)
-    k = weight.shape[1]
-    args = (x, weight, q, epilogue.positions, cos_sin, cos_sin.stride(0), loc, k_cache, v_cache, k_cache.stride(0),
-            v_cache.stride(0), k, weight.stride(0))
+    args = (x.contiguous(), weight, q, epilogue.positions, cos_sin, cos_sin.stride(0), loc, k_cache, v_cache,
+            k_cache.stride(0), v_cache.stride(0), weight.shape[1], weight.stride(0))
     shape = dict(NUM_Q_HEADS=h, NUM_KV_HEADS=h_kv, HEAD_DIM=d, V_WIDTH=h_kv * dv, **pdl.launch_options(x.device))
 
     def programs(block_n: int) -> int:
         return (h + h_kv) * (d // block_n) + triton.cdiv(h_kv * dv, block_n)  # pairs of half heads, then v rows
 
+    return q, args, shape, programs
+
+
+def gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, epilogue: RotaryKVStore,
+                      config: Optional[dict] = None) -> Optional[torch.Tensor]:
+    """x: [1, K]; weight: the qkv projection [H*D + Hkv*D + Hkv*Dv, K] -> q [1, H*D], rotated, with the rotated k and
+    v written to the cache `epilogue.target()` names: the projection, rotary and the KV write in one launch. None
+    (nothing done) where the kernel does not apply (rotary_store_args; a head dim that is no multiple of 16 for the
+    autotuner, whose configs take up to 8 pairs a program). `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) skips
+    the autotuner."""
+    d = epilogue.head_dim
+    found = rotary_store_args(x, weight, epilogue) if supports(x, weight) and (config or d % 16 == 0) else None
+    if found is None:
+        return None
+    q, args, shape, programs = found
     if config is None:
         _gemv_rotary_store_autotuned[lambda meta: (programs(meta["BLOCK_N"]),)](*args, **shape)
     else:
@@ -331,6 +352,7 @@ def gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, epilogue: RotaryKVS
         launch = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}
         if cfg["BLOCK_N"] < 2 or (d // 2) % (cfg["BLOCK_N"] // 2):
             raise ValueError(f"BLOCK_N {cfg['BLOCK_N']} must be even with BLOCK_N / 2 dividing {d // 2}")
+        k = weight.shape[1]
         _gemv_rotary_store_kernel[(programs(cfg["BLOCK_N"]),)](*args, **shape, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
                                                                **launch)
     return q

@@ -1,7 +1,8 @@
-"""The batch-1 qkv GEMV with rotary and the KV write as its epilogue (gemv.gemv_rotary_store) against the path it
-replaces: the GEMV, then the pool's rotate_and_set_kv (rotary + store kernel). Same q, same cache contents, other
-slots untouched; every program layout (BLOCK_N 2..16), GQA, a value head narrower than the key head, the hybrid
-window pool's translated slots; and the cases it leaves to the unfused path.
+"""The batch-1 qkv GEMV with rotary and the KV write as its epilogue (gemv.gemv_rotary_store, and on an e4m3 weight
+fp8_kernels.fp8_gemv_rotary_store) against the path it replaces: the GEMV, then the pool's rotate_and_set_kv (rotary +
+store kernel). Same q, same cache contents, other slots untouched; every program layout (BLOCK_N 2..16), GQA, a value
+head narrower than the key head, the hybrid window pool's translated slots; and the cases it leaves to the unfused
+path.
 
 Without a GPU the kernels run under TRITON_INTERPRET=1 on CPU tensors (conftest.py); the pool only launches Triton
 kernels on CUDA, so the tests let it (`_triton_kernels_run_on`).
@@ -14,7 +15,10 @@ import torch
 
 from braid.runtime.layers import gemv as gemv_module
 from braid.runtime.layers.gemv import RotaryKVStore, gemv, gemv_rotary_store
+from braid.runtime.layers.quantization import fp8 as fp8_module
 from braid.runtime.layers.quantization.dense import DenseLinearMethod
+from braid.runtime.layers.quantization.fp8_kernels import (Fp8GemvConfig, fp8_gemv, fp8_gemv_rotary_store,
+                                                           quantize_weight_per_channel)
 from braid.runtime.layers.rotary import RotaryEmbedding
 from braid.runtime.mem_cache import pools
 from braid.runtime.mem_cache.pools import MHAKVPool
@@ -151,3 +155,85 @@ def test_cases_left_to_the_unfused_path(case):
     assert gemv_rotary_store(x, w, store) is None
     for got, want in zip(caches(pool), before):
         assert torch.equal(got, want)  # nothing written
+
+
+# ---- the same epilogue on an e4m3 weight with row scales (fp8_kernels.fp8_gemv_rotary_store, the "f16" products)
+
+
+def fp8_qkv_weight(h, h_kv, d, dv, seed):
+    x, w = qkv_weight(h, h_kv, d, dv, torch.bfloat16, seed)
+    w_q, scale = quantize_weight_per_channel(w)
+    return x, w_q, scale
+
+
+@pytest.mark.parametrize("variant", ["f16", "f16bit"])
+@pytest.mark.parametrize("h,h_kv,d,dv", [(4, 2, 32, 32), (6, 2, 32, 16)])
+@pytest.mark.parametrize("block_n", [2, 4])
+def test_fp8_epilogue_equals_fp8_gemv_then_rotate_and_store(variant, h, h_kv, d, dv, block_n):
+    x, w_q, scale = fp8_qkv_weight(h, h_kv, d, dv, seed=h * 10 + dv + block_n)
+    rope = rope_of(d)
+    dtype = torch.bfloat16
+    fused = MHAKVPool(SLOTS, dtype, h_kv, d, 2, DEVICE, v_head_dim=dv)
+    unfused = MHAKVPool(SLOTS, dtype, h_kv, d, 2, DEVICE, v_head_dim=dv)
+    loc, position = torch.tensor([17], device=DEVICE), 45
+    config = Fp8GemvConfig(variant, block_n, 32, 1 if DEVICE == "cpu" else 4, 1, group=8)
+
+    q = fp8_gemv_rotary_store(x, w_q, scale, epilogue(fused, 1, loc, position, rope, h, h_kv, d, dv), config=config)
+    y = fp8_gemv(x, w_q, scale, config=config)
+    q_ref = epilogue(unfused, 1, loc, position, rope, h, h_kv, d, dv)(y.clone())  # (rotates y's q part in place)
+    assert q.shape == (1, h * d) and q.dtype == dtype
+    assert_same(q, q_ref, dtype)
+    for got, want in zip(caches(fused), caches(unfused)):
+        assert_same(got, want, dtype)
+    assert fused.get_key_buffer(1)[17].abs().sum() > 0 and fused.get_value_buffer(1)[17].abs().sum() > 0
+    # the v rows went to the cache unrotated: the projection's own v columns
+    assert_same(fused.get_value_buffer(1)[17].reshape(1, -1), y[:, (h + h_kv) * d:], dtype)
+    # the rotation is real: position 0 leaves q as the plain projection
+    q0 = fp8_gemv_rotary_store(x, w_q, scale, epilogue(fused, 1, loc, 0, rope, h, h_kv, d, dv), config=config)
+    assert_same(q0, y[:, :h * d], dtype)
+    assert not torch.equal(q0, q)
+
+
+@pytest.mark.parametrize("case", ["tensor-core config", "pairs not dividing a half head", "fp8 cache", "bf16 weight"])
+def test_fp8_epilogue_leaves_to_the_unfused_path(case):
+    h, h_kv, d = 2, 1, 24 if case == "pairs not dividing a half head" else 32
+    x, w_q, scale = fp8_qkv_weight(h, h_kv, d, d, seed=8)
+    pool = MHAKVPool(SLOTS, torch.bfloat16, h_kv, d, 1, DEVICE,
+                     kv_cache_dtype="fp8_e5m2" if case == "fp8 cache" else None)
+    store = epilogue(pool, 0, torch.tensor([5], device=DEVICE), 9, rope_of(d), h, h_kv, d, d)
+    config = (Fp8GemvConfig("tc", 64, 32, 4, 1, split_k=0) if case == "tensor-core config"
+              else Fp8GemvConfig("f16", 16 if case == "pairs not dividing a half head" else 4, 32, 1, 1, group=8))
+    if case == "bf16 weight":
+        w_q = w_q.to(torch.bfloat16)
+    before = caches(pool)
+    assert fp8_gemv_rotary_store(x, w_q, scale, store, config=config) is None
+    for got, want in zip(caches(pool), before):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp8_method_routes_a_decode_qkv_to_the_fused_kernel(monkeypatch):
+    """Fp8LinearMethod at one row on CUDA: a RotaryKVStore act runs fp8_gemv_rotary_store (the shape's measured or
+    first f16 config), equal to the pool that keeps the store to itself (GEMV, then rotary + store)."""
+    h, h_kv, d = 32, 8, 128
+    x, w_q, scale = fp8_qkv_weight(h, h_kv, d, d, seed=2)
+    rope = rope_of(d)
+    fused = MHAKVPool(SLOTS, torch.bfloat16, h_kv, d, 1, DEVICE)
+    unfused = MHAKVPool(SLOTS, torch.bfloat16, h_kv, d, 1, DEVICE, gemv_rotary_store=False)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(w_q, requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    layer.input_scale, layer.fp8_tensorwise = None, False
+    launched = []
+    real = fp8_module.fp8_gemv_rotary_store
+    monkeypatch.setattr(fp8_module, "fp8_gemv_rotary_store", lambda *a, **kw: launched.append(real(*a, **kw))
+                        or launched[-1])
+    method = fp8_module.Fp8LinearMethod()
+    loc = torch.tensor([7], device=DEVICE)
+    q = method.apply(layer, x, act=epilogue(fused, 0, loc, 300, rope, h, h_kv, d, d))
+    q_ref = method.apply(layer, x, act=epilogue(unfused, 0, loc, 300, rope, h, h_kv, d, d))
+    assert launched[0] is not None and launched[1] is None
+    assert_same(q, q_ref, torch.bfloat16)
+    for got, want in zip(caches(fused), caches(unfused)):
+        assert_same(got, want, torch.bfloat16)

@@ -15,7 +15,9 @@ per shard by writing each shard's scale on its rows: exact, no requantization. A
 
 Multiplication (`apply`), y = act(x @ W^T + b) in x's dtype:
 - CUDA, one row of x (batch-1 decode), no bias: braid's Triton GEMV (gemv.py) streams the fp8 weight and
-  multiplies by the row scales, SiLU-and-mul fused for a [gate; up] weight, launched with PDL; x stays bf16.
+  multiplies by the row scales, SiLU-and-mul fused for a [gate; up] weight (and for a decode step's qkv rotary and
+  the KV write, where the pool lets a kernel write: fp8_kernels.fp8_gemv_rotary_store), launched with PDL; x stays
+  bf16.
 - CUDA, 2..16 rows (small decode batches), no bias: fp8_kernels.fp8_gemv's tensor-core variant, one launch that
   streams W once through fp8 dots against x's rows (each rounded to e4m3 per row and chunk in the kernel),
   SiLU-and-mul fused. Both follow --disable-decode-gemv (then _scaled_mm below).
@@ -45,8 +47,8 @@ from braid.runtime.layers import cpu_gemm, gemv
 from braid.runtime.layers.activation import SiluAndMul
 from braid.runtime.layers.quantization.base import LinearMethod
 from braid.runtime.layers.quantization.fp8_kernels import (FP8_DTYPE, SMALL_BATCH_MAX_ROWS, check_fp8_device,
-                                                           fp8_gemv, quantize_rows, quantize_weight_per_channel,
-                                                           scaled_mm)
+                                                           fp8_gemv, fp8_gemv_rotary_store, quantize_rows,
+                                                           quantize_weight_per_channel, scaled_mm)
 
 __all__ = ["Fp8LinearMethod", "use_fp8_linears", "split_kv_cache_scales"]
 
@@ -173,6 +175,10 @@ class Fp8LinearMethod(LinearMethod):
             if bias is None and gemv.enabled() and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_MAX_ROWS:
                 fused = isinstance(act, SiluAndMul)
                 y = None
+                if isinstance(act, gemv.RotaryKVStore):  # a decode step's qkv: rotary and the KV write in the epilogue
+                    q = fp8_gemv_rotary_store(x, weight, scale, act)
+                    if q is not None:
+                        return q
                 if gemv.fp8_supports(x, weight, scale):
                     y = gemv.gemv(x, weight, silu_mul=fused, weight_scale=scale)
                 elif x.shape[0] > 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1:

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
-from braid.runtime.layers.gemv import measured_table
+from braid.runtime.layers.gemv import measured_table, rotary_store_args, rotary_store_pair
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 from braid.runtime.layers.small_batch_gemm import (MAX_ROWS as SMALL_BATCH_MAX_ROWS, TcTile,
                                                    launch_small_batch_tc)
@@ -42,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "SMALL_BATCH_MAX_ROWS", "check_fp8_device", "quantize_weight_per_channel",
            "quantize_rows", "quantize_rows_triton", "quantize_rows_reference", "scaled_mm",
-           "FP8_GEMV_VARIANTS", "TENSOR_CORE_VARIANTS", "Fp8GemvConfig", "fp8_gemv_candidates", "fp8_gemv", "fp8_gemv_error_excess"]
+           "FP8_GEMV_VARIANTS", "TENSOR_CORE_VARIANTS", "Fp8GemvConfig", "fp8_gemv_candidates", "fp8_gemv",
+           "fp8_gemv_rotary_store", "fp8_gemv_error_excess"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -273,42 +274,89 @@ def _scaled_activation_store(y, y_up, w_scale_ptr, out_ptrs, rows, row_mask, out
 
 
 @triton.jit
-def _fp8_gemv_f16_rows(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
-                       EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr, BIT_DEQUANT: tl.constexpr,
-                       ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    # rows [block * BLOCK_N, +BLOCK_N) (and the up rows N further with SILU_MUL), all of K; WAIT: the program's
-    # first block, which waits for the previous kernel (PDL) after loading its first chunk. (Software-pipelining the
-    # weight loop through shared memory, tl.range with num_stages=3, made the batch-1 step 1.08x slower on an H100.)
+def _f16_row_sums(rows, row_mask, pair_offset, x_ptr, w_ptr, K, w_row_stride, PAIRED: tl.constexpr,
+                  EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr, BIT_DEQUANT: tl.constexpr,
+                  ASM: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """rows, row_mask: [R] -> (x . W[rows], x . W[rows + pair_offset] when PAIRED), each [R] fp32 before the row
+    scales. WAIT: the program's first call, which waits for the previous kernel (PDL) after loading its first chunk.
+    (Software-pipelining the weight loop through shared memory, tl.range with num_stages=3, made the batch-1 step
+    1.08x slower on an H100.)"""
+    R: tl.constexpr = rows.shape[0]
     # cols: 0..BLOCK_K-1 written as runs of 8, so that the compiler loads 8 weight bytes a thread, the columns of
     # one 16-byte load of x, and loads x in the products' layout. With 16-byte weight loads x went through shared
     # memory with barriers every chunk; without them the H100's batch-1 step was 1.006x (the loop is barrier-free)
     cols = tl.arange(0, BLOCK_K) // 8 * 8 + tl.arange(0, BLOCK_K) % 8
-    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * w_row_stride
-    up_offset = N.to(tl.int64) * w_row_stride
+    pair_rows = w_rows + w_row_stride.to(tl.int64) * pair_offset
     # the first weight chunk: no kernel of the step writes W, so it streams before the wait for x
     w_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (cols < K)[None, :]
     w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
     u = w
-    if SILU_MUL:
-        u = tl.load(w_rows + up_offset + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+    if PAIRED:
+        u = tl.load(pair_rows + cols[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
     if WAIT:
         wait_for_previous_kernel(USE_PDL)
-    acc = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K // GROUP), dtype=tl.float32)
+    acc = tl.zeros((R, BLOCK_K // GROUP), dtype=tl.float32)
+    acc_pair = tl.zeros((R, BLOCK_K // GROUP), dtype=tl.float32)
     x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-    acc, acc_up = _f16_chunk(w, u, x, acc, acc_up, SILU_MUL, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP)
+    acc, acc_pair = _f16_chunk(w, u, x, acc, acc_pair, PAIRED, BIT_DEQUANT, ASM, R, BLOCK_K, GROUP)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + cols
         w_mask = row_mask[:, None] if EVEN_K else row_mask[:, None] & (kk < K)[None, :]
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
-        if SILU_MUL:
-            u = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+        if PAIRED:
+            u = tl.load(pair_rows + kk[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        acc, acc_up = _f16_chunk(w, u, x, acc, acc_up, SILU_MUL, BIT_DEQUANT, ASM, BLOCK_N, BLOCK_K, GROUP)
-    _scaled_activation_store(tl.sum(acc, axis=1), tl.sum(acc_up, axis=1), w_scale_ptr, y_ptr + rows, rows, row_mask,
-                             row_mask, N, SILU_MUL)
+        acc, acc_pair = _f16_chunk(w, u, x, acc, acc_pair, PAIRED, BIT_DEQUANT, ASM, R, BLOCK_K, GROUP)
+    return tl.sum(acc, axis=1), tl.sum(acc_pair, axis=1)
+
+
+@triton.jit
+def _fp8_gemv_f16_rows(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
+                       EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, WAIT: tl.constexpr, BIT_DEQUANT: tl.constexpr,
+                       ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    # rows [block * BLOCK_N, +BLOCK_N) (and the up rows N further with SILU_MUL), all of K
+    rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    y, y_up = _f16_row_sums(rows, row_mask, N, x_ptr, w_ptr, K, w_row_stride, SILU_MUL, EVEN_K, USE_PDL, WAIT,
+                            BIT_DEQUANT, ASM, BLOCK_K, GROUP)
+    _scaled_activation_store(y, y_up, w_scale_ptr, y_ptr + rows, rows, row_mask, row_mask, N, SILU_MUL)
+
+
+@triton.jit
+def _fp8_gemv_rotary_store_kernel(x_ptr, w_ptr, w_scale_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr,
+                                  k_cache_ptr, v_cache_ptr, k_cache_stride, v_cache_stride, K, w_row_stride,
+                                  NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                                  V_WIDTH: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                                  BIT_DEQUANT: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """gemv.py's qkv GEMV with rotary and the KV write as its epilogue, on an e4m3 weight with row scales (the "f16"
+    / "f16bit" products): the first programs each own BLOCK_N / 2 rows of a q or k head's first half and the rows
+    HEAD_DIM / 2 further, the rest BLOCK_N rows of v."""
+    let_next_kernel_launch(USE_PDL)
+    pid = tl.program_id(0)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    PROGRAMS_PER_HEAD: tl.constexpr = HALF // PAIRS
+    if pid < (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD:
+        head = pid // PROGRAMS_PER_HEAD
+        pairs = (pid % PROGRAMS_PER_HEAD) * PAIRS + tl.arange(0, PAIRS)  # [PAIRS], offsets in the first half
+        rows = head * HEAD_DIM + pairs
+        y1, y2 = _f16_row_sums(rows, rows >= 0, HALF, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL, True,
+                               BIT_DEQUANT, ASM, BLOCK_K, GROUP)
+        y1 = y1 * tl.load(w_scale_ptr + rows)
+        y2 = y2 * tl.load(w_scale_ptr + HALF + rows)
+        rotary_store_pair(y1, y2, head, pairs, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
+                          k_cache_stride, NUM_Q_HEADS, HEAD_DIM)
+    else:
+        cols = (pid - (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < V_WIDTH
+        v_rows = (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + cols
+        y, _ = _f16_row_sums(v_rows, col_mask, 0, x_ptr, w_ptr, K, w_row_stride, False, EVEN_K, USE_PDL, True,
+                             BIT_DEQUANT, ASM, BLOCK_K, GROUP)
+        y = y * tl.load(w_scale_ptr + v_rows, mask=col_mask, other=0.0)
+        slot = tl.load(loc_ptr).to(tl.int64)
+        tl.store(v_cache_ptr + slot * v_cache_stride + cols, y.to(q_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -504,6 +552,35 @@ def _tune(key, candidates, run, excess) -> Fp8GemvConfig:
     logger.info("fp8 GEMV %s: %s (%.1f us)", key, best, timings[best] * 1e3)
     _tuned[key] = best
     return best
+
+
+def fp8_gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, epilogue,
+                          config: Optional[Fp8GemvConfig] = None) -> Optional[torch.Tensor]:
+    """gemv.gemv_rotary_store on an e4m3 weight with fp32 row scales: x [1, K] bf16/fp16 -> q [1, H*D], rotated, with
+    the rotated k and v written to epilogue.target()'s cache, in one launch. None (nothing done) where it does not
+    apply (gemv.rotary_store_args), or where this shape's batch-1 config (the measured or tuned one, else the first
+    candidate; or `config`) is no "f16" / "f16bit" tile whose BLOCK_N / 2 rows divide a half head."""
+    if not (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+            and weight.dtype == FP8_DTYPE and weight.stride(1) == 1 and weight_scale.dtype == torch.float32
+            and weight_scale.is_contiguous() and weight_scale.numel() == weight.shape[0]
+            and x.device == weight.device == weight_scale.device):
+        return None
+    rows, k = weight.shape
+    if config is None:
+        config = (_tuned.get((str(x.device), rows, k, False, x.dtype, pdl.enabled(x.device)))
+                  or measured_fp8_gemv_config(x.device, rows, k, False) or fp8_gemv_candidates()[0])
+    half = epilogue.head_dim // 2
+    if config.variant not in ("f16", "f16bit") or config.block_n % 2 or half % (config.block_n // 2):
+        return None
+    found = rotary_store_args(x, weight, epilogue)
+    if found is None:
+        return None
+    q, args, shape, programs = found
+    _fp8_gemv_rotary_store_kernel[(programs(config.block_n),)](
+        args[0], weight, weight_scale, *args[2:], **shape, EVEN_K=k % config.block_k == 0,
+        BIT_DEQUANT=config.variant == "f16bit", ASM=not _INTERPRET, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP=config.group, num_warps=config.num_warps, num_stages=config.num_stages)
+    return q
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, *, silu_mul: bool = False,
