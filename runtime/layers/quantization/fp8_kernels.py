@@ -17,6 +17,8 @@ checkpoint's static `input_scale`).
   rounding work in the weight loop; the H100 runs it: MEASURED_FP8_SMALL_BATCH_CONFIGS). At these sizes a decode step
   is a stream over the weights; quantize + torch._scaled_mm measured 1.1-2.2 TB/s there against the tc kernel's
   1.4-2.5 (H200).
+- `fp8_gemv_rotary_store`: the batch-1 GEMV of a decode step's qkv projection with rotary and the KV write as its
+  epilogue (gemv.py's, on the "f16" products), where the pool lets a kernel write the cache.
 - `check_fp8_device`: fp8 needs compute capability 8.9+ on CUDA; on CPU the casts must exist.
 """
 
