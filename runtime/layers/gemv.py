@@ -161,6 +161,29 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, num_progr
 
 
 @triton.jit
+def rotary_store_program(pid, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         V_WIDTH: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What program `pid` of a qkv GEMV with the rotary + KV-store epilogue owns (the grid rotary_store_args'
+    programs(BLOCK_N) counts): the first programs BLOCK_N / 2 rows of a q or k head's first half and the rows
+    HEAD_DIM / 2 further -> (True, head, pairs [BLOCK_N / 2] offsets in the first half, ...); the rest BLOCK_N rows of
+    v -> (False, ..., v columns [BLOCK_N], their mask). The fields of the other kind are placeholders."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    PROGRAMS_PER_HEAD: tl.constexpr = HEAD_DIM // 2 // PAIRS
+    qk_programs = (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD
+    head = pid // PROGRAMS_PER_HEAD
+    pairs = (pid % PROGRAMS_PER_HEAD) * PAIRS + tl.arange(0, PAIRS)
+    v_cols = (pid - qk_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pid < qk_programs, head, pairs, v_cols, v_cols < V_WIDTH
+
+
+@triton.jit
+def store_v_row(y, v_cols, v_mask, loc_ptr, v_cache_ptr, v_cache_stride, out_dtype: tl.constexpr):
+    """The v columns v_cols [BLOCK_N] of the step's token (fp32 sums y) to v_cache[loc[0]] in out_dtype."""
+    slot = tl.load(loc_ptr).to(tl.int64)
+    tl.store(v_cache_ptr + slot * v_cache_stride + v_cols, y.to(out_dtype), mask=v_mask)
+
+
+@triton.jit
 def rotary_store_pair(y1, y2, head, pairs, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
                       k_cache_stride, NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The epilogue of a qkv GEMV's program that owns the rows `pairs` [P] of a q or k head's first half (y1: their
@@ -196,25 +219,18 @@ def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin
     BLOCK_N / 2 rows of a q or k head's first half and the rows HEAD_DIM / 2 further that they rotate with: q goes to
     q_ptr, k to k_cache[loc[0]]. The rest own BLOCK_N rows of v each, which go to v_cache[loc[0]]."""
     let_next_kernel_launch(USE_PDL)
-    pid = tl.program_id(0)
-    HALF: tl.constexpr = HEAD_DIM // 2
-    PAIRS: tl.constexpr = BLOCK_N // 2
-    PROGRAMS_PER_HEAD: tl.constexpr = HALF // PAIRS
-    if pid < (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD:
-        head = pid // PROGRAMS_PER_HEAD
-        pairs = (pid % PROGRAMS_PER_HEAD) * PAIRS + tl.arange(0, PAIRS)  # [PAIRS], offsets in the first half
+    is_qk, head, pairs, v_cols, v_mask = rotary_store_program(tl.program_id(0), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                                                              V_WIDTH, BLOCK_N)
+    if is_qk:
         rows = head * HEAD_DIM + pairs
-        y1, y2 = _gemv_rows(rows, rows >= 0, HALF, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL, True,
-                            BLOCK_K)
+        y1, y2 = _gemv_rows(rows, rows >= 0, HEAD_DIM // 2, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL,
+                            True, BLOCK_K)
         rotary_store_pair(y1, y2, head, pairs, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
                           k_cache_stride, NUM_Q_HEADS, HEAD_DIM)
     else:
-        cols = (pid - (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < V_WIDTH
-        y, _ = _gemv_rows((NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + cols, col_mask, 0, x_ptr, w_ptr, K,
+        y, _ = _gemv_rows((NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + v_cols, v_mask, 0, x_ptr, w_ptr, K,
                           w_row_stride, False, EVEN_K, USE_PDL, True, BLOCK_K)
-        slot = tl.load(loc_ptr).to(tl.int64)
-        tl.store(v_cache_ptr + slot * v_cache_stride + cols, y.to(q_ptr.dtype.element_ty), mask=col_mask)
+        store_v_row(y, v_cols, v_mask, loc_ptr, v_cache_ptr, v_cache_stride, q_ptr.dtype.element_ty)
 
 
 # The fastest config per (weight rows, K, fused activation) on an H200, from benchmarks/gpu/gemv_shape_sweep.py (every

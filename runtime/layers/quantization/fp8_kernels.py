@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
-from braid.runtime.layers.gemv import measured_table, rotary_store_args, rotary_store_pair
+from braid.runtime.layers.gemv import (measured_table, rotary_store_args, rotary_store_pair, rotary_store_program,
+                                       store_v_row)
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 from braid.runtime.layers.small_batch_gemm import (MAX_ROWS as SMALL_BATCH_MAX_ROWS, TcTile,
                                                    launch_small_batch_tc)
@@ -336,29 +337,22 @@ def _fp8_gemv_rotary_store_kernel(x_ptr, w_ptr, w_scale_ptr, q_ptr, pos_ptr, cos
     / "f16bit" products): the first programs each own BLOCK_N / 2 rows of a q or k head's first half and the rows
     HEAD_DIM / 2 further, the rest BLOCK_N rows of v."""
     let_next_kernel_launch(USE_PDL)
-    pid = tl.program_id(0)
-    HALF: tl.constexpr = HEAD_DIM // 2
-    PAIRS: tl.constexpr = BLOCK_N // 2
-    PROGRAMS_PER_HEAD: tl.constexpr = HALF // PAIRS
-    if pid < (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD:
-        head = pid // PROGRAMS_PER_HEAD
-        pairs = (pid % PROGRAMS_PER_HEAD) * PAIRS + tl.arange(0, PAIRS)  # [PAIRS], offsets in the first half
+    is_qk, head, pairs, v_cols, v_mask = rotary_store_program(tl.program_id(0), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
+                                                              V_WIDTH, BLOCK_N)
+    if is_qk:
         rows = head * HEAD_DIM + pairs
-        y1, y2 = _f16_row_sums(rows, rows >= 0, HALF, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL, True,
-                               BIT_DEQUANT, ASM, BLOCK_K, GROUP)
+        y1, y2 = _f16_row_sums(rows, rows >= 0, HEAD_DIM // 2, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL,
+                               True, BIT_DEQUANT, ASM, BLOCK_K, GROUP)
         y1 = y1 * tl.load(w_scale_ptr + rows)
-        y2 = y2 * tl.load(w_scale_ptr + HALF + rows)
+        y2 = y2 * tl.load(w_scale_ptr + HEAD_DIM // 2 + rows)
         rotary_store_pair(y1, y2, head, pairs, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
                           k_cache_stride, NUM_Q_HEADS, HEAD_DIM)
     else:
-        cols = (pid - (NUM_Q_HEADS + NUM_KV_HEADS) * PROGRAMS_PER_HEAD) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < V_WIDTH
-        v_rows = (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + cols
-        y, _ = _f16_row_sums(v_rows, col_mask, 0, x_ptr, w_ptr, K, w_row_stride, False, EVEN_K, USE_PDL, True,
+        v_rows = (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + v_cols
+        y, _ = _f16_row_sums(v_rows, v_mask, 0, x_ptr, w_ptr, K, w_row_stride, False, EVEN_K, USE_PDL, True,
                              BIT_DEQUANT, ASM, BLOCK_K, GROUP)
-        y = y * tl.load(w_scale_ptr + v_rows, mask=col_mask, other=0.0)
-        slot = tl.load(loc_ptr).to(tl.int64)
-        tl.store(v_cache_ptr + slot * v_cache_stride + cols, y.to(q_ptr.dtype.element_ty), mask=col_mask)
+        y = y * tl.load(w_scale_ptr + v_rows, mask=v_mask, other=0.0)
+        store_v_row(y, v_cols, v_mask, loc_ptr, v_cache_ptr, v_cache_stride, q_ptr.dtype.element_ty)
 
 
 @triton.jit
