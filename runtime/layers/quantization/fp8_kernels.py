@@ -522,7 +522,12 @@ def _launch_fp8_gemv(config: Fp8GemvConfig, x, weight, weight_scale, y, n, k, si
             **launch)
 
 
-_tuned: dict = {}  # (device, n, k, silu_mul, x dtype, PDL) -> the fastest Fp8GemvConfig
+_tuned: dict = {}  # _tuned_key(...) -> the fastest Fp8GemvConfig
+
+
+def _tuned_key(x: torch.Tensor, n: int, k: int, silu_mul: bool) -> tuple:
+    """_tuned's key of a batch-1 GEMV of x against a weight of n output rows (gate rows with silu_mul) and K = k."""
+    return str(x.device), n, k, silu_mul, x.dtype, pdl.enabled(x.device)
 
 
 def _tune(key, candidates, run, excess) -> Fp8GemvConfig:
@@ -563,7 +568,7 @@ def fp8_gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
         return None
     rows, k = weight.shape
     if config is None:
-        config = (_tuned.get((str(x.device), rows, k, False, x.dtype, pdl.enabled(x.device)))
+        config = (_tuned.get(_tuned_key(x, rows, k, False))
                   or measured_fp8_gemv_config(x.device, rows, k, False) or fp8_gemv_candidates()[0])
     half = epilogue.head_dim // 2
     if config.variant not in ("f16", "f16bit") or config.block_n % 2 or half % (config.block_n // 2):
@@ -607,7 +612,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
         config = (measured_table(MEASURED_FP8_SMALL_BATCH_CONFIGS, x.device).get((rows, k, silu_mul))
                   or SMALL_BATCH_TC_CONFIG)
     if config is None:
-        key = (str(x.device), n, k, silu_mul, x.dtype, pdl.enabled(x.device))
+        key = _tuned_key(x, n, k, silu_mul)
         config = _tuned.get(key)
         if config is None:
             config = measured_fp8_gemv_config(x.device, rows, k, silu_mul)
