@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
-from braid.runtime.layers.gemv import (measured_table, rotary_store_args, rotary_store_pair, rotary_store_program,
-                                       store_v_row)
+from braid.runtime.layers.gemv import (fp8_supports, measured_table, rotary_store_args, rotary_store_pair,
+                                       rotary_store_program, store_v_row)
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 from braid.runtime.layers.small_batch_gemm import (MAX_ROWS as SMALL_BATCH_MAX_ROWS, TcTile,
                                                    launch_small_batch_tc)
@@ -559,12 +559,9 @@ def fp8_gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
                           config: Optional[Fp8GemvConfig] = None) -> Optional[torch.Tensor]:
     """gemv.gemv_rotary_store on an e4m3 weight with fp32 row scales: x [1, K] bf16/fp16 -> q [1, H*D], rotated, with
     the rotated k and v written to epilogue.target()'s cache, in one launch. None (nothing done) where it does not
-    apply (gemv.rotary_store_args), or where this shape's batch-1 config (the measured or tuned one, else the first
+    apply (gemv.fp8_supports, gemv.rotary_store_args), or where this shape's batch-1 config (the measured or tuned one, else the first
     candidate; or `config`) is no "f16" / "f16bit" tile whose BLOCK_N / 2 rows divide a half head."""
-    if not (x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
-            and weight.dtype == FP8_DTYPE and weight.stride(1) == 1 and weight_scale.dtype == torch.float32
-            and weight_scale.is_contiguous() and weight_scale.numel() == weight.shape[0]
-            and x.device == weight.device == weight_scale.device):
+    if not fp8_supports(x, weight, weight_scale):
         return None
     rows, k = weight.shape
     if config is None:
