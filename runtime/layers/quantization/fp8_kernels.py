@@ -559,8 +559,9 @@ def fp8_gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
                           config: Optional[Fp8GemvConfig] = None) -> Optional[torch.Tensor]:
     """gemv.gemv_rotary_store on an e4m3 weight with fp32 row scales: x [1, K] bf16/fp16 -> q [1, H*D], rotated, with
     the rotated k and v written to epilogue.target()'s cache, in one launch. None (nothing done) where it does not
-    apply (gemv.fp8_supports, gemv.rotary_store_args), or where this shape's batch-1 config (the measured or tuned one, else the first
-    candidate; or `config`) is no "f16" / "f16bit" tile whose BLOCK_N / 2 rows divide a half head."""
+    apply (gemv.fp8_supports, gemv.rotary_store_args), or where this shape's batch-1 config (the measured or tuned
+    one, else the first candidate; or `config`) is no "f16" / "f16bit" tile whose BLOCK_N / 2 rows divide a half
+    head."""
     if not fp8_supports(x, weight, weight_scale):
         return None
     rows, k = weight.shape
