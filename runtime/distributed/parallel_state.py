@@ -8,10 +8,13 @@ broadcasts) travel on a gloo group beside the device group, as msgspec bytes in 
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 _TP_SIZE = 1
 _TP_RANK = 0
@@ -58,6 +61,18 @@ def destroy_tensor_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _TP_SIZE, _TP_RANK, _DEVICE_GROUP, _CPU_GROUP, _DEVICE, _ACTIVE = 1, 0, None, None, None, False
+
+
+def leave_tensor_parallel() -> None:
+    """After the stop step, on every rank: wait until all ranks have it, then tear the groups down, so no rank closes
+    its connections while another still reads from them. A rank already gone is logged, not raised: the stop is
+    what ends the run."""
+    if _ACTIVE:
+        try:
+            dist.barrier(group=_CPU_GROUP)
+        except RuntimeError as e:
+            logger.warning("tensor parallel: a rank left before the stop step: %s", e)
+    destroy_tensor_parallel()
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,8 @@ class LeaderScheduler:
         step = LeaderStep(self._commands, self._gate.decide(), stop, self._clock.now)
         self._commands = []
         ps.broadcast_bytes(_encoder.encode(step))
+        if stop:
+            ps.leave_tensor_parallel()
 
 
 class LeaderIO:
@@ -185,6 +187,7 @@ def follow(scheduler) -> None:
                 scheduler.flush_cache()
         gate.follow(step.grammars)
         if step.stop:
+            ps.leave_tensor_parallel()
             return
         if scheduler.has_work():
             scheduler.step()  # outputs are rank 0's to send
@@ -342,5 +345,7 @@ def run_node_ranks(server_args) -> int:
         if p.poll() is None:
             p.terminate()
     stop_processes(procs)
-    failed = [c for c in codes if c not in (None, 0)]
+    failed = {rank: code for rank, code in zip(local_ranks(server_args), codes) if code not in (None, 0)}
+    for rank, code in failed.items():
+        logger.error("node %d: rank %d exited with code %d", server_args.node_rank, rank, code)
     return 1 if failed else 0

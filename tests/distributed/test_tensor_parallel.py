@@ -212,7 +212,7 @@ def test_tiny_deepseek_v2_mla_and_moe_over_two_ranks_equal_one_rank(tmp_path, q_
     assert _greedy_ids(path, 2, prompts) == _greedy_ids(path, 1, prompts)
 
 
-def test_two_nodes_on_one_host_serve_what_one_rank_does(smollm2_tp1):
+def test_two_nodes_on_one_host_serve_what_one_rank_does(smollm2_tp1, tmp_path):
     """--nnodes 2: node 0 serves HTTP with rank 0, node 1 (--node-rank 1) runs rank 1 and exits 0 when node 0 stops."""
     import subprocess
     import sys
@@ -220,11 +220,12 @@ def test_two_nodes_on_one_host_serve_what_one_rank_does(smollm2_tp1):
     from real_server import free_port
 
     common = ["--model-path", "smollm2", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr",
-              f"127.0.0.1:{free_port()}", "--max-total-tokens", "2048", "--log-level", "warning"]
+              f"127.0.0.1:{free_port()}", "--max-total-tokens", "2048", "--log-level", "info"]
+    node1_log = tmp_path / "node1.log"
     # one thread, like the test servers: both "nodes" share this host's 2 cores
-    node1 = subprocess.Popen([sys.executable, "-m", "braid.runtime.launch", *common, "--node-rank", "1"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    with open(node1_log, "wb") as log:
+        node1 = subprocess.Popen([sys.executable, "-m", "braid.runtime.launch", *common, "--node-rank", "1"],
+                                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         srv = start_server([*common, "--api-key", "k"], "k", "braid-node0-")
         try:
@@ -233,7 +234,7 @@ def test_two_nodes_on_one_host_serve_what_one_rank_does(smollm2_tp1):
             assert len(_rank_pids(srv.proc.pid)) == 1  # node 0 runs one of the two ranks
         finally:
             srv.stop()
-        assert node1.wait(30) == 0
+        assert node1.wait(30) == 0, node1_log.read_text()[-3000:]
     finally:
         if node1.poll() is None:
             node1.kill()
