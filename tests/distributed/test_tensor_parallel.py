@@ -106,6 +106,9 @@ def _smollm2_outputs(tp_size: int) -> dict:
         out["sampled"] = [r["output_ids"] for r in engine.generate(
             "Once upon a time", {"temperature": 1.0, "max_new_tokens": 8, "n": 2, "seed": 5, "ignore_eos": True})]
         out["kv_used"] = engine.get_stats()["kv_used_tokens"]
+        ranks = engine._ranks
+    if ranks is not None:  # closed: every follower left after rank 0's stop step
+        out["follower_exit_codes"] = [proc.returncode for proc in ranks.followers]
     return out
 
 
@@ -118,6 +121,7 @@ def test_smollm2_engine_tp2_equals_tp1(smollm2_tp1):
     import re
 
     tp2 = _smollm2_outputs(2)
+    assert tp2.pop("follower_exit_codes") == [0]
     assert tp2 == smollm2_tp1
     assert re.fullmatch(PHONE, tp2["regex"]) and tp2["kv_used"] == 0
     assert tp2["sampled"][0] != tp2["sampled"][1]  # two seeds, two samples
