@@ -28,6 +28,11 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+# the fields that carry a grammar, and the grammar kind each one is (at most one per request)
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+GRAMMAR_KINDS = ("regex", "json", "grammar", "structural_tag")
+
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -49,6 +54,8 @@ class SamplingParams:
     seed: Optional[int] = None
     regex: Optional[str] = None
     json_schema: Union[None, str, dict] = None  # normalized to a JSON string by normalize()
+    ebnf: Optional[str] = None  # a context-free grammar: Lark, or GBNF / EBNF (`root ::= ...`)
+    structural_tag: Union[None, str, dict] = None  # SGLang's / vLLM's structural tag, normalized to a JSON string
     logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: Optional[list[int]] = None  # sample only among these
 
@@ -96,6 +103,8 @@ class SamplingParams:
             self.stop = [s for s in self.stop if s]
         if self.json_schema is not None and not isinstance(self.json_schema, str):
             self.json_schema = _schema_to_json(self.json_schema)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = json.dumps(self.structural_tag)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()} or None
 
@@ -144,18 +153,35 @@ class SamplingParams:
             if vocab_size is not None:
                 need(all(0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids", "token id out of range")
         self._verify_token_lists(need, vocab_size)
-        need(self.allowed_token_ids is None or (self.regex is None and self.json_schema is None), "allowed_token_ids",
-             "cannot be combined with regex or json_schema (the grammar chooses the tokens)")
-        need(not (self.regex is not None and self.json_schema is not None), "regex",
-             "regex and json_schema are mutually exclusive")
+        grammars = [k for k in GRAMMAR_FIELDS if getattr(self, k) is not None]
+        need(self.allowed_token_ids is None or not grammars, "allowed_token_ids",
+             f"cannot be combined with {grammars[0] if grammars else 'a grammar'} (the grammar chooses the tokens)")
+        need(len(grammars) <= 1, grammars[-1] if grammars else "regex",
+             f"{' and '.join(grammars)} are mutually exclusive: give one grammar")
         if self.regex is not None:
             need(isinstance(self.regex, str) and len(self.regex) > 0, "regex", "must be a non-empty string")
+        if self.ebnf is not None:
+            need(isinstance(self.ebnf, str) and self.ebnf.strip() != "", "ebnf", "must be a non-empty string")
         if self.json_schema is not None:
             try:
                 schema = json.loads(self.json_schema)
             except (TypeError, ValueError) as e:
                 raise SamplingParamsError(f"json_schema: not valid JSON ({e})", "json_schema") from None
             need(isinstance(schema, (dict, bool)), "json_schema", "must be a JSON object")
+        if self.structural_tag is not None:
+            try:
+                tag = json.loads(self.structural_tag) if isinstance(self.structural_tag, str) else None
+            except ValueError as e:
+                raise SamplingParamsError(f"structural_tag: not valid JSON ({e})", "structural_tag") from None
+            need(isinstance(tag, dict), "structural_tag", "must be a JSON object")
+
+    def grammar(self) -> Optional[tuple[str, str]]:
+        """(kind, spec) of the grammar these params carry: kind is one of GRAMMAR_KINDS; None without one."""
+        for field, kind in zip(GRAMMAR_FIELDS, GRAMMAR_KINDS):
+            value = getattr(self, field)
+            if value is not None:
+                return kind, value
+        return None
 
     def _verify_token_lists(self, need, vocab_size: Optional[int]) -> None:
         top = _MAX_INT32 if vocab_size is None else vocab_size - 1

@@ -54,7 +54,8 @@ def fan_out(req: Req, share_prefill: bool) -> tuple[Optional[Req], list[Req]]:
                 for i in range(sp.n)]
     if not share_prefill:
         return None, children
-    prefill_only = dataclasses.replace(sp, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None)
+    prefill_only = dataclasses.replace(sp, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None,
+                                       ebnf=None, structural_tag=None)
     parent = Req(rid=req.rid, index=-1, input_ids=list(req.input_ids), sampling_params=prefill_only, is_internal=True,
                  mm_inputs=req.mm_inputs)
     return parent, children
