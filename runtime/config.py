@@ -165,14 +165,22 @@ class ServerArgs:
     constrained_json_whitespace_pattern: Optional[str] = _opt(None, "regex for whitespace allowed in JSON output (default: compact)")
     disable_jump_forward: bool = _opt(False, "sample every token of a constrained output",
                                       aliases=("--disable-regex-jump-forward",))
-    grammar_timeout_s: float = _opt(10.0, "give up compiling a regex/schema after this long")
-    grammar_workers: int = _opt(0, "grammar compile worker processes kept ready (0: min(4, CPU count), at least 2); "
-                                   "a compile running long gets a spare beside it, up to twice as many")
-    grammar_max_queued: int = _opt(32, "grammar compiles allowed to wait for a worker; more fail at once (400)")
+    grammar_backend: str = _opt("llguidance", "grammar engine: llguidance (regex, JSON schema, Lark / GBNF grammars, "
+                                              "structural tags), outlines (regex and JSON schema on outlines-core), "
+                                              "auto (llguidance; a regex or schema it refuses goes to outlines)",
+                                 choices=("llguidance", "outlines", "auto"))
+    grammar_json_strict: bool = _opt(True, "a JSON schema's object silent on extra properties allows none (XGrammar's "
+                                           "strict mode, SGLang's and vLLM's default); off: as the specification "
+                                           "reads (any extra property)")
+    grammar_timeout_s: float = _opt(10.0, "give up compiling a grammar after this long")
+    grammar_workers: int = _opt(0, "grammar compile workers (threads for llguidance, processes for outlines; 0: "
+                                   "min(4, CPU count), at least 2); twice as many compiles run at once")
+    grammar_max_queued: int = _opt(1024, "grammar compiles allowed to wait for a worker; a request that would start "
+                                         "one more gets 429 with Retry-After")
     grammar_cache_size: int = _opt(512, "compiled grammars kept, least recently used dropped first")
-    grammar_max_queued_per_client: int = _opt(4, "grammar compiles one HTTP client (by address) may have waiting or "
-                                                 "running; a request that would start one more gets 429 at once "
-                                                 "(0: no limit; in-process requests are not limited)")
+    grammar_max_queued_per_client: int = _opt(256, "grammar compiles one HTTP client (by address) may have waiting; "
+                                                   "clients' compiles are served in turn, so this only bounds a "
+                                                   "burst (0: no limit; in-process requests share one queue)")
 
     # ---- server ----
     host: str = _opt("127.0.0.1", "HTTP host")

@@ -41,8 +41,6 @@ SGLANG_FLAGS: dict[str, SglangFlag] = {
                                                 "kernels", already=("on",)),
     "--sampling-backend": SglangFlag("braid samples with its own torch code; there is no FlashInfer sampling backend",
                                      nargs="1", already=("pytorch",)),
-    "--grammar-backend": SglangFlag("braid compiles regexes and JSON schemas with outlines-core; there is no "
-                                    "xgrammar backend", nargs="1", already=("outlines",)),
     "--disable-custom-all-reduce": SglangFlag("tensor-parallel all-reduces go through torch.distributed (NCCL); braid "
                                               "has no custom all-reduce kernel", already=("on",)),
     "--disable-nan-detection": SglangFlag("braid has no NaN detection to turn off", already=("on",)),

@@ -1,4 +1,5 @@
-"""Constrained decoding: regex / JSON schema -> token masks (outlines-core), with jump-forward.
+"""Constrained decoding: regex, JSON schema, Lark / GBNF grammars and structural tags -> packed token bitmasks, on
+llguidance or outlines-core, with jump-forward.
 
 Names load lazily: the compile worker process imports `fsm` and must not pull in torch.
 """
@@ -8,9 +9,9 @@ _EXPORTS = {
     "GrammarTimeoutError": "fsm",
     "GrammarBusyError": "fsm",
     "GrammarBackend": "grammar",
-    "CompiledGrammar": "grammar",
-    "GrammarState": "grammar",
-    "apply_vocab_mask": "grammar",
+    "fill_bitmasks": "grammar",
+    "allocate_bitmask": "bitmask",
+    "unpack_row": "bitmask",
     "JumpForward": "jump_forward",
     "json_schema_to_regex": "json_schema",
     "choices_to_regex": "json_schema",

@@ -1,4 +1,11 @@
-"""Grammar-constrained decoding: compiled grammars (shared, cached), per-request states, logit masks."""
+"""The grammar backend: one engine (llguidance or outlines-core) behind one interface, a cache of compiled grammars,
+compiles shared fairly between clients, and batched bitmask fills.
+
+Engines (`engine=`): "llguidance" (regex, JSON schema, Lark / GBNF grammars, structural tags), "outlines" (regex and
+JSON schema through braid's schema -> regex translation), "auto" (llguidance; a regex or schema it refuses goes to
+outlines-core). A grammar's states share one interface: accept_token, rollback, is_terminated, is_accepting,
+fill_bitmask(bitmask, row), jump_forward(output_ids), num_accepted.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +15,15 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import NamedTuple
 
 import torch
 
-from .fsm import (WORKER_START_TIMEOUT_S, CompilePool, GrammarBusyError, GrammarError, GrammarTimeoutError,
-                  check_regex_syntax)
-from .json_schema import json_schema_to_regex, schema_to_json_text
-from .regex_classes import ascii_shorthand_classes
-from .jump_forward import ForcedBytes, JumpForward, retokenize_candidates
+from .fsm import WORKER_START_TIMEOUT_S, GrammarBusyError, GrammarError, GrammarTimeoutError
+from .json_schema import schema_to_json_text
 from .vocabulary import TokenVocabulary, build_token_vocabulary
 
-KINDS = ("regex", "json")
+KINDS = ("regex", "json", "grammar", "structural_tag")
+ENGINES = ("llguidance", "outlines", "auto")
 
 
 def default_grammar_workers() -> int:
@@ -27,235 +31,119 @@ def default_grammar_workers() -> int:
     return max(2, min(4, os.cpu_count() or 1))
 
 
-class _Cursor(NamedTuple):
-    fsm_state: int
-    terminated: bool
+class _Queued:
+    """A compile waiting for its turn: the shared future its requests hold."""
 
+    __slots__ = ("key", "future")
 
-class _VocabTables:
-    """Per-tokenizer lookups shared by every grammar of one backend."""
-
-    def __init__(self, vocabulary: TokenVocabulary):
-        self.vocabulary = vocabulary
-        first = [raw[0] if raw else -1 for raw in vocabulary.token_bytes]
-        self.first_byte = torch.tensor(first, dtype=torch.int16)  # [V]
-        self.single_byte_token: list[int | None] = [None] * 256
-        for token_id, raw in enumerate(vocabulary.token_bytes):
-            if raw is not None and len(raw) == 1 and self.single_byte_token[raw[0]] is None:
-                self.single_byte_token[raw[0]] = token_id
-
-
-class CompiledGrammar:
-    """One regex compiled against one vocabulary; immutable and shared by every request using it."""
-
-    def __init__(self, kind: str, spec: str, regex: str, index, tables: _VocabTables, vocab_size: int, tokenizer):
-        self.kind = kind
-        self.spec = spec
-        self.regex = regex
-        self.index = index
-        self.vocabulary = tables.vocabulary
-        self.vocab_size = vocab_size
-        self.eos_token_id = tables.vocabulary.eos_token_id
-        self.tokenizer = tokenizer
-        self.forced_bytes = ForcedBytes(index, self.allowed_ids, tables.first_byte, tables.single_byte_token)
-        self._allowed_cpu: dict[int, torch.Tensor] = {}
-        self._allowed_device: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._lock = threading.Lock()
-
-    def new_state(self) -> "GrammarState":
-        return GrammarState(self)
-
-    def __repr__(self) -> str:
-        return f"CompiledGrammar(kind={self.kind!r}, regex={self.regex[:60]!r})"
-
-    def allowed_ids(self, fsm_state: int) -> torch.Tensor:
-        """Sorted int64 ids allowed in `fsm_state` (EOS included when the state is final); cached per state."""
-        ids = self._allowed_cpu.get(fsm_state)
-        if ids is None:
-            raw = self.index.get_allowed_tokens(fsm_state) or []
-            allowed = {t for t in raw if t != self.eos_token_id}
-            if self.index.is_final_state(fsm_state):
-                allowed.add(self.eos_token_id)
-            ids = torch.tensor(sorted(allowed), dtype=torch.int64)
-            with self._lock:
-                self._allowed_cpu[fsm_state] = ids
-        return ids
-
-    def allowed_ids_on(self, fsm_state: int, device: torch.device) -> torch.Tensor:
-        if device.type == "cpu":
-            return self.allowed_ids(fsm_state)
-        key = (fsm_state, device)
-        ids = self._allowed_device.get(key)
-        if ids is None:
-            ids = self.allowed_ids(fsm_state).to(device)
-            with self._lock:
-                self._allowed_device[key] = ids
-        return ids
-
-    def initial_cursor(self) -> _Cursor:
-        return _Cursor(self.index.get_initial_state(), False)
-
-    def advance(self, cursor: _Cursor, token_id: int) -> _Cursor | None:
-        """The cursor after `token_id`, or None when the grammar does not allow it there."""
-        if cursor.terminated:
-            return None
-        if token_id == self.eos_token_id:
-            return _Cursor(cursor.fsm_state, True) if self.index.is_final_state(cursor.fsm_state) else None
-        if not 0 <= token_id < self.vocab_size:
-            return None
-        next_state = self.index.get_next_state(cursor.fsm_state, token_id)
-        return None if next_state is None else _Cursor(next_state, False)
-
-
-class GrammarState:
-    """One request's position in a compiled grammar, with the history needed to roll back."""
-
-    def __init__(self, grammar: CompiledGrammar):
-        self.grammar = grammar
-        self._cursor = grammar.initial_cursor()
-        self._history: list[_Cursor] = []  # cursor before each accepted token
-        self._tokens: list[int] = []
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self._tokens)
-
-    def accept_token(self, token_id: int) -> None:
-        token_id = int(token_id)
-        nxt = self.grammar.advance(self._cursor, token_id)
-        if nxt is None:
-            if self._cursor.terminated:
-                raise GrammarError(f"token {token_id} given after the grammar already terminated")
-            raise GrammarError(f"token {token_id} is not allowed by the grammar here")
-        self._history.append(self._cursor)
-        self._tokens.append(token_id)
-        self._cursor = nxt
-
-    def rollback(self, n: int) -> None:
-        if n < 0 or n > len(self._tokens):
-            raise GrammarError(f"cannot roll back {n} tokens; {len(self._tokens)} were accepted")
-        if n == 0:
-            return
-        self._cursor = self._history[-n]
-        del self._history[-n:]
-        del self._tokens[-n:]
-
-    def is_terminated(self) -> bool:
-        if self._cursor.terminated:
-            return True
-        return len(self.grammar.allowed_ids(self._cursor.fsm_state)) == 0
-
-    def allowed_token_ids(self) -> torch.Tensor:
-        """Sorted int64 ids, shared by every request in this state: read, never modify in place.
-
-        Once terminated (or at a dead end) just EOS, so a masked row never becomes all -inf.
-        """
-        if self._cursor.terminated:
-            return torch.tensor([self.grammar.eos_token_id], dtype=torch.int64)
-        ids = self.grammar.allowed_ids(self._cursor.fsm_state)
-        if len(ids) == 0:
-            return torch.tensor([self.grammar.eos_token_id], dtype=torch.int64)
-        return ids
-
-    def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
-        """Overwrite `mask[row]` (mask: [B, vocab_size] bool) with this state's allowed tokens."""
-        if self._cursor.terminated or len(self.grammar.allowed_ids(self._cursor.fsm_state)) == 0:
-            ids = torch.tensor([self.grammar.eos_token_id], dtype=torch.int64, device=mask.device)
-        else:
-            ids = self.grammar.allowed_ids_on(self._cursor.fsm_state, mask.device)
-        mask_row = mask[row]
-        mask_row.fill_(False)
-        mask_row.index_fill_(0, ids, True)
-
-    def jump_forward(self, output_ids: list[int]) -> JumpForward | None:
-        """Append the grammar's forced continuation without sampling, re-encoded with the last few tokens."""
-        if self._cursor.terminated:
-            return None
-        forced = self.grammar.forced_bytes(self._cursor.fsm_state)
-        if not forced:
-            return None
-        candidates = retokenize_candidates(self.grammar.tokenizer, self.grammar.vocabulary.token_bytes,
-                                           self._tokens, output_ids, forced)
-        for num_rollback, token_ids in candidates:
-            if self._replay(num_rollback, token_ids):
-                return JumpForward(num_rollback, token_ids)
-        return None
-
-    def _replay(self, num_rollback: int, token_ids: list[int]) -> bool:
-        """Roll back and accept `token_ids`, all or nothing."""
-        keep = len(self._tokens) - num_rollback
-        cursor = self._history[keep] if num_rollback else self._cursor
-        history, tokens = self._history[:keep], self._tokens[:keep]
-        for token_id in token_ids:
-            nxt = self.grammar.advance(cursor, token_id)
-            if nxt is None:
-                return False
-            history.append(cursor)
-            tokens.append(token_id)
-            cursor = nxt
-        self._history, self._tokens, self._cursor = history, tokens, cursor
-        return True
-
-
-def apply_vocab_mask(logits: torch.Tensor, mask: torch.Tensor) -> None:
-    """logits: [B, V]; mask: [B, V] bool, True = allowed (rows without a grammar are all True)."""
-    if logits.shape != mask.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and mask {tuple(mask.shape)} differ in shape")
-    logits.masked_fill_(~mask, float("-inf"))
+    def __init__(self, key, future):
+        self.key = key
+        self.future = future
 
 
 class GrammarBackend:
     """Compiles and caches grammars for one tokenizer; `vocab_size` is the model's logits width.
 
-    Compiles run in a pool of worker processes (`num_workers`, 0 or None: `default_grammar_workers()`);
-    at most `max_queued` wait for a worker, more fail at once. Compiled grammars (and compile errors) are
-    kept in an LRU of `cache_size` entries keyed by (kind, spec); a timeout is remembered for
-    `timeout_retry_after_s`, so a repeated pathological regex fails at once instead of taking a worker again.
+    Compiles run on the engine's workers (threads for llguidance, processes for outlines-core), at most
+    `2 * num_workers` at once; the rest wait in one queue per client, served in turn, so one client's burst of new
+    schemas delays another client's compile by at most one of its own. At most `max_queued` compiles wait in all
+    and `max_queued_per_client` (0: no cap) per client; past either, `submit` fails with GrammarBusyError (the
+    server's 429). Compiled grammars and compile errors are kept in an LRU of `cache_size` entries keyed by
+    (kind, spec); a timeout is remembered for `timeout_retry_after_s`, so a pathological grammar fails at once.
+    `json_strict` (llguidance): an object schema silent on extra properties allows none (XGrammar's strict mode, as
+    in SGLang and vLLM; outlines-core's translation always does so); off, it allows them as the specification reads.
     """
 
     def __init__(self, tokenizer, vocab_size: int, whitespace_pattern: str | None = None, timeout_s: float = 10.0,
-                 num_workers: int | None = None, *, eos_token_id: int | None = None, cache_size: int = 512,
-                 max_queued: int = 32, timeout_retry_after_s: float = 60.0):
+                 num_workers: int | None = None, *, engine: str = "llguidance", eos_token_id: int | None = None,
+                 cache_size: int = 512, max_queued: int = 1024, max_queued_per_client: int = 0,
+                 timeout_retry_after_s: float = 60.0, json_strict: bool = True):
+        if engine not in ENGINES:
+            raise ValueError(f"unknown grammar engine {engine!r}; expected one of {', '.join(ENGINES)}")
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.whitespace_pattern = whitespace_pattern
         self.timeout_s = timeout_s
-        if cache_size < 1:
-            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        self.engine_name = engine
+        self.json_strict = json_strict
         self.cache_size = cache_size
+        self.max_queued = max_queued
+        self.max_queued_per_client = max_queued_per_client
         self.timeout_retry_after_s = timeout_retry_after_s
-        num_workers = num_workers or default_grammar_workers()
+        self.num_workers = num_workers or default_grammar_workers()
+        self.max_in_flight = 2 * self.num_workers
         full = build_token_vocabulary(tokenizer, eos_token_id)
         if not 0 <= full.eos_token_id < vocab_size:
             raise ValueError(f"EOS token id {full.eos_token_id} is outside the model's vocabulary ({vocab_size})")
         # Tokens the model cannot emit (id >= vocab_size) are never allowed.
         self.vocabulary = TokenVocabulary(full.token_bytes[:vocab_size], full.eos_token_id)
-        self._tables = _VocabTables(self.vocabulary)
         self.eos_token_id = self.vocabulary.eos_token_id
-        self._pool = CompilePool(self.vocabulary.to_outlines(), num_workers=num_workers, timeout_s=timeout_s,
-                                 max_queued=max_queued)
+        self._primary = self._engine("outlines" if engine == "outlines" else "llguidance")
+        self._fallback = None  # outlines-core under "auto", started on the first refusal
         self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future] = OrderedDict()
         self._timed_out_at: dict[tuple[str, str], float] = {}
+        self._waiting: OrderedDict[str, collections.deque[_Queued]] = OrderedDict()  # client -> its compiles
+        self._num_waiting = 0
+        self._in_flight = 0
         self._lock = threading.Lock()
         self._counts = collections.Counter()
 
+    # ---- engines ----
+    def _engine(self, name: str):
+        if name == "llguidance":
+            from .llguidance_engine import LLGuidanceEngine
+
+            return LLGuidanceEngine(self.tokenizer, self.vocabulary, self.vocab_size,
+                                    whitespace_pattern=self.whitespace_pattern, timeout_s=self.timeout_s,
+                                    num_workers=self.num_workers, json_strict=self.json_strict)
+        from .outlines_engine import OutlinesEngine
+
+        return OutlinesEngine(self.tokenizer, self.vocabulary, self.vocab_size,
+                              whitespace_pattern=self.whitespace_pattern, timeout_s=self.timeout_s,
+                              num_workers=self.num_workers, max_queued=self.max_in_flight)
+
+    def _fallback_engine(self, kind: str):
+        if self.engine_name != "auto" or kind not in ("regex", "json"):
+            return None
+        with self._lock:
+            if self._fallback is None:
+                self._fallback = self._engine("outlines")
+            return self._fallback
+
     @property
-    def pool(self) -> CompilePool:
-        return self._pool
+    def pool(self):
+        """The outlines-core compile pool (engine "outlines"), for tests and stats."""
+        return getattr(self._primary, "pool", None)
 
     def stats(self) -> dict[str, int]:
-        """Counters: cache_hits, cache_misses, cached (entries now) and the pool's (compiles, timeouts, rejected,
-        restarts, spares_started, errors)."""
-        out = dict.fromkeys(("cache_hits", "cache_misses", "compiles", "timeouts", "errors", "rejected", "restarts",
-                             "spares_started"), 0)
+        """Counters: cache_hits, cache_misses, cached (entries now), waiting, in_flight, rejected, fallbacks, and
+        the engines' (compiles, timeouts, errors, ...)."""
+        out = dict.fromkeys(("cache_hits", "cache_misses", "compiles", "timeouts", "errors", "rejected",
+                             "fallbacks"), 0)
         with self._lock:
             out.update(self._counts)
             out["cached"] = len(self._cache)
-        out.update(self._pool.stats)
+            out["waiting"] = self._num_waiting
+            out["in_flight"] = self._in_flight
+        engines = [self._primary] + ([self._fallback] if self._fallback is not None else [])
+        for engine in engines:
+            for k, v in engine.stats().items():
+                out[k] = out.get(k, 0) + v
         return out
 
+    # ---- compiling ----
     def validate(self, kind: str, spec) -> None:
-        self._to_regex(kind, spec)
+        """The errors found without compiling (syntax, a schema's unsupported keywords): GrammarError."""
+        kind, spec = self._cache_key(kind, spec)
+        try:
+            self._primary.check(kind, spec)
+        except GrammarError:
+            fallback = self._fallback_engine(kind)
+            if fallback is None:
+                raise
+            fallback.check(kind, spec)
 
     def would_compile(self, kind: str, spec) -> bool:
         """Whether submitting (kind, spec) now starts a compile (no cached or in-flight entry serves it)."""
@@ -266,8 +154,9 @@ class GrammarBackend:
         with self._lock:
             return key not in self._cache or self._timeout_passed_locked(key)
 
-    def submit(self, kind: str, spec) -> concurrent.futures.Future:
-        """Future of a `CompiledGrammar`; the same (kind, spec) gives the same future (and object)."""
+    def submit(self, kind: str, spec, client: str = "") -> concurrent.futures.Future:
+        """Future of a compiled grammar; the same (kind, spec) gives the same future (and object). `client` names
+        whose queue a new compile waits in."""
         outer: concurrent.futures.Future = concurrent.futures.Future()
         try:
             key = self._cache_key(kind, spec)
@@ -283,19 +172,31 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 self._counts["cache_hits"] += 1
                 return cached
+            queue = self._waiting.get(client)
+            busy = self._num_waiting >= self.max_queued or (
+                self.max_queued_per_client and queue is not None and len(queue) >= self.max_queued_per_client)
+            if self._in_flight >= self.max_in_flight and busy:
+                self._counts["rejected"] += 1
+                waiting = len(queue) if queue is not None else 0
+                outer.set_exception(GrammarBusyError(
+                    f"the grammar compiler is busy ({self._num_waiting} compiles waiting, {waiting} of them this "
+                    f"client's); try again later"))
+                return outer
             self._counts["cache_misses"] += 1
             self._cache[key] = outer
             self._evict_locked()
-        try:
-            regex = self._to_regex(kind, key[1])
-            inner = self._pool.submit(regex)
-        except (GrammarError, RuntimeError) as exc:
-            self._set_exception(key, outer, exc if isinstance(exc, GrammarError) else GrammarError(str(exc)))
-            return outer
-        inner.add_done_callback(lambda done: self._finish(key, regex, outer, done))
+            if self._in_flight < self.max_in_flight:
+                self._in_flight += 1
+                start = _Queued(key, outer)
+            else:
+                self._waiting.setdefault(client, collections.deque()).append(_Queued(key, outer))
+                self._num_waiting += 1
+                start = None
+        if start is not None:
+            self._start(start)
         return outer
 
-    def compile(self, kind: str, spec) -> CompiledGrammar:
+    def compile(self, kind: str, spec) -> object:
         future = self.submit(kind, spec)
         try:
             return future.result(timeout=self.timeout_s * 4 + WORKER_START_TIMEOUT_S)
@@ -303,40 +204,68 @@ class GrammarBackend:
             raise GrammarTimeoutError(f"compiling the {kind} grammar did not finish in time") from None
 
     def shutdown(self) -> None:
-        self._pool.shutdown()
+        with self._lock:
+            waiting = [q for queue in self._waiting.values() for q in queue]
+            self._waiting.clear()
+            self._num_waiting = 0
+        for queued in waiting:
+            self._set_exception(queued.key, queued.future, GrammarError("the grammar backend is shut down"))
+        self._primary.shutdown()
+        if self._fallback is not None:
+            self._fallback.shutdown()
+
+    def _start(self, queued: _Queued, engine=None) -> None:
+        kind, spec = queued.key
+        engine = engine or self._primary
+        try:
+            inner = engine.submit(kind, spec)
+        except GrammarError as exc:
+            inner = concurrent.futures.Future()
+            inner.set_exception(exc)
+        inner.add_done_callback(lambda done: self._finish(queued, engine, done))
+
+    def _finish(self, queued: _Queued, engine, done: concurrent.futures.Future) -> None:
+        exc = done.exception()
+        if exc is not None and not isinstance(exc, (GrammarTimeoutError, GrammarBusyError)) \
+                and engine is self._primary:
+            fallback = self._fallback_engine(queued.key[0])
+            if fallback is not None:
+                with self._lock:
+                    self._counts["fallbacks"] += 1
+                self._start(queued, fallback)
+                return
+        if exc is None:
+            try:
+                queued.future.set_result(done.result())
+            except concurrent.futures.InvalidStateError:
+                self._forget(queued.key, queued.future)  # a caller cancelled the shared future
+        else:
+            self._set_exception(queued.key, queued.future,
+                                exc if isinstance(exc, GrammarError) else GrammarError(str(exc)))
+        self._next()
+
+    def _next(self) -> None:
+        """A compile ended: start the next waiting one, from the client after the last one served."""
+        with self._lock:
+            if not self._waiting:
+                self._in_flight -= 1
+                return
+            client, queue = next(iter(self._waiting.items()))
+            queued = queue.popleft()
+            self._num_waiting -= 1
+            del self._waiting[client]
+            if queue:
+                self._waiting[client] = queue  # to the back of the round
+        self._start(queued)
 
     def _cache_key(self, kind: str, spec) -> tuple[str, str]:
         if kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {kind!r}; expected one of {', '.join(KINDS)}")
-        if kind == "json" and not isinstance(spec, str):
+        if kind in ("json", "structural_tag") and not isinstance(spec, str):
             spec = schema_to_json_text(spec)
         if not isinstance(spec, str):
             raise GrammarError(f"a {kind} grammar must be given as a string, got {type(spec).__name__}")
         return kind, spec
-
-    def _to_regex(self, kind: str, spec) -> str:
-        kind, spec = self._cache_key(kind, spec)
-        if kind == "regex":
-            check_regex_syntax(spec)
-            return ascii_shorthand_classes(spec)
-        return ascii_shorthand_classes(json_schema_to_regex(spec, self.whitespace_pattern))
-
-    def _finish(self, key, regex: str, outer: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
-        exc = done.exception()
-        if exc is not None:
-            self._set_exception(key, outer, exc if isinstance(exc, GrammarError) else GrammarError(str(exc)))
-            return
-        try:
-            grammar = CompiledGrammar(key[0], key[1], regex, done.result(), self._tables, self.vocab_size,
-                                      self.tokenizer)
-            grammar.allowed_ids(grammar.initial_cursor().fsm_state)  # here, off the scheduler's thread
-        except Exception as exc:  # noqa: BLE001 - the waiting request must end either way
-            self._set_exception(key, outer, GrammarError(f"cannot use the compiled grammar: {exc}"))
-            return
-        try:
-            outer.set_result(grammar)
-        except concurrent.futures.InvalidStateError:
-            self._forget(key, outer)  # a caller cancelled the shared future
 
     def _set_exception(self, key, outer: concurrent.futures.Future, exc: GrammarError) -> None:
         if isinstance(exc, GrammarBusyError) or "shut down" in str(exc):
@@ -374,3 +303,20 @@ class GrammarBackend:
         for key in [k for k, fut in self._cache.items() if fut.done()][:excess]:
             del self._cache[key]
             self._timed_out_at.pop(key, None)
+
+
+def fill_bitmasks(states: list, bitmask: torch.Tensor) -> None:
+    """bitmask[i] = states[i]'s allowed tokens for every i whose state is not None (bitmask: [B, words] int32,
+    contiguous, CPU; other rows untouched). llguidance states of a batch are filled in parallel."""
+    parallel: dict[int, tuple[object, list]] = {}
+    for row, state in enumerate(states):
+        if state is None:
+            continue
+        engine = getattr(state.grammar, "engine", None)
+        if engine == "llguidance":
+            parallel.setdefault(id(state.grammar.executor), (state.grammar.executor, []))[1].append(
+                (state.matcher, row))
+        else:
+            state.fill_bitmask(bitmask, row)
+    for executor, rows in parallel.values():
+        executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])

@@ -8,11 +8,12 @@ that is all greedy without penalties or masks builds no tensors at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from braid.runtime.layers.argmax_kernels import argmax_last_dim
+from braid.runtime.layers.token_bitmask import apply_token_bitmask_, unpack_token_bitmask
 from braid.runtime.core import host_to_device as _to_device
 
 
@@ -35,8 +36,11 @@ class SamplingBatchInfo:
     repetition_penalties: Optional[torch.Tensor] = None  # [B, 1]
     output_counts: Optional[torch.Tensor] = None  # [B, V] int32, counts of each token in the output so far
     seen_tokens: Optional[torch.Tensor] = None  # [B, V] bool, tokens in prompt or output (repetition penalty)
-    # [B, V] bool: True = allowed (grammar masks, min_new_tokens bans); set per step by the scheduler
-    vocab_mask: Optional[torch.Tensor] = None
+    # [B, ceil(V / 32)] int32 on the device, bit set = allowed (grammar masks, min_new_tokens bans)
+    token_bitmask: Optional[torch.Tensor] = None
+    # set per step by the scheduler, called by the runner once the model's pass is queued: -> token_bitmask (the
+    # host's mask work runs while the device computes the logits)
+    fill_token_bitmask: Optional[Callable[[], torch.Tensor]] = None
     # per-request static logit edits (None when no request in the batch has them)
     logit_bias: Optional[torch.Tensor] = None  # [B, V] fp32, added to the logits
     allowed_tokens: Optional[torch.Tensor] = None  # [B, V] bool, True = allowed_token_ids (all True for rows without)
@@ -99,7 +103,7 @@ class SamplingBatchInfo:
     def filter(self, keep: list[int], keep_on_device: Optional[torch.Tensor]) -> "SamplingBatchInfo":
         """The rows `keep` (keep_on_device: the same indices as an int64 tensor, None when all greedy)."""
         out = replace(self, is_greedy=[self.is_greedy[i] for i in keep], generators=[self.generators[i] for i in keep],
-                      vocab_mask=None)
+                      token_bitmask=None, fill_token_bitmask=None)
         for name in ("temperatures", "top_ps", "top_ks", "min_ps", "frequency_penalties", "presence_penalties",
                      "repetition_penalties", "output_counts", "seen_tokens", "logit_bias", "allowed_tokens"):
             t = getattr(self, name)
@@ -109,6 +113,9 @@ class SamplingBatchInfo:
 
 
 def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """logits: [B, V] fp32 -> the logits to sample from (`logits` itself may be masked in place unless logprobs are
+    wanted)."""
+    original = logits
     if info.logit_bias is not None:
         logits = logits + info.logit_bias
     if info.output_counts is not None:
@@ -117,15 +124,17 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     if info.seen_tokens is not None:
         penalized = torch.where(logits > 0, logits / info.repetition_penalties, logits * info.repetition_penalties)
         logits = torch.where(info.seen_tokens, penalized, logits)
-    mask = info.vocab_mask
+    bitmask = info.token_bitmask
     if info.allowed_tokens is not None:
-        if mask is None:
-            mask = info.allowed_tokens
-        else:  # a min_new_tokens ban that would leave a row nothing keeps allowed_token_ids alone
-            both = mask & info.allowed_tokens
-            mask = torch.where(both.any(dim=-1, keepdim=True), both, info.allowed_tokens)
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf"))
+        mask = info.allowed_tokens
+        if bitmask is not None:  # a min_new_tokens ban that would leave a row nothing keeps allowed_token_ids alone
+            both = unpack_token_bitmask(bitmask, logits.shape[1]) & mask
+            mask = torch.where(both.any(dim=-1, keepdim=True), both, mask)
+        return logits.masked_fill(~mask, float("-inf"))
+    if bitmask is not None:
+        if info.logprob_top_k is not None and logits is original:
+            logits = logits.clone()  # logprobs are read from the unmasked logits
+        apply_token_bitmask_(logits, bitmask)
     return logits
 
 

@@ -213,6 +213,8 @@ class ModelRunner:
         if info is None:
             out = ForwardOutput(next_token_ids=argmax_last_dim(logits))
         else:
+            if info.fill_token_bitmask is not None:
+                info.token_bitmask, info.fill_token_bitmask = info.fill_token_bitmask(), None
             out = ForwardOutput(next_token_ids=self.sampler(apply_penalties(logits, info), info))
             # TP: every rank holds the same logits; rank 0's draw is the one all ranks commit
             ps.broadcast_from_first(out.next_token_ids)

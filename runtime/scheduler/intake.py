@@ -2,7 +2,7 @@
 
 `RequestIntake.add` turns one submitted request into the requests the scheduler queues: itself, or for n > 1 its
 n samples (after an internal prefill of the shared prompt when the radix cache can share it). Requests with a
-regex or JSON schema wait in the grammar queue until their grammar compiled (in worker processes).
+grammar wait in the grammar queue until it compiled (on the grammar engine's workers).
 """
 
 from __future__ import annotations
@@ -37,10 +37,9 @@ def validate_request(req: Req, vocab_size: int, context_len: int, kv_pool_size: 
         raise RequestError("top_logprobs_num must be in [0, 20]", "top_logprobs_num")
     if req.logprob_start_len >= len(req.input_ids):
         raise RequestError("logprob_start_len must be < the prompt length", "logprob_start_len")
-    if sp.regex is not None:
-        grammar_backend().validate("regex", sp.regex)
-    if sp.json_schema is not None:
-        grammar_backend().validate("json", sp.json_schema)
+    grammar = sp.grammar()
+    if grammar is not None:
+        grammar_backend().validate(*grammar)
 
 
 def fan_out(req: Req, share_prefill: bool) -> tuple[Optional[Req], list[Req]]:
@@ -59,15 +58,6 @@ def fan_out(req: Req, share_prefill: bool) -> tuple[Optional[Req], list[Req]]:
     parent = Req(rid=req.rid, index=-1, input_ids=list(req.input_ids), sampling_params=prefill_only, is_internal=True,
                  mm_inputs=req.mm_inputs)
     return parent, children
-
-
-def grammar_spec(sp) -> Optional[tuple[str, Any]]:
-    """(kind, spec) of the grammar a request's SamplingParams carry, None without one."""
-    if sp.regex is not None:
-        return "regex", sp.regex
-    if sp.json_schema is not None:
-        return "json", sp.json_schema
-    return None
 
 
 class RequestIntake:
@@ -91,18 +81,17 @@ class RequestIntake:
             from braid.runtime.constrained.grammar import GrammarBackend
 
             args = self.server_args
-            self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size,
-                                                   args.constrained_json_whitespace_pattern,
-                                                   timeout_s=args.grammar_timeout_s, num_workers=args.grammar_workers,
-                                                   max_queued=args.grammar_max_queued,
-                                                   cache_size=args.grammar_cache_size)
+            self._grammar_backend = GrammarBackend(
+                self.tokenizer, self.vocab_size, args.constrained_json_whitespace_pattern,
+                timeout_s=args.grammar_timeout_s, num_workers=args.grammar_workers, engine=args.grammar_backend,
+                max_queued=args.grammar_max_queued, max_queued_per_client=args.grammar_max_queued_per_client,
+                cache_size=args.grammar_cache_size, json_strict=args.grammar_json_strict)
         return self._grammar_backend
 
     def add(self, req: Req) -> list[Req]:
         """Validate (raises RequestError / SamplingParamsError / GrammarError); the requests ready to wait for
         admission now (the others wait for their grammar)."""
         validate_request(req, self.vocab_size, self.context_len, self.kv_pool_size, lambda: self.grammar_backend)
-        self.check_client_compiles(req)
         self.num_requests += 1
         if req.sampling_params.n == 1:
             return self.enqueue([req])
@@ -112,28 +101,15 @@ class RequestIntake:
         self.pending_children[id(parent)] = children
         return self.enqueue([parent])
 
-    def check_client_compiles(self, req: Req) -> None:
-        """GrammarBusyError when `req` would start a compile while its HTTP client already has
-        --grammar-max-queued-per-client requests waiting for theirs (one client cannot fill the compile pool)."""
-        cap, grammar = self.server_args.grammar_max_queued_per_client, grammar_spec(req.sampling_params)
-        if not cap or not req.client or grammar is None:
-            return
-        waiting = len({id(fut) for queued, fut in self.grammar_queue if queued.client == req.client and not fut.done()})
-        if waiting >= cap and self.grammar_backend.would_compile(*grammar):
-            from braid.runtime.constrained.fsm import GrammarBusyError
-
-            raise GrammarBusyError(f"this client already has {waiting} requests waiting for their grammar to compile "
-                                   f"(the limit, --grammar-max-queued-per-client); try again later")
-
     def enqueue(self, reqs: list[Req]) -> list[Req]:
         ready = []
         for req in reqs:
             sp = req.sampling_params
             if sp.seed is not None:
                 req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
-            grammar = grammar_spec(sp)
+            grammar = sp.grammar()
             if grammar is not None:
-                self.grammar_queue.append((req, self.grammar_backend.submit(*grammar)))
+                self.grammar_queue.append((req, self.grammar_backend.submit(*grammar, client=req.client)))
             else:
                 ready.append(req)
         return ready

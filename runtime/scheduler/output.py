@@ -4,10 +4,11 @@ jump-forward, and the ReqOutput each step reports for a request."""
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from braid.runtime.constrained.bitmask import allocate_bitmask, clear_tokens
 from braid.runtime.core import FinishReason, Req, ReqOutput
 
 _NEVER = 1 << 62  # an output length no request reaches
@@ -87,28 +88,47 @@ class OutputProcessor:
         self.jump_forward_enabled = not server_args.disable_jump_forward
         self.stream_interval = server_args.stream_interval
         self.num_generated_tokens = 0
+        self._bitmask_buffers: list[Optional[torch.Tensor]] = [None, None]
+        self._bitmask_turn = 0
 
     # ---- before sampling ----
-    def vocab_mask(self, reqs: list[Req]) -> Optional[torch.Tensor]:
-        """[B, V] bool (True = allowed) from grammars and min_new_tokens; None when no request needs one."""
-        grammar_rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    def bitmask_filler(self, reqs: list[Req]) -> Optional[Callable[[], torch.Tensor]]:
+        """A function that fills the batch's token bitmask ([B, ceil(V / 32)] int32 on the device: grammars and
+        min_new_tokens bans) from the requests' states as they are when it is called; None when no request needs
+        one. The runner calls it once the model's pass is queued, so the host's mask work overlaps the device's."""
+        states = [r.grammar for r in reqs]
         ban_rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.sampling_params.min_new_tokens]
-        if not grammar_rows and not ban_rows:
+        if not ban_rows and all(s is None for s in states):
             return None
-        mask = torch.ones(len(reqs), self.vocab_size, dtype=torch.bool, device=self.device)
-        for i in grammar_rows:
-            mask[i] = False
-            reqs[i].grammar.fill_vocab_mask(mask, i)
-        for i in ban_rows:
-            r = reqs[i]
-            banned = set() if r.sampling_params.ignore_eos else set(self.eos_token_ids)
-            banned |= set(r.sampling_params.stop_token_ids or ())
-            if banned:
-                row = mask[i].clone()
-                row[list(banned)] = False
-                if row.any():
-                    mask[i] = row
-        return mask
+
+        def fill() -> torch.Tensor:
+            from braid.runtime.constrained.grammar import fill_bitmasks
+
+            host = self._host_bitmask(len(reqs))
+            host.fill_(-1)
+            fill_bitmasks(states, host)
+            for i in ban_rows:
+                sp = reqs[i].sampling_params
+                banned = set() if sp.ignore_eos else set(self.eos_token_ids)
+                banned |= set(sp.stop_token_ids or ())
+                banned = [t for t in banned if t < self.vocab_size]
+                if banned:
+                    row = host[i].clone()
+                    clear_tokens(row, banned)
+                    if bool(row.any()):
+                        host[i] = row
+            return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        return fill
+
+    def _host_bitmask(self, batch_size: int) -> torch.Tensor:
+        """[batch_size, words] view of one of two host buffers used in turn (pinned on CUDA): a step's buffer is
+        written again only two steps later, after its copy to the device has long finished."""
+        self._bitmask_turn ^= 1
+        buf = self._bitmask_buffers[self._bitmask_turn]
+        if buf is None or buf.shape[0] < batch_size:
+            buf = allocate_bitmask(max(batch_size, 64), self.vocab_size, pin=self.device.type == "cuda")
+            self._bitmask_buffers[self._bitmask_turn] = buf
+        return buf[:batch_size]
 
     # ---- after sampling ----
     def commit(self, req: Req, host: dict, row: int) -> tuple[str, Optional[FinishReason]]:

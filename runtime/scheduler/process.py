@@ -23,6 +23,7 @@ from typing import Optional
 
 import zmq
 
+from braid.runtime.sampling_params import GRAMMAR_FIELDS
 from braid.runtime.scheduler.stats_log import ServingStatsLog
 from braid.runtime.server import messages as M
 
@@ -195,14 +196,10 @@ class SchedulerLoop:
 
 
 def _grammar_param(e: ValueError, msg: M.GenerateReq) -> Optional[str]:
-    """A grammar error names no field; it is the regex or the schema the request carried."""
+    """A grammar error names no field; it is the grammar field the request carried (regex, json_schema, ...)."""
     if type(e).__name__ not in ("GrammarError", "GrammarTimeoutError", "GrammarBusyError"):
         return None
-    if msg.sampling_params.get("regex") is not None:
-        return "regex"
-    if msg.sampling_params.get("json_schema") is not None:
-        return "json_schema"
-    return None
+    return next((f for f in GRAMMAR_FIELDS if msg.sampling_params.get(f) is not None), None)
 
 
 def _plain_stats(stats: dict) -> dict:

@@ -324,7 +324,7 @@ class Scheduler:
         samples = [not r.is_chunked and r.sampling_params.max_new_tokens > 0 for r in batch]
         fb.sampling_info = SamplingBatchInfo.build(batch, self.vocab_size, self.device,
                                                    discarded=[not s for s in samples])
-        fb.sampling_info.vocab_mask = self.output.vocab_mask(batch)
+        fb.sampling_info.fill_token_bitmask = self.output.bitmask_filler(batch)
         self.stats["num_forward_extend"] += 1
         self.stats["num_tokens_through_model_total"] += sum(fb.extend_seq_lens_cpu)
         self.stats["num_computed_prompt_tokens_total"] += sum(
@@ -360,7 +360,7 @@ class Scheduler:
             self.in_flight = self.decode.launch(reqs, None)
             return
         info = SamplingBatchInfo.build(reqs, self.vocab_size, self.device)
-        info.vocab_mask = self.output.vocab_mask(reqs)
+        info.fill_token_bitmask = self.output.bitmask_filler(reqs)
         output, slots = self.decode.forward(reqs, None, info)
         self._commit(reqs, output, slots=slots)
 

@@ -13,6 +13,7 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
 from braid.runtime.core import GRAMMAR_BUSY_PREFIX, Req
+from braid.runtime.sampling_params import GRAMMAR_FIELDS
 from braid.runtime.server import messages as M
 from braid.runtime.server.errors import APIError, bad_request, retry_later
 from braid.runtime.server.metrics import ServerMetrics
@@ -190,7 +191,7 @@ def _grammar_failure(out: M.Output, sp: "SamplingParams") -> Optional[APIError]:
     because the grammar compile queue was full (--grammar-max-queued): retry later (429)."""
     reason = out.finish_reason if out.finished else None
     message = str(reason.get("message", "")) if reason and reason.get("type") == "abort" else ""
-    param = "regex" if sp.regex is not None else "json_schema"
+    param = next((f for f in GRAMMAR_FIELDS if getattr(sp, f) is not None), None)
     if message.startswith(GRAMMAR_BUSY_PREFIX):  # the compile queue was full: 429 with Retry-After
         return retry_later(message, param=param)
     if not message.startswith("grammar error"):

@@ -202,7 +202,7 @@ def test_sglang_spellings_map_onto_braids_fields(capsys):
 def test_sglang_values_braid_lacks_and_contradictions_are_refused(capsys):
     for argv, words in ((["--tokenizer-mode", "slow"], "--tokenizer-mode slow (an SGLang flag) is not supported"),
                         (["--load-balance-method", "round_robin"], "there is no round_robin"),
-                        (["--grammar-backend", "xgrammar"], "there is no xgrammar backend"),
+                        (["--grammar-backend", "xgrammar"], "invalid choice: 'xgrammar'"),
                         (["--enable-mla", "--disable-mla"], "--enable-mla and --disable-mla contradict each other"),
                         (["--enable-overlap-schedule", "--disable-overlap-schedule"], "contradict each other"),
                         (["--log-level", "verbose"], "log_level 'verbose' is not one of debug, info"),

@@ -39,7 +39,8 @@ def outlines_vocabulary(smollm2_tokenizer):
 
 @pytest.fixture
 def backend(smollm2_tokenizer):
-    be = GrammarBackend(smollm2_tokenizer, vocab_size=len(smollm2_tokenizer), timeout_s=TIMEOUT_S, num_workers=2)
+    be = GrammarBackend(smollm2_tokenizer, vocab_size=len(smollm2_tokenizer), timeout_s=TIMEOUT_S, num_workers=2,
+                        engine="outlines")
     be.compile("regex", "[0-9]")  # workers started
     yield be
     be.shutdown()
@@ -89,7 +90,7 @@ def test_compile_errors_are_cached_and_timeouts_remembered(backend):
 
 def test_lru_keeps_the_cache_bounded(smollm2_tokenizer):
     be = GrammarBackend(smollm2_tokenizer, vocab_size=len(smollm2_tokenizer), timeout_s=TIMEOUT_S, num_workers=2,
-                        cache_size=3)
+                        engine="outlines", cache_size=3)
     try:
         for n in range(6):
             be.compile("regex", f"x{{{n + 1}}}")
@@ -139,7 +140,7 @@ def test_queued_compiles_are_capped_and_fail_fast(outlines_vocabulary):
 
 def test_backend_turns_a_full_queue_into_a_grammar_error_not_cached(smollm2_tokenizer):
     be = GrammarBackend(smollm2_tokenizer, vocab_size=len(smollm2_tokenizer), timeout_s=TIMEOUT_S, num_workers=1,
-                        max_queued=1)
+                        engine="outlines", max_queued=1)
     try:
         be.compile("regex", "[0-9]")
         slow = [be.submit("regex", spec) for spec in PATHOLOGICAL[:2]]  # one on the worker, one on its spare
@@ -156,7 +157,8 @@ def test_backend_turns_a_full_queue_into_a_grammar_error_not_cached(smollm2_toke
 
 
 def test_shutdown_leaves_no_worker_processes(smollm2_tokenizer):
-    be = GrammarBackend(smollm2_tokenizer, vocab_size=len(smollm2_tokenizer), timeout_s=TIMEOUT_S * 5, num_workers=2)
+    be = GrammarBackend(smollm2_tokenizer, vocab_size=len(smollm2_tokenizer), timeout_s=TIMEOUT_S * 5, num_workers=2,
+                        engine="outlines")
     be.compile("regex", "[0-9]")
     compiling = [be.submit("regex", spec) for spec in PATHOLOGICAL]
     assert _wait_until(lambda: len(be.pool.worker_pids()) == be.pool.max_workers)  # spares started too

@@ -36,7 +36,8 @@ def test_rewrite_keeps_python_meaning_on_ascii():
 
 @pytest.fixture(scope="module")
 def grammars(smollm2_tokenizer):
-    backend = GrammarBackend(smollm2_tokenizer, vocab_size=len(smollm2_tokenizer), timeout_s=20.0, num_workers=1)
+    backend = GrammarBackend(smollm2_tokenizer, vocab_size=len(smollm2_tokenizer), timeout_s=20.0, num_workers=1,
+                             engine="outlines")
     yield backend
     backend.shutdown()
 
