@@ -28,7 +28,7 @@ _COMPLETION_ONLY_MODELS = ("gpt-3.5-turbo-instruct", "davinci-002", "babbage-002
 _CONSTRAINED_MODES = ("extra_body", "response_format", None)
 # SamplingParams fields the openai client takes as named arguments (the rest go to extra_body)
 _NATIVE_FIELDS = {"max_new_tokens", "temperature", "top_p", "stop", "frequency_penalty", "presence_penalty", "seed",
-                  "n", "regex", "json_schema"}
+                  "n", "regex", "json_schema", "ebnf"}
 
 
 def _guess_chat(model: str) -> bool:
@@ -91,6 +91,8 @@ class OpenAI(Backend):
                                "servers do: pass base_url)")
         if sp.regex is not None:
             extra["regex"] = sp.regex
+        if sp.ebnf is not None:  # vLLM's name, which braid's /v1 takes too
+            extra["guided_grammar"] = sp.ebnf
         if sp.json_schema is not None:
             if self.constrained == "extra_body":
                 extra["json_schema"] = sp.json_schema
@@ -209,8 +211,8 @@ def openai_sampling_kwargs(sp: SamplingParams) -> dict:
 
 
 def fields_beyond_openai(sp: SamplingParams) -> dict:
-    """Non-default SamplingParams fields the OpenAI API has no parameter for (top_k, min_p, ...), regex and
-    json_schema left out (they have their own routes)."""
+    """Non-default SamplingParams fields the OpenAI API has no parameter for (top_k, min_p, ...), regex, json_schema
+    and ebnf left out (they have their own routes)."""
     return {k: v for k, v in sp.to_dict(drop_defaults=True).items() if k not in _NATIVE_FIELDS}
 
 

@@ -44,6 +44,7 @@ def gen(
     dtype: Optional[type] = None,
     regex: Optional[str] = None,
     json_schema: Any = None,
+    grammar: Optional[str] = None,
     choices: Optional[Sequence[str]] = None,
     choices_method: Union[ChoicesMethod, str, None] = None,
     **more_sampling: Any,
@@ -51,7 +52,8 @@ def gen(
     """Generate text into variable `name`. Sampling keywords left None inherit the program's defaults;
     any other SamplingParams field (seed, repetition_penalty, min_new_tokens, ...) goes in **more_sampling.
     dtype (int, float, bool, str) constrains the output with a regex and converts the variable.
-    json_schema: a dict, a JSON string or a pydantic model class. choices: makes this a select()."""
+    json_schema: a dict, a JSON string or a pydantic model class. grammar: a context-free grammar, Lark text or
+    GBNF / EBNF text with `root ::= ...` (SamplingParams' `ebnf`). choices: makes this a select()."""
     if choices is not None:
         return select(name, choices, temperature=temperature or 0.0,
                       choices_method=choices_method or token_length_normalized)
@@ -61,9 +63,15 @@ def gen(
     keywords.update(more_sampling)
     if json_schema is not None:
         keywords["json_schema"] = schema_to_json(json_schema)
+    if grammar is not None:
+        if keywords.get("ebnf") is not None:
+            raise ProgramError("gen: grammar and ebnf are the same parameter; give one")
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise ProgramError(f"gen: grammar must be the text of a grammar (Lark or EBNF), got {grammar!r}")
+        keywords["ebnf"] = grammar
     if dtype is not None:
-        if regex is not None or json_schema is not None:
-            raise ProgramError("gen: dtype cannot be combined with regex or json_schema")
+        if regex is not None or json_schema is not None or keywords.get("ebnf") is not None:
+            raise ProgramError("gen: dtype cannot be combined with regex, json_schema or grammar")
         keywords["regex"] = dtype_regex(dtype)
     sampling = to_field_overrides(keywords)
     if sampling.get("n", 1) != 1:

@@ -342,6 +342,9 @@ class StreamExecutor:
             backend.require(CAP_REGEX, f"{what} with regex/dtype")
         if sp.json_schema is not None:
             backend.require(CAP_JSON_SCHEMA, f"{what} with json_schema")
+        for field in ("ebnf", "structural_tag"):
+            if getattr(sp, field) is not None:  # the backends that take a regex take these grammars as well
+                backend.require(CAP_REGEX, f"{what} with {'grammar' if field == 'ebnf' else field}")
         if sp.stop_token_ids:
             backend.require(CAP_STOP_TOKEN_IDS, f"{what} with stop_token_ids")
         logprobs = LogprobRequest(
@@ -460,7 +463,7 @@ class StreamExecutor:
                 return
             if any(isinstance(item, BlockGen) for item in self._spec_block):
                 raise ProgramError(f"{type(node).__name__} cannot follow a speculative gen in the same assistant() "
-                                   "block (only text and gens without regex/json_schema/dtype/logprobs can)")
+                                   "block (only text and gens without a grammar, dtype or logprobs can)")
             texts, self._spec_block = self._spec_block, None
             for text in texts:
                 self._append(text)

@@ -19,9 +19,10 @@ Two forms, chosen by the backend:
   only gen comes first makes that gen's normal call; any other block asks again (SPEC_CHAT_TRIES calls in all)
   and then fails with a ProgramError (a chat API cannot continue a partly written assistant message).
 
-Eligible gens: no regex, json_schema, dtype, logprobs, stop_token_ids, no_stop_trim, ignore_eos or min_tokens (a
-cut speculation cannot honour them). Any other gen, select, image or variable scope first settles a waiting
-gen and discards the speculation; reading the state (a variable, text(), fork()) settles a waiting gen.
+Eligible gens: no grammar (regex, json_schema, ebnf, structural_tag), dtype, logprobs, stop_token_ids, no_stop_trim,
+ignore_eos or min_tokens (a cut speculation cannot honour them). Any other gen, select, image or variable scope first
+settles a waiting gen and discards the speculation; reading the state (a variable, text(), fork()) settles a waiting
+gen.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def stop_list(sp: SamplingParams) -> list[str]:
 
 
 def is_speculable(node: ir.Gen, sp: SamplingParams, wants_logprobs: bool) -> bool:
-    return (sp.regex is None and sp.json_schema is None and node.dtype is None and not wants_logprobs
+    return (sp.grammar() is None and node.dtype is None and not wants_logprobs
             and not sp.stop_token_ids and not sp.no_stop_trim and sp.n == 1 and not sp.ignore_eos
             and not sp.min_new_tokens)
 

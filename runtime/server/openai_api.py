@@ -9,6 +9,7 @@ from typing import Any, Optional
 from aiohttp import web
 
 from braid.runtime.core import Req
+from braid.runtime.sampling_params import GRAMMAR_FIELDS
 from braid.runtime.server.errors import APIError, bad_request, model_not_found
 from braid.runtime.server.output_accumulator import OutputAccumulator
 from braid.runtime.server.protocol import (
@@ -96,17 +97,17 @@ def _param_names(req, prompt_param: str) -> dict:
              "image_data": prompt_param, "video_data": prompt_param, "audio_data": prompt_param}
     source = constraint_param(req)
     if source is not None:
-        names.update(regex=source, json_schema=source)
+        names.update(dict.fromkeys(GRAMMAR_FIELDS, source))
     if "include_stop_str_in_output" in req.extras():
         names["no_stop_trim"] = "include_stop_str_in_output"
     return names
 
 
 def _rename_constraint(err: APIError, req, source: Optional[str] = None) -> None:
-    """A regex/json_schema error found after translation (e.g. by the grammar compiler) names what the client sent
-    (`source`: that name when it is no constraint parameter, e.g. "tools")."""
+    """A grammar error found after translation (e.g. by the grammar compiler) names what the client sent (`source`:
+    that name when it is no constraint parameter, e.g. "tools")."""
     source = source or constraint_param(req)
-    if err.param in ("regex", "json_schema") and source is not None:
+    if err.param in GRAMMAR_FIELDS and source is not None:
         err.param = source
 
 
@@ -187,6 +188,14 @@ class OpenAIServing:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
+    @staticmethod
+    def _chunk_usage(u, completion: bool = True) -> dict:
+        """continuous_usage_stats: a chunk's usage is its choice's as of the update (as vLLM counts it);
+        `completion=False` for a role chunk, which precedes the choice's tokens."""
+        done = u.completion_tokens if completion else 0
+        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": done, "total_tokens": u.prompt_tokens + done,
+                "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
     async def _open_stream(self, request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                        "X-Accel-Buffering": "no"})
@@ -228,9 +237,10 @@ class OpenAIServing:
         messages, media = template_messages(req.messages)
         overrides = openai_sampling_overrides(req)
         if plan is not None and plan.constrained:
-            if overrides.get("regex") is not None or overrides.get("json_schema") is not None:
+            given = [f for f in GRAMMAR_FIELDS if overrides.get(f) is not None]
+            if given:
                 raise bad_request(f"tool_choice {plan.choice!r} constrains the output to a tool call; it cannot be "
-                                  f"combined with {constraint_param(req) or 'regex or json_schema'}", param="tool_choice")
+                                  f"combined with {constraint_param(req) or given[0]}", param="tool_choice")
             overrides["json_schema"] = json.dumps(plan.call_schema())
         source = "tools" if plan is not None and plan.constrained else None
         n = requested_n(req)
@@ -245,7 +255,7 @@ class OpenAIServing:
         prompt = await self.tm.apply_chat_template(messages, tools=tools, **chat_template_options(req))
         names = _param_names(req, "messages")
         if source is not None:
-            names.update(regex=source, json_schema=source)
+            names.update(dict.fromkeys(GRAMMAR_FIELDS, source))
         prepared = await self.tm.prepare(prompt, overrides, param_names=names, rid=req.rid,
                                          prompt_chars_checked=True, stream=req.stream,
                                          add_special_tokens=bool(req.add_special_tokens),
@@ -302,13 +312,13 @@ class OpenAIServing:
                                       usage_null=include_usage and not continuous_usage)
         tool_streams: dict[int, ToolStream] = {}
 
-        def chunk(index: int, delta: dict, logprobs=None, finish=None, matched=None) -> dict:
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        def chunk(u, delta: dict, logprobs=None, finish=None, matched=None, role=False) -> dict:
+            choice = {"index": u.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             if finish is not None:
                 choice["matched_stop"] = matched
             c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
             if include_usage:
-                c["usage"] = self._usage([handle]) if continuous_usage else None
+                c["usage"] = self._chunk_usage(u, completion=not role) if continuous_usage else None
             return c
 
         started: set[int] = set()
@@ -316,7 +326,7 @@ class OpenAIServing:
         def events(u, parts: list) -> None:
             if u.index not in started:
                 started.add(u.index)
-                first_chunk = chunk(u.index, {"role": "assistant", "content": ""})
+                first_chunk = chunk(u, {"role": "assistant", "content": ""}, role=True)
                 if req.prompt_logprobs is not None and len(started) == 1:
                     first_chunk["prompt_logprobs"] = self._prompt_logprobs(u.choice, req.prompt_logprobs)
                 parts.append(sse_event(first_chunk))
@@ -339,7 +349,7 @@ class OpenAIServing:
                 finish = "tool_calls"
             for j, delta in enumerate(deltas):
                 last = j == len(deltas) - 1
-                parts.append(sse_event(chunk(u.index, delta, lp if j == 0 else None, finish if last else None,
+                parts.append(sse_event(chunk(u, delta, lp if j == 0 else None, finish if last else None,
                                              matched_stop(reason))))
 
         def step_events(step: list) -> bytes:
@@ -476,7 +486,7 @@ class OpenAIServing:
                     choice["prompt_logprobs"] = self._prompt_logprobs(u.choice, req.prompt_logprobs)
                 c = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
                 if include_usage:
-                    c["usage"] = self._usage(handles) if continuous_usage else None
+                    c["usage"] = self._chunk_usage(u) if continuous_usage else None
                 parts.append(sse_event(c))
 
         def step_events(p: int, step: list) -> bytes:

@@ -3,7 +3,7 @@
 Sampling fields are never listed here: whatever body key is a SamplingParams field name is handed to
 `prepare_request` (runtime/server/prepare.py), which builds and checks the SamplingParams; only the
 OpenAI and vLLM names that differ (max_tokens, min_tokens, response_format, best_of, guided_*,
-include_stop_str_in_output) are translated. A top-level OpenAI parameter that is none of these is a 400
+structured_outputs, include_stop_str_in_output) are translated. A top-level OpenAI parameter that is none of these is a 400
 (`_check_parameter_names`); docs/api.md lists what is accepted and what is refused.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Union
 import msgspec
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from braid.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from braid.runtime.sampling_params import GRAMMAR_FIELDS, MAX_TOP_LOGPROBS, SamplingParams
 from braid.runtime.server.errors import APIError, bad_request
 
 SAMPLING_FIELDS = frozenset(SamplingParams.field_names())
@@ -42,8 +42,12 @@ class StreamOptions(BaseModel):
 
 
 class ResponseFormat(_Strict):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: Optional[dict] = None  # {name, schema, strict, description}: checked by _check_response_format
+    # type structural_tag: either structures with triggers (SGLang's and vLLM's first form) or format (the newer one)
+    structures: Optional[list] = None
+    triggers: Optional[list] = None
+    format: Optional[dict] = None
 
 
 class ChatMessage(_Base):
@@ -116,26 +120,24 @@ class CompletionRequest(_OpenAIRequest):
 
 # Top-level parameters accepted and deliberately without effect (docs/api.md lists them) -> the type they must have.
 ACCEPTED_NO_OPS = {"user": str}
-# vLLM's guided-decoding backends: braid has one constrained-decoding engine (regex FSM over the tokenizer, the
-# method of outlines), and every name selects it.
-GUIDED_DECODING_BACKENDS = ("braid", "outlines", "lm-format-enforcer", "xgrammar")
+# vLLM's guided-decoding backend names: the server's grammar engine compiles every request whichever is named (the
+# engine is chosen per server, not per request).
+GUIDED_DECODING_BACKENDS = ("auto", "braid", "llguidance", "guidance", "outlines", "xgrammar", "lm-format-enforcer")
 # Parameters other servers take that braid does not implement -> the values besides null that ask for nothing
 # (accepted); any other value is a 400.
 NOT_SUPPORTED = {
     "use_beam_search": (False,), "length_penalty": (1.0,), "early_stopping": (False,),
-    "guided_grammar": (), "suffix": ("",), "functions": ([],), "function_call": ("none",), "echo": (False,),
+    "suffix": ("",), "functions": ([],), "function_call": ("none",), "echo": (False,),
     "chat_template": (), "documents": ([],),
     "mm_processor_kwargs": ({},), "truncate_prompt_tokens": (), "priority": (0,), "request_id": (),
     "return_tokens_as_token_ids": (False,), "logits_processors": ([],), "store": (False,), "metadata": ({},),
     "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (),
     "service_tier": ("auto", "default"), "web_search_options": (),
 }
-_WHY_NOT = {"guided_grammar": "; grammars other than regex and JSON schema have no compiler in braid (use "
-                              "guided_regex or guided_json)",
-            "use_beam_search": "; braid samples (use n with best_of to rank samples by cumulative logprob)",
+_WHY_NOT = {"use_beam_search": "; braid samples (use n with best_of to rank samples by cumulative logprob)",
             "functions": "; use tools", "function_call": "; use tool_choice"}
-_VLLM_EXTRAS = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_whitespace_pattern",
-                          "guided_decoding_backend", "include_stop_str_in_output"})
+_VLLM_EXTRAS = frozenset({"guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern",
+                          "guided_decoding_backend", "structured_outputs", "include_stop_str_in_output"})
 
 
 def parse_openai(model_cls: type[_OpenAIRequest], body: Any) -> Any:
@@ -200,7 +202,9 @@ _JSON_SCHEMA_SPEC = {"name": str, "schema": (dict, bool), "strict": bool, "descr
 
 def _check_response_format(rf: ResponseFormat) -> None:
     """json_schema only with type json_schema, holding only OpenAI's keys (name and description are labels, like a
-    schema's annotations; strict: braid always enforces the schema)."""
+    schema's annotations; strict: braid always enforces the schema); structures, triggers and format only with type
+    structural_tag."""
+    _check_structural_tag_format(rf)
     if rf.json_schema is None:
         return
     if rf.type != "json_schema":
@@ -215,6 +219,53 @@ def _check_response_format(rf: ResponseFormat) -> None:
         if value is not None and (not isinstance(value, expected) or (expected is str and isinstance(value, bool))):
             kind = "an object" if key == "schema" else "a boolean" if expected is bool else "a string"
             raise bad_request(f"{param} must be {kind}, got {_json_type(value)}", param=param)
+
+
+_STRUCTURE_KEYS = {"begin": str, "schema": (dict, bool), "end": str}
+
+
+def _check_structural_tag_format(rf: ResponseFormat) -> None:
+    """The shape of a structural_tag response format (what its structures and format say is the engine's to judge)."""
+    given = [k for k in ("structures", "triggers", "format") if getattr(rf, k) is not None]
+    if rf.type != "structural_tag":
+        if given:
+            raise bad_request(f"response_format.{given[0]} applies only to type 'structural_tag', not {rf.type!r}",
+                              param=f"response_format.{given[0]}")
+        return
+    if rf.format is not None:
+        if given != ["format"]:
+            raise bad_request("response_format of type 'structural_tag' takes either format or structures with "
+                              "triggers, not both", param=f"response_format.{given[0]}")
+        return
+    if rf.structures is None or rf.triggers is None:
+        raise bad_request("response_format of type 'structural_tag' needs format, or structures and triggers",
+                          param="response_format.structures" if rf.structures is None else "response_format.triggers")
+    if not rf.structures:
+        raise bad_request("response_format.structures must not be empty", param="response_format.structures")
+    for i, structure in enumerate(rf.structures):
+        where = f"response_format.structures.{i}"
+        if not isinstance(structure, dict):
+            raise bad_request(f"{where} must be an object {{begin, schema, end}}, got {_json_type(structure)}",
+                              param=where)
+        for key in structure:
+            if key not in _STRUCTURE_KEYS:
+                raise bad_request(f"unknown key {key!r} in {where} (begin, schema, end)", param=f"{where}.{key}",
+                                  code="unknown_parameter")
+        for key, kind in _STRUCTURE_KEYS.items():
+            value = structure.get(key)
+            if not isinstance(value, kind) or (key == "begin" and not value):
+                what = {"begin": "a non-empty string", "schema": "a JSON schema (an object)", "end": "a string"}[key]
+                raise bad_request(f"{where}.{key} must be {what}, got {_json_type(value)}", param=f"{where}.{key}")
+    if not rf.triggers or not all(isinstance(t, str) and t for t in rf.triggers):
+        raise bad_request("response_format.triggers must be a non-empty list of non-empty strings",
+                          param="response_format.triggers")
+
+
+def _structural_tag_spec(rf: ResponseFormat) -> str:
+    """A structural_tag response format as SamplingParams.structural_tag (the object itself, type included)."""
+    if rf.format is not None:
+        return json.dumps({"type": "structural_tag", "format": rf.format})
+    return json.dumps({"type": "structural_tag", "structures": rf.structures, "triggers": rf.triggers})
 
 
 # message keys OpenAI defines that braid does not render -> why, and the values besides null that ask for nothing
@@ -333,61 +384,130 @@ def requested_n(req: _OpenAIRequest) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) else 1
 
 
-def _constraint(req: _OpenAIRequest, d: dict) -> None:
-    """At most one of regex, json_schema, guided_json/_regex/_choice, response_format (non-text) -> d's regex or
-    json_schema. guided_whitespace_pattern turns a JSON schema into a regex here, with that whitespace."""
+# vLLM's structured_outputs object: the grammar kinds it may hold (one per request), then its options
+_STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+_STRUCTURED_OUTPUT_OPTIONS = {"whitespace_pattern": str, "disable_fallback": bool, "disable_any_whitespace": bool,
+                              "disable_additional_properties": bool}
+# top-level parameters that carry a grammar: SamplingParams' own fields, then vLLM's names
+_GRAMMAR_PARAMS = GRAMMAR_FIELDS + ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _structured_outputs(extras: dict) -> dict:
+    """vLLM's structured_outputs checked: its keys that ask for something (not null, not false)."""
+    so = extras.get("structured_outputs")
+    if so is None:
+        return {}
+    if not isinstance(so, dict):
+        raise bad_request(f"structured_outputs must be an object, got {_json_type(so)}", param="structured_outputs")
+    for key, value in so.items():
+        param = f"structured_outputs.{key}"
+        if key not in _STRUCTURED_OUTPUT_KINDS and key not in _STRUCTURED_OUTPUT_OPTIONS:
+            raise bad_request(f"unknown key {key!r} in structured_outputs ({', '.join(_STRUCTURED_OUTPUT_KINDS)}, "
+                              f"{', '.join(_STRUCTURED_OUTPUT_OPTIONS)})", param=param, code="unknown_parameter")
+        kind = bool if key == "json_object" else _STRUCTURED_OUTPUT_OPTIONS.get(key)
+        if value is not None and kind is not None and not isinstance(value, kind):
+            raise bad_request(f"{param} must be {'a boolean' if kind is bool else 'a string'}, got {_json_type(value)}",
+                              param=param)
+    if so.get("disable_additional_properties"):
+        raise bad_request("structured_outputs.disable_additional_properties is not supported; give the schema "
+                          '"additionalProperties": false where an object must have no other keys',
+                          param="structured_outputs.disable_additional_properties", code="unsupported_parameter")
+    return {k: v for k, v in so.items() if v is not None and v is not False}
+
+
+def grammar_sources(req: _OpenAIRequest) -> list[str]:
+    """The parameters a request's output constraint comes from, in the order _constraint reads them (a kind inside
+    structured_outputs as `structured_outputs.<kind>`); more than one is a 400."""
     extras = req.extras()
-    given = [k for k in ("regex", "json_schema", "guided_json", "guided_regex", "guided_choice") if
-             extras.get(k) is not None]
+    given = [k for k in _GRAMMAR_PARAMS if extras.get(k) is not None]
+    so = _structured_outputs(extras)
+    given += [f"structured_outputs.{k}" for k in _STRUCTURED_OUTPUT_KINDS if k in so]
     rf = getattr(req, "response_format", None)
     if rf is not None and rf.type != "text":
         given.append("response_format")
+    return given
+
+
+def _constraint(req: _OpenAIRequest, d: dict) -> None:
+    """At most one grammar source (grammar_sources) -> d's regex, json_schema, ebnf or structural_tag. A whitespace
+    pattern (guided_whitespace_pattern, structured_outputs' whitespace_pattern or disable_any_whitespace) turns a
+    JSON schema into a regex here, with that whitespace."""
+    extras = req.extras()
+    given = grammar_sources(req)
     if len(given) > 1:
         raise bad_request(f"{given[0]} and {given[1]} cannot be combined (one output constraint per request)",
                           param=given[0])
     backend = extras.get("guided_decoding_backend")
     if backend is not None and backend not in GUIDED_DECODING_BACKENDS:
-        raise bad_request(f"guided_decoding_backend must be one of {', '.join(GUIDED_DECODING_BACKENDS)} (all use "
-                          f"braid's regex FSM), got {backend!r}", param="guided_decoding_backend")
+        raise bad_request(f"guided_decoding_backend must be one of {', '.join(GUIDED_DECODING_BACKENDS)} (the "
+                          f"server's grammar engine compiles every request), got {backend!r}",
+                          param="guided_decoding_backend")
+    so = _structured_outputs(extras)
     source = given[0] if given else None
-    if source == "guided_json":
-        d["json_schema"] = _json_schema_value(extras["guided_json"], "guided_json")
-    elif source == "guided_regex":
-        regex = extras["guided_regex"]
-        if not isinstance(regex, str) or not regex:
-            raise bad_request("guided_regex must be a non-empty string", param="guided_regex")
-        d["regex"] = regex
-    elif source == "guided_choice":
-        d["regex"] = _choice_regex(extras["guided_choice"])
-    elif source == "response_format":
-        if rf.type == "json_object":
+    if source is not None and source not in GRAMMAR_FIELDS:
+        kind = source.split(".", 1)[1] if source.startswith("structured_outputs.") else source
+        value = so.get(kind) if source.startswith("structured_outputs.") else extras.get(source)
+        if kind in ("guided_json", "json"):
+            d["json_schema"] = _json_schema_value(value, source)
+        elif kind in ("guided_regex", "regex"):
+            d["regex"] = _non_empty_string(value, source)
+        elif kind in ("guided_choice", "choice"):
+            d["regex"] = _choice_regex(value, source)
+        elif kind in ("guided_grammar", "grammar"):
+            d["ebnf"] = _non_empty_string(value, source)
+        elif kind == "json_object":
             d["json_schema"] = {"type": "object"}
+        elif kind == "structural_tag":
+            d["structural_tag"] = value
         else:
-            spec = rf.json_schema or {}
-            schema = spec.get("schema")
-            if schema is None:
-                raise bad_request("response_format.json_schema.schema is required", param="response_format")
-            if not isinstance(schema, (dict, bool)):
-                raise bad_request("response_format.json_schema.schema must be an object", param="response_format")
-            d["json_schema"] = json.dumps(schema)
-    whitespace = extras.get("guided_whitespace_pattern")
-    if whitespace is not None:
-        if not isinstance(whitespace, str):
-            raise bad_request("guided_whitespace_pattern must be a string", param="guided_whitespace_pattern")
-        if d.get("json_schema") is None:
-            raise bad_request("guided_whitespace_pattern applies to a JSON schema (guided_json, json_schema or "
-                              "response_format)", param="guided_whitespace_pattern")
-        d["regex"] = _schema_regex(d.pop("json_schema"), whitespace, source or "json_schema")
+            _response_format(req.response_format, d)
+    _whitespace(extras, so, d, source)
+
+
+def _response_format(rf: ResponseFormat, d: dict) -> None:
+    if rf.type == "json_object":
+        d["json_schema"] = {"type": "object"}
+    elif rf.type == "structural_tag":
+        d["structural_tag"] = _structural_tag_spec(rf)
+    else:
+        spec = rf.json_schema or {}
+        schema = spec.get("schema")
+        if schema is None:
+            raise bad_request("response_format.json_schema.schema is required", param="response_format")
+        if not isinstance(schema, (dict, bool)):
+            raise bad_request("response_format.json_schema.schema must be an object", param="response_format")
+        d["json_schema"] = json.dumps(schema)
+
+
+def _whitespace(extras: dict, so: dict, d: dict, source: Optional[str]) -> None:
+    patterns = {"guided_whitespace_pattern": extras.get("guided_whitespace_pattern"),
+                "structured_outputs.whitespace_pattern": so.get("whitespace_pattern"),
+                "structured_outputs.disable_any_whitespace": "" if so.get("disable_any_whitespace") else None}
+    given = [k for k, v in patterns.items() if v is not None]
+    if not given:
+        return
+    if len(given) > 1:
+        raise bad_request(f"{given[0]} and {given[1]} cannot be combined", param=given[0])
+    param, whitespace = given[0], patterns[given[0]]
+    if not isinstance(whitespace, str):
+        raise bad_request(f"{param} must be a string", param=param)
+    if d.get("json_schema") is None:
+        raise bad_request(f"{param} applies to a JSON schema (guided_json, json_schema, structured_outputs.json or "
+                          "response_format)", param=param)
+    d["regex"] = _schema_regex(d.pop("json_schema"), whitespace, source or "json_schema")
 
 
 def constraint_param(req: _OpenAIRequest) -> Optional[str]:
-    """The parameter a request's output constraint came from (for errors found later, e.g. by the compiler)."""
-    extras = req.extras()
-    for k in ("guided_json", "guided_regex", "guided_choice"):
-        if extras.get(k) is not None:
-            return k
-    rf = getattr(req, "response_format", None)
-    return "response_format" if rf is not None and rf.type != "text" else None
+    """The parameter a request's output constraint came from when it is no SamplingParams field (for errors found
+    later, e.g. by the compiler, which name the field)."""
+    given = grammar_sources(req)
+    return given[0] if given and given[0] not in GRAMMAR_FIELDS else None
+
+
+def _non_empty_string(value: Any, param: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise bad_request(f"{param} must be a non-empty string", param=param)
+    return value
 
 
 def _json_schema_value(value: Any, param: str) -> str:
@@ -401,16 +521,16 @@ def _json_schema_value(value: Any, param: str) -> str:
     return json.dumps(value)
 
 
-def _choice_regex(choices: Any) -> str:
+def _choice_regex(choices: Any, param: str) -> str:
     from braid.runtime.constrained.fsm import GrammarError
     from braid.runtime.constrained.json_schema import choices_to_regex
 
     if not isinstance(choices, list):
-        raise bad_request("guided_choice must be a list of strings", param="guided_choice")
+        raise bad_request(f"{param} must be a list of strings", param=param)
     try:
         return choices_to_regex(choices)
     except GrammarError as e:
-        raise bad_request(f"guided_choice: {e}", param="guided_choice") from None
+        raise bad_request(f"{param}: {e}", param=param) from None
 
 
 def _schema_regex(schema: Any, whitespace: str, param: str) -> str:

@@ -65,7 +65,6 @@ def test_unknown_parameter_is_a_400_naming_it(client, route):
 @pytest.mark.parametrize("extra,param", [
     ({"use_beam_search": True}, "use_beam_search"),
     ({"length_penalty": 0.5}, "length_penalty"),
-    ({"guided_grammar": "root ::= \"a\""}, "guided_grammar"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"echo": True}, "echo"),
 ])
