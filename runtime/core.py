@@ -163,6 +163,9 @@ class ForwardBatch:
     logits_targets: Optional[torch.Tensor] = None
     # filled by the scheduler: how to sample each request's next token (None: no sampling, logits only)
     sampling_info: Optional["SamplingBatchInfo"] = None
+    # the runner returns the logits unsampled (ForwardOutput.pending_logits); the scheduler samples them with
+    # ModelRunner.sample once the host has what the grammar masks need (a chained decode step)
+    defer_sampling: bool = False
     # EXTEND only: per request its MultimodalInputs or None ([B]); models that take media read what they need
     mm_inputs: Optional[list] = None
     # attention-backend-specific metadata
@@ -176,13 +179,14 @@ class ForwardOutput:
     `copy_to_host()` starts non-blocking copies into pinned memory; `host()` waits for them (an overlapped decode
     step launches the next step in between)."""
 
-    next_token_ids: torch.Tensor  # [B] int64
+    next_token_ids: Optional[torch.Tensor]  # [B] int64 (None while pending_logits waits to be sampled)
     next_token_logprobs: Optional[torch.Tensor] = None  # [B] fp32, of the sampled ids under the raw distribution
     next_top_logprobs: Optional[torch.Tensor] = None  # [B, k] fp32
     next_top_ids: Optional[torch.Tensor] = None  # [B, k] int64
     input_token_logprobs: Optional[torch.Tensor] = None  # [N] fp32, rows ForwardBatch.logits_indices
     input_top_logprobs: Optional[torch.Tensor] = None  # [N, k]
     input_top_ids: Optional[torch.Tensor] = None  # [N, k]
+    pending_logits: Optional[torch.Tensor] = None  # [B, V] fp32 of a pass run with ForwardBatch.defer_sampling
     _host: Optional[dict] = None
     _ready: Any = None  # torch.cuda.Event recorded after the copies
 

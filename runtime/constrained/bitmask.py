@@ -45,5 +45,5 @@ def is_allowed(row: torch.Tensor, token_id: int) -> bool:
 def clear_tokens(row: torch.Tensor, token_ids) -> None:
     """Clear `token_ids` in `row` ([words] int32) in place."""
     for t in token_ids:
-        word = int(row[t // 32]) & ~(1 << (t % 32))
+        word = int(row[t // 32]) & 0xFFFFFFFF & ~(1 << (t % 32))
         row[t // 32] = word - (1 << 32) if word >= 1 << 31 else word

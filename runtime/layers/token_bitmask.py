@@ -30,7 +30,8 @@ def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, *, use_kernel: bool | None = None) -> None:
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, *, use_kernel: bool | None = None,
+                         block: int = 4096) -> None:
     """logits: [B, V] (unit stride along V); bitmask: [B, >= ceil(V / 32)] int32 on the same device."""
     B, V = logits.shape
     if bitmask.shape[0] != B or bitmask.shape[1] * 32 < V:
@@ -42,6 +43,5 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, *, use_ker
         return
     if logits.stride(-1) != 1 or not bitmask.is_contiguous():
         raise ValueError("apply_token_bitmask_ needs unit stride along V and a contiguous bitmask")
-    block = 4096
     _apply_token_bitmask_kernel[(B, triton.cdiv(V, block))](logits, bitmask, V, logits.stride(0), bitmask.shape[1],
                                                             BLOCK=block)

@@ -192,7 +192,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         """One pass: the model, the logits at each request's last token, then on the device penalties, the vocab
-        mask and sampling (greedy when fb.sampling_info is None), and the logprobs asked for."""
+        mask and sampling (greedy when fb.sampling_info is None), and the logprobs asked for; with
+        fb.defer_sampling, the logits alone (ForwardOutput.pending_logits, for `sample`)."""
         if self._graphs_after_calibration and not self.token_to_kv_pool.calibrating_kv_scales:
             self._graphs_after_calibration = False
             with torch.inference_mode(False):  # static buffers as at start-up: normal tensors
@@ -209,21 +210,30 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(fb)
             hidden = self.model(fb)
         logits = compute_logits(self.model.lm_head, hidden, last_token_rows(fb), self.vocab_size)  # [B, V] fp32
-        info = fb.sampling_info
-        if info is None:
-            out = ForwardOutput(next_token_ids=argmax_last_dim(logits))
-        else:
-            if info.fill_token_bitmask is not None:
-                info.token_bitmask, info.fill_token_bitmask = info.fill_token_bitmask(), None
-            out = ForwardOutput(next_token_ids=self.sampler(apply_penalties(logits, info), info))
-            # TP: every rank holds the same logits; rank 0's draw is the one all ranks commit
-            ps.broadcast_from_first(out.next_token_ids)
-            if info.logprob_top_k is not None:
-                out.next_token_logprobs, out.next_top_logprobs, out.next_top_ids = token_logprobs(
-                    logits, out.next_token_ids, info.logprob_top_k)
+        if fb.defer_sampling:
+            return ForwardOutput(next_token_ids=None, pending_logits=logits)
+        out = self.sample(logits, fb.sampling_info)
         if fb.logits_indices is not None and fb.logits_indices.numel():
+            info = fb.sampling_info
             prompt_logits = compute_logits(self.model.lm_head, hidden, fb.logits_indices, self.vocab_size)
             top_k = (info.logprob_top_k or 0) if info is not None else 0
             out.input_token_logprobs, out.input_top_logprobs, out.input_top_ids = token_logprobs(
                 prompt_logits, fb.logits_targets, top_k)
+        return out
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, info) -> ForwardOutput:
+        """logits: [B, V] fp32 -> the sampled ids (penalties and the vocab mask applied on the device; greedy when
+        info is None) and the logprobs asked for. A pass run with fb.defer_sampling comes here later with its
+        ForwardOutput.pending_logits, once the host knows what the mask needs."""
+        if info is None:
+            return ForwardOutput(next_token_ids=argmax_last_dim(logits))
+        if info.fill_token_bitmask is not None:
+            info.token_bitmask, info.fill_token_bitmask = info.fill_token_bitmask(), None
+        out = ForwardOutput(next_token_ids=self.sampler(apply_penalties(logits, info), info))
+        # TP: every rank holds the same logits; rank 0's draw is the one all ranks commit
+        ps.broadcast_from_first(out.next_token_ids)
+        if info.logprob_top_k is not None:
+            out.next_token_logprobs, out.next_top_logprobs, out.next_top_ids = token_logprobs(
+                logits, out.next_token_ids, info.logprob_top_k)
         return out

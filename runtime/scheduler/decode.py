@@ -3,13 +3,17 @@ launch of step i+1 while the host commits step i.
 
 Overlap (CUDA, unless --disable-overlap-schedule): step i+1 is launched with step i's sampled ids still on the
 device; the host then waits for step i's ids (a pinned copy behind an event) and commits them while the GPU runs
-i+1. A request that finishes at step i has already been fed to i+1: that one extra token is dropped. Batches with
-grammars, penalties, logprobs or pending min_new_tokens, and any step with an extend to run, run synchronously.
+i+1. A request that finishes at step i has already been fed to i+1: that one extra token is dropped. With grammars,
+step i+1's pass is launched unsampled: once step i is committed, the host fills the masks from the grammar states
+(while the pass runs) and then samples. A commit with a step in flight does no jump-forward (the forced tokens are
+sampled, one a step, under their masks). Batches with penalties, logprobs or pending min_new_tokens, and any step
+with an extend to run, run synchronously.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,14 +35,19 @@ class DecodeInFlight:
     """A launched decode step whose sampled ids the host has not read yet."""
 
     reqs: list[Req]
-    output: ForwardOutput  # host copy started
+    output: ForwardOutput  # host copy started; unsampled (pending_logits) until DecodeRunner.sample_pending
     sampling_info: SamplingBatchInfo
     slots: torch.Tensor  # [B] int64 on the host: each request's req_pool_idx
 
+    @property
+    def sampled(self) -> bool:
+        return self.output.pending_logits is None
+
 
 class DecodeRunner:
-    def __init__(self, server_args, runner, tree_cache, device: torch.device, timing, finish_table):
+    def __init__(self, server_args, runner, tree_cache, device: torch.device, timing, finish_table, bitmask_filler):
         self.runner = runner
+        self.bitmask_filler = bitmask_filler  # OutputProcessor.bitmask_filler
         self.timing = timing  # scheduler.HostTiming
         self.finish_table = finish_table  # output.FinishTable
         self.tree_cache = tree_cache
@@ -62,10 +71,10 @@ class DecodeRunner:
         return self.finish_table.reserved_tokens(slots, out_lens, self.new_token_ratio)
 
     # ---- one step ----
-    def forward(self, reqs: list[Req], input_ids: Optional[torch.Tensor],
-                info: SamplingBatchInfo) -> tuple[ForwardOutput, torch.Tensor]:
-        """One decode pass (input_ids [B] on the device, or each request's last token), sampled with `info`.
-        -> (its output, the requests' req_pool_idx as a [B] int64 host tensor)."""
+    def forward(self, reqs: list[Req], input_ids: Optional[torch.Tensor], info: SamplingBatchInfo,
+                defer_sampling: bool = False) -> tuple[ForwardOutput, torch.Tensor]:
+        """One decode pass (input_ids [B] on the device, or each request's last token), sampled with `info` (or
+        left unsampled: defer_sampling). -> (its output, the requests' req_pool_idx as a [B] int64 host tensor)."""
         B = len(reqs)
         out_loc = self.tree_cache.alloc_slots(B)
         dev = self.device
@@ -79,7 +88,7 @@ class DecodeRunner:
         fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=B, input_ids=input_ids, positions=positions,
             req_pool_indices=req_idx, seq_lens=host_to_device(seq_lens_cpu, torch.int32, dev),
-            out_cache_loc=out_loc, seq_lens_cpu=seq_lens_cpu, sampling_info=info,
+            out_cache_loc=out_loc, seq_lens_cpu=seq_lens_cpu, sampling_info=info, defer_sampling=defer_sampling,
         )
         self.num_forward += 1
         out = self.timing.forward(self.runner, fb)
@@ -99,10 +108,21 @@ class DecodeRunner:
         return self.finish_table.can_overlap(slots, out_lens)
 
     def launch(self, reqs: list[Req], input_ids: Optional[torch.Tensor],
-               info: Optional[SamplingBatchInfo] = None) -> DecodeInFlight:
+               info: Optional[SamplingBatchInfo] = None, defer_sampling: bool = False) -> DecodeInFlight:
+        """defer_sampling: the requests' grammar states are a step behind (step i is not committed yet), so the
+        pass is sampled later by `sample_pending`."""
         info = info or SamplingBatchInfo.build(reqs, self.vocab_size, self.device)
-        output, slots = self.forward(reqs, input_ids, info)
-        return DecodeInFlight(reqs, output.copy_to_host(), info, slots)
+        info.token_bitmask, info.fill_token_bitmask = None, None if defer_sampling else self.bitmask_filler(reqs)
+        output, slots = self.forward(reqs, input_ids, info, defer_sampling)
+        return DecodeInFlight(reqs, output if defer_sampling else output.copy_to_host(), info, slots)
+
+    def sample_pending(self, step: DecodeInFlight) -> None:
+        """Sample a step launched with defer_sampling, now that the step before it is committed: the masks are
+        filled from the grammar states as they now are."""
+        step.sampling_info.fill_token_bitmask = self.bitmask_filler(step.reqs)
+        start = time.perf_counter()
+        step.output = self.runner.sample(step.output.pending_logits, step.sampling_info).copy_to_host()
+        self.timing.forward_s += time.perf_counter() - start
 
     def chain(self, prev: DecodeInFlight) -> Optional[DecodeInFlight]:
         """Launch the step after `prev` for its requests that go on; None when that needs prev's results first."""
@@ -123,7 +143,7 @@ class DecodeRunner:
             ids = ids.index_select(0, keep_dev)
             info = info.filter(keep, keep_dev)
         self.num_overlapped += 1
-        return self.launch(reqs, ids, info)
+        return self.launch(reqs, ids, info, defer_sampling=any(r.grammar is not None for r in reqs))
 
     # ---- memory pressure ----
     def retract(self, running: list[Req]) -> list[Req]:

@@ -35,7 +35,8 @@ class FinishTable:
         self.max_new = torch.zeros(num_slots, dtype=torch.float64)  # max_new_tokens, for the decode reservation
         self.stop_ids = torch.full((num_slots, self.STOP_IDS_PER_ROW), -1, dtype=torch.int64)
         self.slow = torch.ones(num_slots, dtype=torch.bool)
-        # sampling that needs the host's view of the previous step (grammar masks, penalties, logprobs)
+        # sampling that needs the host's view of the previous step before the pass (penalties, logprobs; grammar
+        # masks are filled after the pass is launched: DecodeRunner.sample_pending)
         self.blocks_overlap = torch.ones(num_slots, dtype=torch.bool)
 
     def set(self, req: Req) -> None:
@@ -50,8 +51,8 @@ class FinishTable:
             stop_ids[:self.STOP_IDS_PER_ROW], dtype=torch.int64)
         self.slow[slot] = bool(req.grammar is not None or req.return_logprob or sp.stop or req.is_internal
                                or len(stop_ids) > self.STOP_IDS_PER_ROW)
-        self.blocks_overlap[slot] = bool(req.grammar is not None or req.return_logprob or sp.frequency_penalty
-                                         or sp.presence_penalty or sp.repetition_penalty != 1.0)
+        self.blocks_overlap[slot] = bool(req.return_logprob or sp.frequency_penalty or sp.presence_penalty
+                                         or sp.repetition_penalty != 1.0)
 
     def candidates(self, slots: torch.Tensor, token_ids: torch.Tensor, out_lens: torch.Tensor) -> torch.Tensor:
         """[B] bool: the rows that need `OutputProcessor.commit` after appending token_ids [B] (int64) to outputs
@@ -72,7 +73,7 @@ class FinishTable:
 
     def can_overlap(self, slots: torch.Tensor, out_lens: torch.Tensor) -> bool:
         """Whether the rows may be sampled without the host's view of the step before (each will then have
-        out_lens tokens before this sample): no grammar, penalty or logprobs, and min_new_tokens already met."""
+        out_lens tokens before this sample): no penalty or logprobs, and min_new_tokens already met."""
         return not bool((self.blocks_overlap[slots] | (out_lens < self.min_new[slots])).any())
 
 
@@ -131,7 +132,7 @@ class OutputProcessor:
         return buf[:batch_size]
 
     # ---- after sampling ----
-    def commit(self, req: Req, host: dict, row: int) -> tuple[str, Optional[FinishReason]]:
+    def commit(self, req: Req, host: dict, row: int, jump_forward: bool = True) -> tuple[str, Optional[FinishReason]]:
         """Append the token sampled in `row` of a ForwardOutput's host copy. -> where the request goes:
         ("running", None) decodes on, ("resume_queue", None) needs an extend over jump-forward tokens,
         ("finished", reason) ends."""
@@ -141,7 +142,7 @@ class OutputProcessor:
             top = list(zip(top_v[row][:n], host["next_top_ids"][row][:n])) if n and top_v is not None else None
             lp = (host["next_token_logprobs"][row], top)
         reason = self.append_token(req, host["next_token_ids"][row], lp)
-        if reason is None:
+        if reason is None and jump_forward:
             jumped, reason = self.jump_forward(req)
             if jumped and reason is None:
                 return "resume_queue", None

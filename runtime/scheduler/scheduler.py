@@ -126,10 +126,10 @@ class Scheduler:
         self.finish_table = FinishTable(self.req_to_token_pool.size, eos, self.context_len)
         self.prefill = PrefillPlanner(server_args, self.tree_cache, self.req_to_token_pool, self.device,
                                       self.max_running_requests)
-        self.decode = DecodeRunner(server_args, self.runner, self.tree_cache, self.device, self.timing,
-                                   self.finish_table)
         self.output = OutputProcessor(server_args, self.tokenizer, eos, self.context_len, self.vocab_size,
                                       self.tree_cache, self.device)
+        self.decode = DecodeRunner(server_args, self.runner, self.tree_cache, self.device, self.timing,
+                                   self.finish_table, self.output.bitmask_filler)
         self.intake = RequestIntake(server_args, self.tokenizer, self.vocab_size, self.context_len, self.kv_pool.size,
                                     self.device, share_prefill=not self.tree_cache.disabled)
 
@@ -377,17 +377,20 @@ class Scheduler:
         self.stats["num_tokens_through_model_total"] += len(nxt.reqs)
         self.decode_steps_before_admit -= 1
         self.in_flight = nxt
-        self._commit(prev.reqs, prev.output, slots=prev.slots)
+        self._commit(prev.reqs, prev.output, slots=prev.slots, jump_forward=False)
         self.running = []  # the survivors are in the step now in flight
+        if not nxt.sampled:
+            self.decode.sample_pending(nxt)
         return True
 
     # ---- commit and finish ----
     def _commit(self, reqs: list[Req], output: ForwardOutput, rows: Optional[list[int]] = None,
-                slots: Optional[torch.Tensor] = None) -> None:
+                slots: Optional[torch.Tensor] = None, jump_forward: bool = True) -> None:
         """Append each request's sampled token (rows: each request's row in `output`, default 0..; slots: their
         req_pool_idx as an int64 CPU tensor when the caller has it). The finish checks run over the batch at once
         (FinishTable); only the requests they flag, and those with stop strings, grammars or logprobs, go through
-        OutputProcessor.commit one by one."""
+        OutputProcessor.commit one by one. jump_forward=False: a step is in flight behind this one (its inputs are
+        these tokens), so no request may jump forward now."""
         host = self.timing.wait(output)
         token_ids = host["next_token_ids"]
         if rows is not None:
@@ -408,7 +411,7 @@ class Scheduler:
             if slow:
                 if host_lists is None:
                     host_lists = {name: t.tolist() for name, t in host.items()}
-                goes_to, reason = self.output.commit(req, host_lists, rows[i] if rows is not None else i)
+                goes_to, reason = self.output.commit(req, host_lists, rows[i] if rows is not None else i, jump_forward)
                 if reason is not None:
                     self.finish(req, reason)
                     continue
