@@ -17,6 +17,7 @@ from braid.runtime.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    GrammarServing,
     api_error_event,
     LogprobPlan,
     chat_logprob_options,
@@ -123,6 +124,9 @@ def _json_response(body: dict) -> web.Response:
 class OpenAIServing:
     def __init__(self, tm: TokenizerManager):
         self.tm = tm
+        args = tm.server_args
+        self.grammar_serving = GrammarServing(fallback=args.grammar_backend == "auto",
+                                              json_strict=args.grammar_json_strict)
         self._token_text: dict[int, str] = {}
         self._started = time.time()
 
@@ -235,7 +239,7 @@ class OpenAIServing:
         output_lp, top_n = chat_logprob_options(req)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         messages, media = template_messages(req.messages)
-        overrides = openai_sampling_overrides(req)
+        overrides = openai_sampling_overrides(req, self.grammar_serving)
         if plan is not None and plan.constrained:
             given = [f for f in GRAMMAR_FIELDS if overrides.get(f) is not None]
             if given:
@@ -403,7 +407,7 @@ class OpenAIServing:
         req = parse_openai(CompletionRequest, body)
         model = self.check_model(req.model)
         output_lp, top_n = completion_logprob_options(req)
-        overrides = openai_sampling_overrides(req)
+        overrides = openai_sampling_overrides(req, self.grammar_serving)
         n = requested_n(req)
         lps = LogprobPlan(output_lp, top_n, req.prompt_logprobs, rank=(req.best_of or n) > n, echo=req.echo)
         prompts = await self._completion_prompts(req, lps, overrides)

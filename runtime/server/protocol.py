@@ -346,9 +346,17 @@ def _check_int(value: Any, param: str, lo: int, hi: Optional[int] = None) -> Non
         raise bad_request(f"{param}: must be an integer in {rng}, got {value!r}", param=param)
 
 
-def openai_sampling_overrides(req: _OpenAIRequest) -> dict:
+@dataclass(frozen=True)
+class GrammarServing:
+    """What the server's grammar engine does whatever a request says (structured_outputs' options ask for it)."""
+
+    fallback: bool = False  # a regex or schema the engine refuses goes to another (--grammar-backend auto)
+    json_strict: bool = True  # an object schema silent on extra properties allows none (--grammar-json-strict)
+
+
+def openai_sampling_overrides(req: _OpenAIRequest, serving: GrammarServing = GrammarServing()) -> dict:
     """Body keys that are SamplingParams fields, plus the OpenAI and vLLM names translated (`constraint_param`
-    says which parameter a regex/json_schema came from)."""
+    says which parameter a grammar came from); `serving`: what the server's grammar engine does."""
     extras = req.extras()
     d = {k: v for k, v in extras.items() if k in SAMPLING_FIELDS}
     max_tokens = getattr(req, "max_completion_tokens", None)
@@ -374,7 +382,7 @@ def openai_sampling_overrides(req: _OpenAIRequest) -> dict:
                               param="best_of")
         d["n"] = req.best_of
     _check_int(req.prompt_logprobs, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
-    _constraint(req, d)
+    _constraint(req, d, serving)
     return d
 
 
@@ -392,8 +400,9 @@ _STRUCTURED_OUTPUT_OPTIONS = {"whitespace_pattern": str, "disable_fallback": boo
 _GRAMMAR_PARAMS = GRAMMAR_FIELDS + ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-def _structured_outputs(extras: dict) -> dict:
-    """vLLM's structured_outputs checked: its keys that ask for something (not null, not false)."""
+def _structured_outputs(extras: dict, serving: GrammarServing = GrammarServing()) -> dict:
+    """vLLM's structured_outputs checked: its keys that ask for something (not null, not false); an option the
+    server's engine does not do (`serving`) is a 400."""
     so = extras.get("structured_outputs")
     if so is None:
         return {}
@@ -408,10 +417,16 @@ def _structured_outputs(extras: dict) -> dict:
         if value is not None and kind is not None and not isinstance(value, kind):
             raise bad_request(f"{param} must be {'a boolean' if kind is bool else 'a string'}, got {_json_type(value)}",
                               param=param)
-    if so.get("disable_additional_properties"):
-        raise bad_request("structured_outputs.disable_additional_properties is not supported; give the schema "
-                          '"additionalProperties": false where an object must have no other keys',
-                          param="structured_outputs.disable_additional_properties", code="unsupported_parameter")
+    if so.get("disable_fallback") and serving.fallback:
+        raise bad_request("structured_outputs.disable_fallback: this server's grammar engine is auto (llguidance, "
+                          "falling back to outlines-core for a regex or schema llguidance refuses); the engine is "
+                          "chosen per server (--grammar-backend)", param="structured_outputs.disable_fallback",
+                          code="unsupported_parameter")
+    if so.get("disable_additional_properties") and not serving.json_strict:
+        raise bad_request("structured_outputs.disable_additional_properties: this server lets an object schema silent "
+                          "on extra properties have any (--grammar-json-strict off); give the schema "
+                          '"additionalProperties": false', param="structured_outputs.disable_additional_properties",
+                          code="unsupported_parameter")
     return {k: v for k, v in so.items() if v is not None and v is not False}
 
 
@@ -428,7 +443,7 @@ def grammar_sources(req: _OpenAIRequest) -> list[str]:
     return given
 
 
-def _constraint(req: _OpenAIRequest, d: dict) -> None:
+def _constraint(req: _OpenAIRequest, d: dict, serving: GrammarServing) -> None:
     """At most one grammar source (grammar_sources) -> d's regex, json_schema, ebnf or structural_tag. A whitespace
     pattern (guided_whitespace_pattern, structured_outputs' whitespace_pattern or disable_any_whitespace) turns a
     JSON schema into a regex here, with that whitespace."""
@@ -442,7 +457,7 @@ def _constraint(req: _OpenAIRequest, d: dict) -> None:
         raise bad_request(f"guided_decoding_backend must be one of {', '.join(GUIDED_DECODING_BACKENDS)} (the "
                           f"server's grammar engine compiles every request), got {backend!r}",
                           param="guided_decoding_backend")
-    so = _structured_outputs(extras)
+    so = _structured_outputs(extras, serving)
     source = given[0] if given else None
     if source is not None and source not in GRAMMAR_FIELDS:
         kind = source.split(".", 1)[1] if source.startswith("structured_outputs.") else source
