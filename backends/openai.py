@@ -8,6 +8,10 @@ method works); chat models constrain the answer to the choices: with `constraine
 (default when base_url is given: braid and similar servers) through `extra_body={"regex": ...}`, with
 `constrained="response_format"` (default for api.openai.com) through a json_schema response format;
 `constrained=None` makes select (and regex/json gens) an error.
+
+Retries are the openai client's, `max_retries` of them: it retries HTTP 429 and 503 (and 408, 409, other 5xx,
+connection errors), waiting as Retry-After says when the server sends it (up to 2 minutes; a longer one is not
+retried), else with jittered exponential backoff from 0.5 s; a stream only before its body is read.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Iterator, Optional, Union
 from braid.backends.base import (CAP_CHOICES_METHODS, CAP_FORK, CAP_GEN, CAP_IMAGE, CAP_JSON_SCHEMA, CAP_REGEX,
                                  CAP_SELECT, CAP_STOP_TOKEN_IDS, CAP_STREAM, CAP_VIDEO, Backend, GenOutput,
                                  LogprobRequest, Prompt)
+from braid.backends.retry import DEFAULT_MAX_RETRIES
 from braid.chat_template import CHATML, ChatTemplate, get_chat_template
 from braid.choices import ChoicesDecision, ChoicesMethod, choices_regex, unconditional_context
 from braid.errors import BackendError, BackendRequestError, ProgramError
@@ -38,7 +43,8 @@ def _guess_chat(model: str) -> bool:
 class OpenAI(Backend):
     def __init__(self, model: str, base_url: Optional[str] = None, api_key: Optional[str] = None,
                  is_chat_model: Optional[bool] = None, *, constrained: Union[str, None] = "auto",
-                 chat_template: Union[None, str, ChatTemplate] = None, timeout: float = 600.0, **client_kwargs: Any):
+                 chat_template: Union[None, str, ChatTemplate] = None, timeout: float = 600.0,
+                 max_retries: int = DEFAULT_MAX_RETRIES, **client_kwargs: Any):
         import openai
 
         if api_key is None:
@@ -47,7 +53,8 @@ class OpenAI(Backend):
             raise ProgramError("OpenAI backend needs api_key= or the OPENAI_API_KEY environment variable")
         self.model = model
         self.base_url = base_url
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, **client_kwargs)
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, timeout=timeout, max_retries=max_retries,
+                                    **client_kwargs)
         self.is_chat_model = _guess_chat(model) if is_chat_model is None else bool(is_chat_model)
         if constrained == "auto":
             constrained = "extra_body" if base_url else "response_format"

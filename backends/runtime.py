@@ -4,6 +4,9 @@
     braid.set_default_backend(runtime)
     ...
     runtime.shutdown()  # also done at interpreter exit
+
+`max_retries` is its endpoint's (requests the server sheds with HTTP 429/503 are retried); every other keyword
+argument is a server argument.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tempfile
 import time
 from typing import Any, Optional
 
+from braid.backends.retry import DEFAULT_MAX_RETRIES
 from braid.backends.runtime_endpoint import RuntimeEndpoint
 from braid.errors import ServerStartError
 
@@ -102,7 +106,7 @@ class Runtime:
     def __init__(self, model_path: str = "smollm2", *, host: str = "127.0.0.1", port: Optional[int] = None,
                  api_key: Optional[str] = None, startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S,
                  log_path: Optional[str] = None, python: Optional[str] = None, env: Optional[dict] = None,
-                 **server_args: Any):
+                 max_retries: int = DEFAULT_MAX_RETRIES, **server_args: Any):
         self.model_path = model_path
         self.host = host
         self.port = port or free_port(host)
@@ -117,7 +121,7 @@ class Runtime:
             fd, log_path = tempfile.mkstemp(prefix="braid-server-", suffix=".log")
             os.close(fd)
         self.log_path = log_path
-        self.endpoint = RuntimeEndpoint(self.url, api_key=api_key)
+        self.endpoint = RuntimeEndpoint(self.url, api_key=api_key, max_retries=max_retries)
         self._log = open(log_path, "ab")
         startup_echo = _StartupEcho(log_path)
         self._process: Optional[subprocess.Popen] = subprocess.Popen(

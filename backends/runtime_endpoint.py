@@ -1,18 +1,22 @@
 """RuntimeEndpoint: a braid server reached over HTTP (native API).
 
 Sync calls use `requests` (one Session, its connection pool shared by every program thread);
-streaming and the async methods use `aiohttp`.
+streaming and the async methods use `aiohttp`. A request the server sheds (HTTP 429 or 503) is retried up to
+`max_retries` times, waiting as its Retry-After says (braid.backends.retry); a stream only before its body is read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
+import time
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from braid.backends.base import GenOutput, LogprobRequest, Prompt
 from braid.backends.native import NativeApiBackend
+from braid.backends.retry import DEFAULT_MAX_RETRIES, RETRY_STATUSES, RetryPolicy
 from braid.chat_template import ChatTemplate
 from braid.errors import BackendError, BackendRequestError
 from braid.runtime.sampling_params import SamplingParams
@@ -23,8 +27,9 @@ _POOL_SIZE = 128  # keep-alive connections: run_batch runs up to 64 programs, fo
 
 class RuntimeEndpoint(NativeApiBackend):
     def __init__(self, base_url: str, api_key: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT_S,
-                 chat_template: Union[None, str, ChatTemplate] = None):
+                 chat_template: Union[None, str, ChatTemplate] = None, max_retries: int = DEFAULT_MAX_RETRIES):
         super().__init__(chat_template)
+        self.retry_policy = RetryPolicy(max_retries=max_retries)
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
@@ -60,16 +65,28 @@ class RuntimeEndpoint(NativeApiBackend):
         if session is not None:
             session.close()
 
-    def _request(self, method: str, path: str, body: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
+    def _retry_delay(self, status: int, headers: Any, text: str, retries_done: int, url: str) -> Optional[float]:
+        """Seconds to wait before sending a shed request again; None: not to be retried."""
+        if status not in RETRY_STATUSES:
+            return None
+        message, _ = _error_fields(_payload(text) or {"error": {"message": text[:200]}}, status)
+        return self.retry_policy.retry_delay(status, headers.get("Retry-After"), retries_done, url, message)
+
+    def _request(self, method: str, path: str, body: Optional[dict] = None, timeout: Optional[float] = None,
+                 retry: bool = True) -> Any:
         import requests
 
         url = self.base_url + path
-        try:
-            resp = self._session().request(method, url, json=body, headers=self._headers(),
-                                           timeout=timeout or self.timeout)
-        except requests.RequestException as e:
-            raise BackendError(f"cannot reach braid server at {url}: {e}") from None
-        return _decode(resp.status_code, resp.text, url)
+        for retries_done in itertools.count():
+            try:
+                resp = self._session().request(method, url, json=body, headers=self._headers(),
+                                               timeout=timeout or self.timeout)
+            except requests.RequestException as e:
+                raise BackendError(f"cannot reach braid server at {url}: {e}") from None
+            delay = self._retry_delay(resp.status_code, resp.headers, resp.text, retries_done, url) if retry else None
+            if delay is None:
+                return _decode(resp.status_code, resp.text, url, retries_done + 1)
+            time.sleep(delay)
 
     def _generate(self, body: dict) -> Any:
         return self._request("POST", "/generate", body)
@@ -83,14 +100,28 @@ class RuntimeEndpoint(NativeApiBackend):
 
         return aiohttp.ClientTimeout(total=self.timeout)
 
+    async def _post_until_accepted(self, session: Any, url: str, body: dict) -> tuple[Any, int]:
+        """POST `body`, again after each shed answer while retry_policy allows; the last response (its body not
+        yet read unless it was an error) and the number of requests sent."""
+        for retries_done in itertools.count():
+            resp = await session.post(url, json=body, headers=self._headers())
+            if resp.status not in RETRY_STATUSES:
+                return resp, retries_done + 1
+            text = await resp.text()
+            delay = self._retry_delay(resp.status, resp.headers, text, retries_done, url)
+            if delay is None:
+                return resp, retries_done + 1
+            await asyncio.sleep(delay)
+
     async def _apost(self, path: str, body: dict) -> Any:
         import aiohttp
 
         url = self.base_url + path
         try:
             async with aiohttp.ClientSession(timeout=self._client_timeout()) as session:
-                async with session.post(url, json=body, headers=self._headers()) as resp:
-                    return _decode(resp.status, await resp.text(), url)
+                resp, attempts = await self._post_until_accepted(session, url, body)
+                async with resp:
+                    return _decode(resp.status, await resp.text(), url, attempts)
         except aiohttp.ClientError as e:
             raise BackendError(f"cannot reach braid server at {url}: {e}") from None
 
@@ -101,9 +132,10 @@ class RuntimeEndpoint(NativeApiBackend):
         url = self.base_url + path
         try:
             async with aiohttp.ClientSession(timeout=self._client_timeout()) as session:
-                async with session.post(url, json=body, headers=self._headers()) as resp:
+                resp, attempts = await self._post_until_accepted(session, url, body)
+                async with resp:
                     if resp.status >= 400:
-                        _decode(resp.status, await resp.text(), url)
+                        _decode(resp.status, await resp.text(), url, attempts)
                     buffer = b""
                     async for piece in resp.content.iter_any():
                         buffer += piece
@@ -157,7 +189,7 @@ class RuntimeEndpoint(NativeApiBackend):
 
     def health(self, timeout: float = 5.0) -> bool:
         try:
-            self._request("GET", "/health", timeout=timeout)
+            self._request("GET", "/health", timeout=timeout, retry=False)  # a probe: its caller polls
             return True
         except (BackendError, BackendRequestError):
             return False
@@ -185,7 +217,8 @@ def _sse_object(line: bytes) -> Any:
     return obj
 
 
-def _raise_error(payload: Any, status: int, url: str) -> None:
+def _error_fields(payload: Any, status: int) -> tuple[str, Optional[str]]:
+    """An error answer's (message, param)."""
     message, param = f"HTTP {status}", None
     if isinstance(payload, dict):
         err = payload.get("error", payload)
@@ -194,18 +227,31 @@ def _raise_error(payload: Any, status: int, url: str) -> None:
             param = err.get("param")
         elif isinstance(err, str):
             message = err
+    return message, param
+
+
+def _raise_error(payload: Any, status: int, url: str, attempts: int = 1) -> None:
+    message, param = _error_fields(payload, status)
+    if attempts > 1:
+        message = f"{message} (gave up after {attempts} attempts)"
     if 400 <= status < 500:
         raise BackendRequestError(f"server rejected the request ({status}): {message}", status, param)
     raise BackendError(f"server error ({status}) at {url}: {message}")
 
 
-def _decode(status: int, text: str, url: str) -> Any:
+def _payload(text: str) -> Any:
     try:
-        payload = json.loads(text) if text else None
+        return json.loads(text) if text else None
     except ValueError:
-        payload = None
+        return None
+
+
+def _decode(status: int, text: str, url: str, attempts: int = 1) -> Any:
+    """The response's JSON (its text when not JSON); an error status raised as braid's error. `attempts`: how many
+    requests the answer took (an error after retries says so)."""
+    payload = _payload(text)
     if status >= 400:
-        _raise_error(payload if payload is not None else {"error": {"message": text[:500]}}, status, url)
+        _raise_error(payload if payload is not None else {"error": {"message": text[:500]}}, status, url, attempts)
     return text if payload is None else payload  # non-JSON answers (e.g. /health) come back as text
 
 
