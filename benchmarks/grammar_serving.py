@@ -1,0 +1,179 @@
+"""Constrained against free generation on one server, in one run (native /generate):
+
+  1. a burst of --num-schemas new JSON schemas from one client (max_tokens 1): how many are served, in what time;
+  2. --num-requests requests at once, request i under schema i % num_schemas, then the same prompts unconstrained
+     with each one's output length (max_new_tokens = that length, ignore_eos): output tokens per second of both;
+  3. the same at --tpot-batch requests at once, streamed: mean time per output token of both.
+
+Every constrained output that ends by the grammar is checked against its schema (jsonschema).
+
+    python benchmarks/grammar_serving.py --port 30000 --num-requests 512 --num-schemas 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import aiohttp
+
+WORDS = ("river", "engine", "market", "garden", "signal", "harbor", "ledger", "canyon", "orchard", "beacon", "quartz",
+         "meadow", "tunnel", "lantern", "glacier", "summit", "archive", "compass", "falcon", "timber")
+FIELDS = ("name", "city", "country", "title", "author", "year", "price", "rating", "tags", "owner", "status",
+          "email", "count", "active", "color", "size", "weight", "code", "level", "notes")
+
+
+def make_schema(i: int) -> dict:
+    """A distinct extraction schema: 3-6 properties of varied kinds, some required, sometimes a nested object."""
+    rng = random.Random(i)
+    props = {}
+    for name in rng.sample(FIELDS, rng.randint(3, 6)):
+        kind = rng.choice(("string", "integer", "number", "boolean", "enum", "array", "object"))
+        if kind == "string":
+            props[name] = {"type": "string", "maxLength": rng.choice((8, 16, 24))}
+        elif kind == "integer":
+            props[name] = {"type": "integer", "minimum": 0, "maximum": rng.choice((100, 5000, 100000))}
+        elif kind == "number":
+            props[name] = {"type": "number"}
+        elif kind == "boolean":
+            props[name] = {"type": "boolean"}
+        elif kind == "enum":
+            props[name] = {"enum": rng.sample(WORDS, 3)}
+        elif kind == "array":
+            props[name] = {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3}
+        else:
+            props[name] = {"type": "object", "properties": {"id": {"type": "integer"},
+                                                            "label": {"type": "string", "maxLength": 12}},
+                           "required": ["id"]}
+    required = [n for n in props if rng.random() < 0.7] or [next(iter(props))]
+    return {"title": f"Record{i}", "type": "object", "properties": props, "required": required}
+
+
+def make_prompt(i: int) -> str:
+    rng = random.Random(10_000 + i)
+    text = " ".join(rng.choice(WORDS) for _ in range(60))
+    return f"Read the notes and answer with one JSON record.\nNotes #{i}: {text}\nJSON:"
+
+
+async def generate(session, url: str, prompt: str, sp: dict, stream: bool = False) -> dict:
+    body = {"text": prompt, "sampling_params": sp, "stream": stream}
+    start = time.perf_counter()
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            return {"status": resp.status, "error": await resp.text(), "latency": time.perf_counter() - start}
+        if not stream:
+            out = await resp.json()
+            out.update(status=200, latency=time.perf_counter() - start)
+            return out
+        first, last = None, None
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            first = first or time.perf_counter()
+            last = json.loads(line[5:])
+        last.update(status=200, latency=time.perf_counter() - start, ttft=first - start)
+        return last
+
+
+async def run_all(url: str, prompts: list[str], params: list[dict], stream: bool = False) -> tuple[float, list[dict]]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600),
+                                     connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(generate(session, url, p, sp, stream) for p, sp in zip(prompts, params)))
+        return time.perf_counter() - start, outs
+
+
+def tokens(outs: list[dict]) -> list[int]:
+    return [o["meta_info"]["completion_tokens"] if o.get("status") == 200 else 0 for o in outs]
+
+
+def mean_tpot_ms(outs: list[dict]) -> float:
+    per = [(o["latency"] - o["ttft"]) / (n - 1) for o, n in zip(outs, tokens(outs)) if n > 1]
+    return 1000 * statistics.mean(per) if per else float("nan")
+
+
+def schema_valid(outs: list[dict], schemas: list[dict]) -> tuple[int, int]:
+    """(outputs that ended by the grammar, of those the ones valid under their schema)."""
+    import jsonschema
+
+    ended = valid = 0
+    for o, schema in zip(outs, schemas):
+        if o.get("status") != 200 or o["meta_info"]["finish_reason"]["type"] != "stop":
+            continue
+        ended += 1
+        try:
+            jsonschema.validate(json.loads(o["text"]), schema)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return ended, valid
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--num-requests", type=int, default=512)
+    parser.add_argument("--num-schemas", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--tpot-batch", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--output-file", default=None)
+    args = parser.parse_args()
+    url = f"http://127.0.0.1:{args.port}/generate"
+    schemas = [make_schema(i) for i in range(args.num_schemas)]
+    rows = {}
+
+    # 1. a burst of new schemas from one client
+    burst_s, outs = asyncio.run(run_all(url, [make_prompt(i) for i in range(len(schemas))],
+                                        [{"max_new_tokens": 1, "json_schema": json.dumps(s)} for s in schemas]))
+    served = sum(o.get("status") == 200 for o in outs)
+    rows["burst"] = {"schemas": len(schemas), "served": served, "seconds": burst_s,
+                     "statuses": sorted({o.get("status") for o in outs})}
+
+    # 2. throughput, constrained then free with the same lengths
+    n = args.num_requests
+    prompts = [make_prompt(i) for i in range(n)]
+    req_schemas = [schemas[i % len(schemas)] for i in range(n)]
+    base = {"temperature": args.temperature, "max_new_tokens": args.max_tokens}
+    for name, batch in (("throughput", n), ("tpot", args.tpot_batch)):
+        stream = name == "tpot"
+        cons_params = [{**base, "json_schema": json.dumps(s), "seed": i} for i, s in enumerate(req_schemas[:batch])]
+        cons_s, cons = asyncio.run(run_all(url, prompts[:batch], cons_params, stream))
+        lens = tokens(cons)
+        free_params = [{**base, "max_new_tokens": max(1, m), "ignore_eos": True, "seed": i} for i, m in enumerate(lens)]
+        free_s, free = asyncio.run(run_all(url, prompts[:batch], free_params, stream))
+        ended, valid = schema_valid(cons, req_schemas[:batch])
+        row = {"requests": batch, "constrained_tokens": sum(lens), "free_tokens": sum(tokens(free)),
+               "constrained_s": cons_s, "free_s": free_s, "constrained_tok_s": sum(lens) / cons_s,
+               "free_tok_s": sum(tokens(free)) / free_s, "ended_by_grammar": ended, "schema_valid": valid,
+               "errors": sum(o.get("status") != 200 for o in cons + free)}
+        row["ratio"] = row["constrained_tok_s"] / row["free_tok_s"]
+        if stream:
+            row["constrained_tpot_ms"], row["free_tpot_ms"] = mean_tpot_ms(cons), mean_tpot_ms(free)
+            row["tpot_overhead"] = row["constrained_tpot_ms"] / row["free_tpot_ms"] - 1
+        rows[name] = row
+
+    if args.output_file:
+        with open(args.output_file, "w") as f:
+            json.dump(rows, f, indent=1)
+    b, t, p = rows["burst"], rows["throughput"], rows["tpot"]
+    print(f"burst of {b['schemas']} new schemas from one client: {b['served']} served in {b['seconds']:.2f} s "
+          f"(statuses {b['statuses']})")
+    print(f"{'':24}{'constrained':>14}{'free':>12}{'ratio':>8}")
+    print(f"{'output tok/s @' + str(t['requests']):24}{t['constrained_tok_s']:14.0f}{t['free_tok_s']:12.0f}"
+          f"{t['ratio']:8.3f}")
+    print(f"{'output tok/s @' + str(p['requests']):24}{p['constrained_tok_s']:14.0f}{p['free_tok_s']:12.0f}"
+          f"{p['ratio']:8.3f}")
+    print(f"{'TPOT ms @' + str(p['requests']):24}{p['constrained_tpot_ms']:14.2f}{p['free_tpot_ms']:12.2f}"
+          f"{1 + p['tpot_overhead']:8.3f}")
+    print(f"tokens {t['constrained_tokens']} / {t['free_tokens']}; ended by the grammar {t['ended_by_grammar']}, "
+          f"schema-valid {t['schema_valid']}; errors {t['errors'] + p['errors']}")
+
+
+if __name__ == "__main__":
+    main()
