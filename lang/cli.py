@@ -1,4 +1,4 @@
-"""The `braid` console script: `braid serve ...` and `braid bench serving|one-batch|offline|constrained ...`."""
+"""The `braid` console script: `braid serve ...` and `braid bench serving|one-batch|offline|constrained|grammar ...`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ _USAGE = """usage: braid serve [MODEL] [server args]    (same flags as python -m
        braid bench serving [args]          (python -m braid.bench_serving)
        braid bench one-batch [args]        (python -m braid.bench_one_batch)
        braid bench offline [args]          (python -m braid.bench_offline_throughput)
-       braid bench constrained [args]      (constrained-decoding overhead)"""
+       braid bench constrained [args]      (constrained-decoding overhead)
+       braid bench grammar [args]          (python -m braid.bench_grammar)"""
 
 
 def _bench(name: str, argv: list[str]) -> int:
@@ -21,6 +22,8 @@ def _bench(name: str, argv: list[str]) -> int:
         from braid.runtime.bench.bench_offline_throughput import main
     elif name == "constrained":
         from braid.runtime.bench.bench_constrained import main
+    elif name == "grammar":
+        from braid.runtime.bench.bench_grammar import main
     else:
         print(f"braid bench: unknown benchmark '{name}'\n{_USAGE}", file=sys.stderr)
         return 2

@@ -87,14 +87,15 @@ _MAX_NEGATION_DEPTH = 6
 _MAX_BRANCHES = 64
 
 
-def prepare_schema(schema):
+def prepare_schema(schema, *, rewrite: bool = True):
     """`schema` (a parsed JSON Schema: dict or bool) as the llguidance engine should compile it; GrammarError for
-    a validation keyword no engine enforces."""
+    a validation keyword no engine enforces. rewrite=False: only the annotations, formats and drafts (for an engine
+    that takes no anyOf / allOf of the rewrites' shapes)."""
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"a JSON schema must be an object or a boolean, got {type(schema).__name__}")
     if isinstance(schema, bool):
         return schema
-    return _Preparer(schema).run()
+    return _Preparer(schema, rewrite).run()
 
 
 def _draft_of(uri) -> str | None:
@@ -136,8 +137,9 @@ def resolve_local_ref(root, ref: str):
 
 
 class _Preparer:
-    def __init__(self, root: dict):
+    def __init__(self, root: dict, rewrite: bool = True):
         self.root = root
+        self.rewrite = rewrite
         self.draft = _draft_of(root.get("$schema"))
         # local pointers that $refs name: the unknown keys on their way are kept
         self.ref_targets: set[tuple[str, ...]] = set()
@@ -282,6 +284,10 @@ class _Preparer:
             max_items = s.get("maxItems")
             if s["uniqueItems"] is False or (isinstance(max_items, int) and max_items <= 1):
                 del s["uniqueItems"]
+        if not self.rewrite:
+            if extra:
+                s["allOf"] = list(s.get("allOf", [])) + extra if isinstance(s.get("allOf"), list) else extra
+            return s
         for key in ("dependencies", "dependentRequired", "dependentSchemas"):
             if isinstance(s.get(key), dict):
                 branches = self._dependencies(s[key])

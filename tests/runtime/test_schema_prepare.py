@@ -177,6 +177,14 @@ def test_what_cannot_be_rewritten_is_left_for_the_engine_to_refuse():
         assert {"not", "oneOf", "if"} & out.keys()
 
 
+def test_without_rewrites_only_annotations_formats_and_drafts_change():
+    schema = {"title": "t", "type": "object", "not": {"required": ["a"]}, "oneOf": [{"required": ["b"]}],
+              "properties": {"p": {"format": "path", "type": "string", "description": "d"}}}
+    assert prepare_schema(schema, rewrite=False) == {"type": "object", "not": {"required": ["a"]},
+                                                     "oneOf": [{"required": ["b"]}],
+                                                     "properties": {"p": {"type": "string"}}}
+
+
 def test_not_words_regex_matches_exactly_the_other_strings():
     rng = random.Random(0)
     for _ in range(50):
