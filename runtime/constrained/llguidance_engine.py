@@ -25,27 +25,58 @@ _COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separ
 
 # values that are data, not subschemas: never rewritten
 _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required"})
+# subschemas whose narrowing would widen what the whole accepts (strict_schema leaves them as they are)
+_NOT_NARROWED = frozenset({"not", "if", "oneOf"})
 
 
-def close_objects(schema):
-    """`schema` with `additionalProperties: false` on every object schema that says nothing of extra properties:
-    XGrammar's strict mode, the default in SGLang and vLLM. It only narrows what is accepted (every output still
-    validates), and keeps a model from inventing keys."""
+_INT_BOUNDS = (-(10**18 - 1), 10**18 - 1)  # at most 18 digits: within 64 bits (llguidance's range regex stops short)
+
+
+def _mentions(schema, keys: frozenset) -> bool:
+    if isinstance(schema, dict):
+        return bool(keys & schema.keys()) or any(_mentions(v, keys) for v in schema.values())
     if isinstance(schema, list):
-        return [close_objects(s) for s in schema]
+        return any(_mentions(v, keys) for v in schema)
+    return False
+
+
+def strict_schema(schema, branch: bool = False, defs_too: bool | None = None):
+    """`schema` narrowed as SGLang and vLLM (XGrammar's strict mode) generate: `additionalProperties: false` on every
+    object schema that says nothing of extra properties, and integers without bounds kept to 18 digits. Every output
+    still validates; a model cannot invent keys or run a number on until max_tokens.
+
+    Narrowing is sound only where it narrows the whole: never inside `not`, `if` or `oneOf` (a narrower branch can
+    turn an instance two branches matched into one that only one matches), and an object that is a branch of
+    `allOf` / `anyOf` or combines others (allOf, anyOf, oneOf, $ref) is not closed, or the branches' own
+    properties would exclude each other. `branch`: `schema` is an item of allOf / anyOf. Definitions ($defs) are
+    narrowed only where no `not`, `if` or `oneOf` could refer to them (`defs_too`, found on the root)."""
     if not isinstance(schema, dict):
         return schema
+    if defs_too is None:
+        defs_too = not _mentions(schema, _NOT_NARROWED)
     out = {}
     for key, value in schema.items():
-        if key in _DATA_KEYWORDS:
+        if key in _DATA_KEYWORDS or key in _NOT_NARROWED or (key in ("$defs", "definitions") and not defs_too):
             out[key] = value
+        elif key in ("allOf", "anyOf") and isinstance(value, list):
+            out[key] = [strict_schema(sub, True, defs_too) for sub in value]
         elif key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
-            out[key] = {name: close_objects(sub) for name, sub in value.items()} if isinstance(value, dict) else value
+            out[key] = {name: strict_schema(sub, False, defs_too) for name, sub in value.items()} \
+                if isinstance(value, dict) else value
+        elif isinstance(value, list):
+            out[key] = [strict_schema(sub, False, defs_too) for sub in value]
         else:
-            out[key] = close_objects(value)
+            out[key] = strict_schema(value, False, defs_too)
     is_object = out.get("type") == "object" or "properties" in out
-    if is_object and not {"additionalProperties", "unevaluatedProperties", "patternProperties"} & out.keys():
+    combines = {"allOf", "anyOf", "oneOf", "$ref"} & out.keys()
+    if is_object and not branch and not combines and \
+            not {"additionalProperties", "unevaluatedProperties", "patternProperties"} & out.keys():
         out["additionalProperties"] = False
+    if out.get("type") == "integer":
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = _INT_BOUNDS[0]
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = _INT_BOUNDS[1]
     return out
 
 
@@ -208,7 +239,7 @@ class LLGuidanceEngine:
 
     def __init__(self, tokenizer, vocabulary: TokenVocabulary, vocab_size: int, *, whitespace_pattern: str | None,
                  timeout_s: float, num_workers: int, json_strict: bool = True, mask_threads: int | None = None):
-        """json_strict: close_objects() every JSON schema (off: extra properties as the specification allows)."""
+        """json_strict: strict_schema() every JSON schema (off: as the specification reads)."""
         self.vocab_size = vocab_size
         self.json_strict = json_strict
         self.eos_token_id = vocabulary.eos_token_id
@@ -230,7 +261,7 @@ class LLGuidanceEngine:
             if kind == "json":
                 schema = prepare_schema(json.loads(spec))
                 if self.json_strict:
-                    schema = close_objects(schema)
+                    schema = strict_schema(schema)
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=self.json_options)
             if kind == "grammar":
                 return llguidance.grammar_from("grammar", spec)

@@ -4,6 +4,7 @@ worker processes (fsm.CompilePool); masks are per-state rows cached on the gramm
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 from typing import NamedTuple
 
@@ -14,6 +15,7 @@ from .fsm import CompilePool, GrammarError, check_regex_syntax
 from .json_schema import json_schema_to_regex
 from .jump_forward import ForcedBytes, JumpForward, retokenize_candidates
 from .regex_classes import ascii_shorthand_classes
+from .schema_prepare import prepare_schema
 from .vocabulary import TokenVocabulary
 
 
@@ -231,7 +233,14 @@ class OutlinesEngine:
             check_regex_syntax(spec)
             return ascii_shorthand_classes(spec)
         if kind == "json":
-            return ascii_shorthand_classes(json_schema_to_regex(spec, self.whitespace_pattern))
+            try:
+                schema = json.loads(spec)
+            except ValueError as e:
+                raise GrammarError(f"invalid JSON schema: {e}") from None
+            # annotations, unknown keywords and formats as the specification reads; no rewrites (the translation
+            # takes no anyOf / allOf of their shapes)
+            schema = prepare_schema(schema, rewrite=False)
+            return ascii_shorthand_classes(json_schema_to_regex(schema, self.whitespace_pattern))
         raise GrammarError(f"the outlines engine compiles regex and JSON schema, not {kind}")
 
     def _finish(self, kind, spec, regex, outer: concurrent.futures.Future, done: concurrent.futures.Future) -> None:
