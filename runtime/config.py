@@ -170,8 +170,9 @@ class ServerArgs:
                                               "auto (llguidance; a regex or schema it refuses goes to outlines)",
                                  choices=("llguidance", "outlines", "auto"))
     grammar_json_strict: bool = _opt(True, "llguidance: a JSON schema's object silent on extra properties allows "
-                                           "none, an integer without bounds has at most 18 digits (XGrammar's strict "
-                                           "mode, SGLang's and vLLM's default); off: as the specification reads")
+                                           "none, a number without bounds has at most 18 integer digits and 9 "
+                                           "decimals (as XGrammar's strict mode, SGLang's and vLLM's default, "
+                                           "generates); off: as the specification reads")
     grammar_timeout_s: float = _opt(10.0, "give up compiling a grammar after this long")
     grammar_workers: int = _opt(0, "grammar compile workers (threads for llguidance, processes for outlines; 0: "
                                    "min(4, CPU count), at least 2); twice as many compiles run at once")

@@ -30,6 +30,7 @@ _NOT_NARROWED = frozenset({"not", "if", "oneOf"})
 
 
 _INT_BOUNDS = (-(10**18 - 1), 10**18 - 1)  # at most 18 digits: within 64 bits (llguidance's range regex stops short)
+_FRACTION_STEP = 1e-9  # at most 9 decimals (llguidance takes no finer multipleOf)
 
 
 def _mentions(schema, keys: frozenset) -> bool:
@@ -42,7 +43,7 @@ def _mentions(schema, keys: frozenset) -> bool:
 
 def strict_schema(schema, branch: bool = False, defs_too: bool | None = None):
     """`schema` narrowed as SGLang and vLLM (XGrammar's strict mode) generate: `additionalProperties: false` on every
-    object schema that says nothing of extra properties, and integers without bounds kept to 18 digits. Every output
+    object schema that says nothing of extra properties, and numbers without bounds kept to 18 integer digits and 9 decimals (no exponent). Every output
     still validates; a model cannot invent keys or run a number on until max_tokens.
 
     Narrowing is sound only where it narrows the whole: never inside `not`, `if` or `oneOf` (a narrower branch can
@@ -72,11 +73,13 @@ def strict_schema(schema, branch: bool = False, defs_too: bool | None = None):
     if is_object and not branch and not combines and \
             not {"additionalProperties", "unevaluatedProperties", "patternProperties"} & out.keys():
         out["additionalProperties"] = False
-    if out.get("type") == "integer":
+    if out.get("type") in ("integer", "number"):
         if "minimum" not in out and "exclusiveMinimum" not in out:
             out["minimum"] = _INT_BOUNDS[0]
         if "maximum" not in out and "exclusiveMaximum" not in out:
             out["maximum"] = _INT_BOUNDS[1]
+    if out.get("type") == "number" and "multipleOf" not in out:
+        out["multipleOf"] = _FRACTION_STEP
     return out
 
 

@@ -64,15 +64,17 @@ def test_grammar_timeout_ends_only_that_request():
         results = {}
 
         def slow():
-            results["slow"] = e.generate("x", {"max_new_tokens": 8, "regex": "(a|b)*a(a|b){24}"})
+            try:
+                e.generate("x", {"max_new_tokens": 8, "regex": "(a|b)*a(a|b){24}"})
+            except ValueError as exc:  # the in-process twin of the server's 400
+                results["slow"] = str(exc)
 
         t = threading.Thread(target=slow)
         t.start()
         fast = e.generate("Count: 1, 2,", {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
         t.join(timeout=60)
         assert fast["meta_info"]["completion_tokens"] == 6
-        assert results["slow"]["meta_info"]["finish_reason"]["type"] == "abort"
-        assert "grammar" in results["slow"]["meta_info"]["finish_reason"]["message"]
+        assert results["slow"].startswith("grammar error") and "longer than" in results["slow"]
         assert e.get_stats()["kv_used_tokens"] == 0
 
 

@@ -45,6 +45,7 @@ def test_what_strict_mode_changes_and_leaves():
     assert plain["additionalProperties"] is False
     assert plain["properties"]["n"] == {"type": "integer", "minimum": -(10**18 - 1), "maximum": 10**18 - 1}
     assert plain["properties"]["m"]["minimum"] == 0
+    assert strict_schema({"type": "number"})["multipleOf"] == 1e-9
     combined = {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
     assert strict_schema(combined) == combined  # branches of one object are not closed against each other
     with_one_of = CASES[2][0]
