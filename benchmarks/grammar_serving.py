@@ -88,6 +88,26 @@ async def run_all(url: str, prompts: list[str], params: list[dict], stream: bool
         return time.perf_counter() - start, outs
 
 
+TIMING_KEYS = ("num_steps", "num_forward_decode", "num_decode_overlapped", "step_time_s_total", "forward_time_s_total",
+               "device_wait_s_total", "send_time_s_total", "grammar_accept_time_s_total", "grammar_mask_time_s_total")
+
+
+def server_timing(port: int) -> dict:
+    """The scheduler's step counters and host-time totals (GET /get_server_info)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/get_server_info") as resp:
+        info = json.load(resp)
+    return {k: info.get(k, 0) for k in TIMING_KEYS}
+
+
+def timed_phase(port: int, url: str, prompts, params, stream: bool) -> tuple[float, list[dict], dict]:
+    before = server_timing(port)
+    seconds, outs = asyncio.run(run_all(url, prompts, params, stream))
+    after = server_timing(port)
+    return seconds, outs, {k: round(after[k] - before[k], 4) for k in TIMING_KEYS}
+
+
 def tokens(outs: list[dict]) -> list[int]:
     return [o["meta_info"]["completion_tokens"] if o.get("status") == 200 else 0 for o in outs]
 
@@ -143,15 +163,16 @@ def main() -> None:
     for name, batch in (("throughput", n), ("tpot", args.tpot_batch)):
         stream = name == "tpot"
         cons_params = [{**base, "json_schema": json.dumps(s), "seed": i} for i, s in enumerate(req_schemas[:batch])]
-        cons_s, cons = asyncio.run(run_all(url, prompts[:batch], cons_params, stream))
+        cons_s, cons, cons_host = timed_phase(args.port, url, prompts[:batch], cons_params, stream)
         lens = tokens(cons)
         free_params = [{**base, "max_new_tokens": max(1, m), "ignore_eos": True, "seed": i} for i, m in enumerate(lens)]
-        free_s, free = asyncio.run(run_all(url, prompts[:batch], free_params, stream))
+        free_s, free, free_host = timed_phase(args.port, url, prompts[:batch], free_params, stream)
         ended, valid = schema_valid(cons, req_schemas[:batch])
         row = {"requests": batch, "constrained_tokens": sum(lens), "free_tokens": sum(tokens(free)),
                "constrained_s": cons_s, "free_s": free_s, "constrained_tok_s": sum(lens) / cons_s,
                "free_tok_s": sum(tokens(free)) / free_s, "ended_by_grammar": ended, "schema_valid": valid,
-               "errors": sum(o.get("status") != 200 for o in cons + free)}
+               "errors": sum(o.get("status") != 200 for o in cons + free),
+               "constrained_host": cons_host, "free_host": free_host}
         row["ratio"] = row["constrained_tok_s"] / row["free_tok_s"]
         if stream:
             row["constrained_tpot_ms"], row["free_tpot_ms"] = mean_tpot_ms(cons), mean_tpot_ms(free)
@@ -171,6 +192,11 @@ def main() -> None:
           f"{p['ratio']:8.3f}")
     print(f"{'TPOT ms @' + str(p['requests']):24}{p['constrained_tpot_ms']:14.2f}{p['free_tpot_ms']:12.2f}"
           f"{1 + p['tpot_overhead']:8.3f}")
+    for r in (t, p):
+        for name in ("constrained", "free"):
+            h = r[f"{name}_host"]
+            print(f"host @{r['requests']} {name}: " + ", ".join(f"{k.replace('_time_s_total', '')}={v}"
+                                                                for k, v in h.items()))
     print(f"tokens {t['constrained_tokens']} / {t['free_tokens']}; ended by the grammar {t['ended_by_grammar']}, "
           f"schema-valid {t['schema_valid']}; errors {t['errors'] + p['errors']}")
 

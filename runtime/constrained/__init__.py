@@ -10,6 +10,7 @@ _EXPORTS = {
     "GrammarBusyError": "fsm",
     "GrammarBackend": "grammar",
     "fill_bitmasks": "grammar",
+    "accept_tokens": "grammar",
     "allocate_bitmask": "bitmask",
     "unpack_row": "bitmask",
     "JumpForward": "jump_forward",

@@ -320,3 +320,29 @@ def fill_bitmasks(states: list, bitmask: torch.Tensor) -> None:
             state.fill_bitmask(bitmask, row)
     for executor, rows in parallel.values():
         executor.unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+
+
+def accept_tokens(states: list, tokens: list[int]) -> list[bool]:
+    """states[i].accept_token(tokens[i]) for every i; whether each token was accepted (a refused one leaves an
+    llguidance state in its error state). llguidance states of a batch advance in parallel."""
+    ok = [True] * len(states)
+    parallel: dict[int, tuple[object, list, list]] = {}
+    for i, (state, token) in enumerate(zip(states, tokens)):
+        grammar = state.grammar
+        if getattr(grammar, "engine", None) == "llguidance" and not state.terminated \
+                and token != grammar.eos_token_id and 0 <= token < grammar.vocab_size:
+            executor, rows, pairs = parallel.setdefault(id(grammar.executor), (grammar.executor, [], []))
+            rows.append(i)
+            pairs.append((state.matcher, token))
+            continue
+        try:
+            state.accept_token(token)
+        except GrammarError:
+            ok[i] = False
+    for executor, rows, pairs in parallel.values():
+        for i, accepted in zip(rows, executor.consume_token_par(pairs)):
+            if accepted:
+                states[i].num_accepted += 1
+            else:
+                ok[i] = False
+    return ok

@@ -19,8 +19,9 @@ class FinishTable:
     """What ends each request, by request slot (`req_pool_idx`), so that a step's finish checks over the whole batch
     are a few tensor ops instead of Python per request. Filled once per admission (`set`); per step `candidates`
     gives the rows whose token may end the request (EOS or a stop id, the length limit) or that need Python checks
-    anyway (`slow`: stop strings, grammars, logprobs, an internal prefill, more stop ids than a row holds). Only
-    those go through `OutputProcessor.commit`; the rest just append their token."""
+    anyway (`slow`: stop strings, logprobs, an internal prefill, more stop ids than a row holds). Only those go
+    through `OutputProcessor.commit`; the rest just append their token. (Grammars are advanced for the whole batch
+    first; the scheduler flags the rows whose grammar ended or may jump forward.)"""
 
     STOP_IDS_PER_ROW = 4
 
@@ -49,7 +50,7 @@ class FinishTable:
         self.stop_ids[slot] = -1
         self.stop_ids[slot, :min(len(stop_ids), self.STOP_IDS_PER_ROW)] = torch.tensor(
             stop_ids[:self.STOP_IDS_PER_ROW], dtype=torch.int64)
-        self.slow[slot] = bool(req.grammar is not None or req.return_logprob or sp.stop or req.is_internal
+        self.slow[slot] = bool(req.return_logprob or sp.stop or req.is_internal
                                or len(stop_ids) > self.STOP_IDS_PER_ROW)
         self.blocks_overlap[slot] = bool(req.return_logprob or sp.frequency_penalty or sp.presence_penalty
                                          or sp.repetition_penalty != 1.0)
@@ -89,6 +90,7 @@ class OutputProcessor:
         self.jump_forward_enabled = not server_args.disable_jump_forward
         self.stream_interval = server_args.stream_interval
         self.num_generated_tokens = 0
+        self.grammar_mask_s = 0.0  # host time filling grammar masks, summed
         self._bitmask_buffers: list[Optional[torch.Tensor]] = [None, None]
         self._bitmask_turn = 0
 
@@ -107,7 +109,9 @@ class OutputProcessor:
 
             host = self._host_bitmask(len(reqs))
             host.fill_(-1)
+            start = time.perf_counter()
             fill_bitmasks(states, host)
+            self.grammar_mask_s += time.perf_counter() - start
             for i in ban_rows:
                 sp = reqs[i].sampling_params
                 banned = set() if sp.ignore_eos else set(self.eos_token_ids)
@@ -132,23 +136,25 @@ class OutputProcessor:
         return buf[:batch_size]
 
     # ---- after sampling ----
-    def commit(self, req: Req, host: dict, row: int, jump_forward: bool = True) -> tuple[str, Optional[FinishReason]]:
-        """Append the token sampled in `row` of a ForwardOutput's host copy. -> where the request goes:
-        ("running", None) decodes on, ("resume_queue", None) needs an extend over jump-forward tokens,
-        ("finished", reason) ends."""
+    def commit(self, req: Req, host: dict, row: int, jump_forward: bool = True,
+               grammar_accepted: bool = False) -> tuple[str, Optional[FinishReason]]:
+        """Append the token sampled in `row` of a ForwardOutput's host copy (grammar_accepted: the request's grammar
+        has taken it already). -> where the request goes: ("running", None) decodes on, ("resume_queue", None)
+        needs an extend over jump-forward tokens, ("finished", reason) ends."""
         lp = None
         if req.return_logprob:
             n, top_v = req.top_logprobs_num, host.get("next_top_logprobs")
             top = list(zip(top_v[row][:n], host["next_top_ids"][row][:n])) if n and top_v is not None else None
             lp = (host["next_token_logprobs"][row], top)
-        reason = self.append_token(req, host["next_token_ids"][row], lp)
+        reason = self.append_token(req, host["next_token_ids"][row], lp, grammar_accepted)
         if reason is None and jump_forward:
             jumped, reason = self.jump_forward(req)
             if jumped and reason is None:
                 return "resume_queue", None
         return ("finished", reason) if reason is not None else ("running", None)
 
-    def append_token(self, req: Req, tok: int, logprobs: Optional[tuple]) -> Optional[FinishReason]:
+    def append_token(self, req: Req, tok: int, logprobs: Optional[tuple],
+                     grammar_accepted: bool = False) -> Optional[FinishReason]:
         """Record a sampled token; the reason the request ends with it, if it does."""
         req.output_ids.append(tok)
         req.fill_ids.append(tok)
@@ -159,7 +165,7 @@ class OutputProcessor:
             req.output_token_logprobs.append((logprobs[0], tok))
             req.output_top_logprobs.append(logprobs[1])
         sp = req.sampling_params
-        if req.grammar is not None:
+        if req.grammar is not None and not grammar_accepted:
             req.grammar.accept_token(tok)
         # as vLLM: nothing but the length ends a request before min_new_tokens (EOS and stop ids are also masked)
         if len(req.output_ids) >= sp.min_new_tokens:

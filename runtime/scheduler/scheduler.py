@@ -18,6 +18,7 @@ from braid.runtime.config import (DEFAULT_CUDA_ADMISSION_MIN_EXTEND_TOKENS, DEFA
                                   DEFAULT_CUDA_MAX_CONTINUOUS_DECODE_STEPS, ServerArgs)
 import torch
 
+from braid.runtime.constrained.grammar import accept_tokens
 from braid.runtime.core import FinishReason, ForwardOutput, Req, ReqOutput
 from braid.runtime.layers.sampler import SamplingBatchInfo
 from braid.runtime.loader.gguf import release_gguf_readers
@@ -75,6 +76,7 @@ class HostTiming:
         self.forward_s = 0.0
         self.device_wait_s = 0.0
         self.send_s = 0.0
+        self.grammar_accept_s = 0.0  # the batch's grammars taking their sampled tokens
 
     def forward(self, runner, fb):
         start = time.perf_counter()
@@ -91,7 +93,7 @@ class HostTiming:
     def stats(self) -> dict:
         return dict(num_steps=self.steps, step_time_s_total=self.step_s, forward_time_s_total=self.forward_s,
                     device_wait_s_total=self.device_wait_s, send_time_s_total=self.send_s,
-                    extend_time_s_total=self.extend_s)
+                    extend_time_s_total=self.extend_s, grammar_accept_time_s_total=self.grammar_accept_s)
 
 
 class Scheduler:
@@ -197,7 +199,7 @@ class Scheduler:
             effective_max_continuous_decode_steps=self.max_continuous_decode_steps,
             effective_admission_min_extend_tokens=self.admission_min_extend_tokens,
             num_forward_extend_graphed=getattr(getattr(self.runner, "extend_graph_runner", None), "num_replays", 0),
-            **self.timing.stats(),
+            **self.timing.stats(), grammar_mask_time_s_total=self.output.grammar_mask_s,
         )
         return s
 
@@ -399,19 +401,26 @@ class Scheduler:
             slots = torch.tensor([r.req_pool_idx or 0 for r in reqs], dtype=torch.int64)
         out_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64) + 1
         check = self.finish_table.candidates(slots, token_ids, out_lens).tolist()
+        tokens = token_ids.tolist()
+        accepted = self._advance_grammars(reqs, tokens, check, jump_forward)
         host_lists = None
         now = time.time()
         running, make_output, outputs = self.running, self.output.make_output, self.outputs
         appended = 0
-        for i, (req, tok, slow) in enumerate(zip(reqs, token_ids.tolist(), check)):
+        for i, (req, tok, slow) in enumerate(zip(reqs, tokens, check)):
             if req.finished_reason is not None:  # aborted while its step ran: its token is dropped
                 if req.req_pool_idx is not None:
                     self.finish(req, req.finished_reason)
                 continue
+            if accepted.get(i) is False:
+                self.finish(req, FinishReason("abort", message=f"grammar error: the sampled token {tok} was refused "
+                                                                "by the grammar"))
+                continue
             if slow:
                 if host_lists is None:
                     host_lists = {name: t.tolist() for name, t in host.items()}
-                goes_to, reason = self.output.commit(req, host_lists, rows[i] if rows is not None else i, jump_forward)
+                goes_to, reason = self.output.commit(req, host_lists, rows[i] if rows is not None else i, jump_forward,
+                                                     grammar_accepted=i in accepted)
                 if reason is not None:
                     self.finish(req, reason)
                     continue
@@ -427,6 +436,22 @@ class Scheduler:
             if out is not None:
                 outputs.append(out)
         self.output.num_generated_tokens += appended
+
+    def _advance_grammars(self, reqs: list[Req], tokens: list[int], check: list[bool],
+                          jump_forward: bool) -> dict[int, bool]:
+        """Each live grammar request's grammar takes its sampled token, for the batch at once. -> {row: accepted};
+        flags in `check` the rows that need OutputProcessor.commit: a grammar that ended or refused the token, and
+        with jump_forward every grammar row (it may jump)."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.finished_reason is None]
+        if not rows:
+            return {}
+        start = time.perf_counter()
+        ok = accept_tokens([reqs[i].grammar for i in rows], [tokens[i] for i in rows])
+        for i, good in zip(rows, ok):
+            if jump_forward or not good or reqs[i].grammar.is_terminated():
+                check[i] = True
+        self.timing.grammar_accept_s += time.perf_counter() - start
+        return dict(zip(rows, ok))
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
