@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +39,7 @@ class DecodeInFlight:
     output: ForwardOutput  # host copy started; unsampled (pending_logits) until DecodeRunner.sample_pending
     sampling_info: SamplingBatchInfo
     slots: torch.Tensor  # [B] int64 on the host: each request's req_pool_idx
+    mask_fill: Optional[Future] = None  # its token bitmask being filled on the mask thread (start_mask_fill)
 
     @property
     def sampled(self) -> bool:
@@ -45,9 +47,11 @@ class DecodeInFlight:
 
 
 class DecodeRunner:
-    def __init__(self, server_args, runner, tree_cache, device: torch.device, timing, finish_table, bitmask_filler):
+    def __init__(self, server_args, runner, tree_cache, device: torch.device, timing, finish_table, output):
         self.runner = runner
-        self.bitmask_filler = bitmask_filler  # OutputProcessor.bitmask_filler
+        self.bitmask_filler = output.bitmask_filler
+        self.bitmask_to_device = output.bitmask_to_device
+        self._mask_thread: Optional[ThreadPoolExecutor] = None
         self.timing = timing  # scheduler.HostTiming
         self.finish_table = finish_table  # output.FinishTable
         self.tree_cache = tree_cache
@@ -116,10 +120,22 @@ class DecodeRunner:
         output, slots = self.forward(reqs, input_ids, info, defer_sampling)
         return DecodeInFlight(reqs, output if defer_sampling else output.copy_to_host(), info, slots)
 
+    def start_mask_fill(self, step: DecodeInFlight) -> None:
+        """Fill the masks of a step launched with defer_sampling on the mask thread, now that every grammar has
+        taken the token of the step before (the engines drop the GIL while they compute masks, so the rest of that
+        step's commit runs beside it)."""
+        filler = self.bitmask_filler(step.reqs)
+        if filler is not None:
+            if self._mask_thread is None:
+                self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+            step.mask_fill = self._mask_thread.submit(filler, False)
+
     def sample_pending(self, step: DecodeInFlight) -> None:
         """Sample a step launched with defer_sampling, now that the step before it is committed: the masks are
-        filled from the grammar states as they now are."""
-        step.sampling_info.fill_token_bitmask = self.bitmask_filler(step.reqs)
+        those start_mask_fill is filling, or are filled now from the grammar states."""
+        fill = step.mask_fill
+        step.sampling_info.fill_token_bitmask = self.bitmask_filler(step.reqs) if fill is None \
+            else lambda: self.bitmask_to_device(fill.result())
         start = time.perf_counter()
         step.output = self.runner.sample(step.output.pending_logits, step.sampling_info).copy_to_host()
         self.timing.forward_s += time.perf_counter() - start

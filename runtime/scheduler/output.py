@@ -98,13 +98,16 @@ class OutputProcessor:
     def bitmask_filler(self, reqs: list[Req]) -> Optional[Callable[[], torch.Tensor]]:
         """A function that fills the batch's token bitmask ([B, ceil(V / 32)] int32 on the device: grammars and
         min_new_tokens bans) from the requests' states as they are when it is called; None when no request needs
-        one. The runner calls it once the model's pass is queued, so the host's mask work overlaps the device's."""
+        one. The runner calls it once the model's pass is queued, so the host's mask work overlaps the device's;
+        fill(to_device=False) leaves the mask on the host (a fill on another thread: the copy stays on the
+        scheduler's)."""
         states = [r.grammar for r in reqs]
         ban_rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.sampling_params.min_new_tokens]
         if not ban_rows and all(s is None for s in states):
             return None
 
-        def fill() -> torch.Tensor:
+        @torch.inference_mode()  # on the runner's thread or the mask thread alike
+        def fill(to_device: bool = True) -> torch.Tensor:
             from braid.runtime.constrained.grammar import fill_bitmasks
 
             host = self._host_bitmask(len(reqs))
@@ -122,8 +125,12 @@ class OutputProcessor:
                     clear_tokens(row, banned)
                     if bool(row.any()):
                         host[i] = row
-            return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+            return self.bitmask_to_device(host) if to_device else host
         return fill
+
+    def bitmask_to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A filled host bitmask on the device (an asynchronous copy from pinned memory on CUDA)."""
+        return host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
 
     def _host_bitmask(self, batch_size: int) -> torch.Tensor:
         """[batch_size, words] view of one of two host buffers used in turn (pinned on CUDA): a step's buffer is
@@ -137,16 +144,17 @@ class OutputProcessor:
 
     # ---- after sampling ----
     def commit(self, req: Req, host: dict, row: int, jump_forward: bool = True,
-               grammar_accepted: bool = False) -> tuple[str, Optional[FinishReason]]:
-        """Append the token sampled in `row` of a ForwardOutput's host copy (grammar_accepted: the request's grammar
-        has taken it already). -> where the request goes: ("running", None) decodes on, ("resume_queue", None)
+               grammar_ended: Optional[bool] = None) -> tuple[str, Optional[FinishReason]]:
+        """Append the token sampled in `row` of a ForwardOutput's host copy (grammar_ended: None, or the request's
+        grammar has taken it already and this says whether it ended; the grammar is then not touched, as a mask
+        fill may be reading it). -> where the request goes: ("running", None) decodes on, ("resume_queue", None)
         needs an extend over jump-forward tokens, ("finished", reason) ends."""
         lp = None
         if req.return_logprob:
             n, top_v = req.top_logprobs_num, host.get("next_top_logprobs")
             top = list(zip(top_v[row][:n], host["next_top_ids"][row][:n])) if n and top_v is not None else None
             lp = (host["next_token_logprobs"][row], top)
-        reason = self.append_token(req, host["next_token_ids"][row], lp, grammar_accepted)
+        reason = self.append_token(req, host["next_token_ids"][row], lp, grammar_ended)
         if reason is None and jump_forward:
             jumped, reason = self.jump_forward(req)
             if jumped and reason is None:
@@ -154,7 +162,7 @@ class OutputProcessor:
         return ("finished", reason) if reason is not None else ("running", None)
 
     def append_token(self, req: Req, tok: int, logprobs: Optional[tuple],
-                     grammar_accepted: bool = False) -> Optional[FinishReason]:
+                     grammar_ended: Optional[bool] = None) -> Optional[FinishReason]:
         """Record a sampled token; the reason the request ends with it, if it does."""
         req.output_ids.append(tok)
         req.fill_ids.append(tok)
@@ -165,8 +173,9 @@ class OutputProcessor:
             req.output_token_logprobs.append((logprobs[0], tok))
             req.output_top_logprobs.append(logprobs[1])
         sp = req.sampling_params
-        if req.grammar is not None and not grammar_accepted:
+        if req.grammar is not None and grammar_ended is None:
             req.grammar.accept_token(tok)
+            grammar_ended = req.grammar.is_terminated()
         # as vLLM: nothing but the length ends a request before min_new_tokens (EOS and stop ids are also masked)
         if len(req.output_ids) >= sp.min_new_tokens:
             if not sp.ignore_eos and tok in self.eos_token_ids:
@@ -175,7 +184,7 @@ class OutputProcessor:
                 return FinishReason("stop", matched=tok)
             if sp.stop and (matched := self._match_stop_str(req)) is not None:
                 return FinishReason("stop", matched=matched)
-        if req.grammar is not None and req.grammar.is_terminated():
+        if grammar_ended:
             return FinishReason("stop", matched=None)
         return self._length_reason(req)
 

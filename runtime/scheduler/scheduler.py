@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from braid.runtime.config import (DEFAULT_CUDA_ADMISSION_MIN_EXTEND_TOKENS, DEFAULT_CUDA_CONTINUOUS_DECODE_STEPS,
                                   DEFAULT_CUDA_MAX_CONTINUOUS_DECODE_STEPS, ServerArgs)
@@ -59,6 +59,9 @@ def run_scheduler_loop(scheduler, io: SchedulerIO) -> None:
                 io.send_outputs(outputs)
                 if timing is not None:
                     timing.send_s += time.perf_counter() - start
+
+
+_REFUSED = "refused"  # _advance_grammars: the grammar refused the sampled token
 
 
 class HostTiming:
@@ -131,7 +134,7 @@ class Scheduler:
         self.output = OutputProcessor(server_args, self.tokenizer, eos, self.context_len, self.vocab_size,
                                       self.tree_cache, self.device)
         self.decode = DecodeRunner(server_args, self.runner, self.tree_cache, self.device, self.timing,
-                                   self.finish_table, self.output.bitmask_filler)
+                                   self.finish_table, self.output)
         self.intake = RequestIntake(server_args, self.tokenizer, self.vocab_size, self.context_len, self.kv_pool.size,
                                     self.device, share_prefill=not self.tree_cache.disabled)
 
@@ -379,7 +382,8 @@ class Scheduler:
         self.stats["num_tokens_through_model_total"] += len(nxt.reqs)
         self.decode_steps_before_admit -= 1
         self.in_flight = nxt
-        self._commit(prev.reqs, prev.output, slots=prev.slots, jump_forward=False)
+        self._commit(prev.reqs, prev.output, slots=prev.slots, jump_forward=False,
+                     grammars_advanced=None if nxt.sampled else lambda: self.decode.start_mask_fill(nxt))
         self.running = []  # the survivors are in the step now in flight
         if not nxt.sampled:
             self.decode.sample_pending(nxt)
@@ -387,12 +391,14 @@ class Scheduler:
 
     # ---- commit and finish ----
     def _commit(self, reqs: list[Req], output: ForwardOutput, rows: Optional[list[int]] = None,
-                slots: Optional[torch.Tensor] = None, jump_forward: bool = True) -> None:
+                slots: Optional[torch.Tensor] = None, jump_forward: bool = True,
+                grammars_advanced: Optional[Callable[[], None]] = None) -> None:
         """Append each request's sampled token (rows: each request's row in `output`, default 0..; slots: their
         req_pool_idx as an int64 CPU tensor when the caller has it). The finish checks run over the batch at once
         (FinishTable); only the requests they flag, and those with stop strings, grammars or logprobs, go through
         OutputProcessor.commit one by one. jump_forward=False: a step is in flight behind this one (its inputs are
-        these tokens), so no request may jump forward now."""
+        these tokens), so no request may jump forward now. grammars_advanced: called once every grammar has taken
+        its token (the next step's masks may be filled from then on, beside the rest of the commit)."""
         host = self.timing.wait(output)
         token_ids = host["next_token_ids"]
         if rows is not None:
@@ -402,7 +408,9 @@ class Scheduler:
         out_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64) + 1
         check = self.finish_table.candidates(slots, token_ids, out_lens).tolist()
         tokens = token_ids.tolist()
-        accepted = self._advance_grammars(reqs, tokens, check, jump_forward)
+        grammar_ended = self._advance_grammars(reqs, tokens, check, jump_forward)
+        if grammars_advanced is not None:
+            grammars_advanced()
         host_lists = None
         now = time.time()
         running, make_output, outputs = self.running, self.output.make_output, self.outputs
@@ -412,7 +420,8 @@ class Scheduler:
                 if req.req_pool_idx is not None:
                     self.finish(req, req.finished_reason)
                 continue
-            if accepted.get(i) is False:
+            ended = grammar_ended.get(i)
+            if ended is _REFUSED:
                 self.finish(req, FinishReason("abort", message=f"grammar error: the sampled token {tok} was refused "
                                                                 "by the grammar"))
                 continue
@@ -420,7 +429,7 @@ class Scheduler:
                 if host_lists is None:
                     host_lists = {name: t.tolist() for name, t in host.items()}
                 goes_to, reason = self.output.commit(req, host_lists, rows[i] if rows is not None else i, jump_forward,
-                                                     grammar_accepted=i in accepted)
+                                                     grammar_ended=ended)
                 if reason is not None:
                     self.finish(req, reason)
                     continue
@@ -439,19 +448,21 @@ class Scheduler:
 
     def _advance_grammars(self, reqs: list[Req], tokens: list[int], check: list[bool],
                           jump_forward: bool) -> dict[int, bool]:
-        """Each live grammar request's grammar takes its sampled token, for the batch at once. -> {row: accepted};
-        flags in `check` the rows that need OutputProcessor.commit: a grammar that ended or refused the token, and
-        with jump_forward every grammar row (it may jump)."""
+        """Each live grammar request's grammar takes its sampled token, for the batch at once. -> {row: whether its
+        grammar ended, or _REFUSED}; flags in `check` the rows that need OutputProcessor.commit: a grammar that
+        ended or refused the token, and with jump_forward every grammar row (it may jump)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.finished_reason is None]
         if not rows:
             return {}
         start = time.perf_counter()
         ok = accept_tokens([reqs[i].grammar for i in rows], [tokens[i] for i in rows])
+        ended = {}
         for i, good in zip(rows, ok):
-            if jump_forward or not good or reqs[i].grammar.is_terminated():
+            ended[i] = reqs[i].grammar.is_terminated() if good else _REFUSED
+            if jump_forward or ended[i] is not False:
                 check[i] = True
         self.timing.grammar_accept_s += time.perf_counter() - start
-        return dict(zip(rows, ok))
+        return ended
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
