@@ -32,23 +32,25 @@ def default_grammar_workers() -> int:
 
 
 class _Queued:
-    """A compile waiting for its turn: the shared future its requests hold."""
+    """A compile waiting for its turn: the shared future its requests hold, and the client it counts against."""
 
-    __slots__ = ("key", "future")
+    __slots__ = ("key", "future", "client")
 
-    def __init__(self, key, future):
+    def __init__(self, key, future, client: str):
         self.key = key
         self.future = future
+        self.client = client
 
 
 class GrammarBackend:
     """Compiles and caches grammars for one tokenizer; `vocab_size` is the model's logits width.
 
     Compiles run on the engine's workers (threads for llguidance, processes for outlines-core), at most
-    `2 * num_workers` at once; the rest wait in one queue per client, served in turn, so one client's burst of new
-    schemas delays another client's compile by at most one of its own. At most `max_queued` compiles wait in all
-    and `max_queued_per_client` (0: no cap) per client; past either, `submit` fails with GrammarBusyError (the
-    server's 429). Compiled grammars and compile errors are kept in an LRU of `cache_size` entries keyed by
+    `2 * num_workers` at once and one fewer of one client's, so a client's slow grammars never hold every worker;
+    the rest wait in one queue per client, served in turn, so one client's burst of new schemas delays another
+    client's compile by at most one of its own. At most `max_queued` compiles wait in all and
+    `max_queued_per_client` (0: no cap) per client; past either, `submit` fails with GrammarBusyError (the server's
+    429). Compiled grammars and compile errors are kept in an LRU of `cache_size` entries keyed by
     (kind, spec); a timeout is remembered for `timeout_retry_after_s`, so a pathological grammar fails at once.
     `json_strict` (llguidance): an object schema silent on extra properties allows none (XGrammar's strict mode, as
     in SGLang and vLLM; outlines-core's translation always does so); off, it allows them as the specification reads.
@@ -74,6 +76,7 @@ class GrammarBackend:
         self.timeout_retry_after_s = timeout_retry_after_s
         self.num_workers = num_workers or default_grammar_workers()
         self.max_in_flight = 2 * self.num_workers
+        self.max_in_flight_per_client = max(1, self.max_in_flight - 1)
         full = build_token_vocabulary(tokenizer, eos_token_id)
         if not 0 <= full.eos_token_id < vocab_size:
             raise ValueError(f"EOS token id {full.eos_token_id} is outside the model's vocabulary ({vocab_size})")
@@ -87,6 +90,7 @@ class GrammarBackend:
         self._waiting: OrderedDict[str, collections.deque[_Queued]] = OrderedDict()  # client -> its compiles
         self._num_waiting = 0
         self._in_flight = 0
+        self._client_in_flight: collections.Counter = collections.Counter()
         self._lock = threading.Lock()
         self._counts = collections.Counter()
 
@@ -173,23 +177,26 @@ class GrammarBackend:
                 self._counts["cache_hits"] += 1
                 return cached
             queue = self._waiting.get(client)
-            busy = self._num_waiting >= self.max_queued or (
-                self.max_queued_per_client and queue is not None and len(queue) >= self.max_queued_per_client)
-            if self._in_flight >= self.max_in_flight and busy:
+            can_start = self._in_flight < self.max_in_flight and self._client_in_flight[client] < self.max_in_flight_per_client
+            waiting = len(queue) if queue is not None else 0
+            if not can_start and (self._num_waiting >= self.max_queued
+                                  or (self.max_queued_per_client and waiting >= self.max_queued_per_client)):
                 self._counts["rejected"] += 1
-                waiting = len(queue) if queue is not None else 0
                 outer.set_exception(GrammarBusyError(
                     f"the grammar compiler is busy ({self._num_waiting} compiles waiting, {waiting} of them this "
-                    f"client's); try again later"))
+                    f"client's; the caps are --grammar-max-queued and --grammar-max-queued-per-client); try again "
+                    f"later"))
                 return outer
             self._counts["cache_misses"] += 1
             self._cache[key] = outer
             self._evict_locked()
-            if self._in_flight < self.max_in_flight:
+            queued = _Queued(key, outer, client)
+            if can_start:
                 self._in_flight += 1
-                start = _Queued(key, outer)
+                self._client_in_flight[client] += 1
+                start = queued
             else:
-                self._waiting.setdefault(client, collections.deque()).append(_Queued(key, outer))
+                self._waiting.setdefault(client, collections.deque()).append(queued)
                 self._num_waiting += 1
                 start = None
         if start is not None:
@@ -242,20 +249,25 @@ class GrammarBackend:
         else:
             self._set_exception(queued.key, queued.future,
                                 exc if isinstance(exc, GrammarError) else GrammarError(str(exc)))
-        self._next()
+        self._next(queued)
 
-    def _next(self) -> None:
-        """A compile ended: start the next waiting one, from the client after the last one served."""
+    def _next(self, done: _Queued) -> None:
+        """A compile ended: start the next waiting one, from the first client in turn with a worker to spare."""
         with self._lock:
-            if not self._waiting:
-                self._in_flight -= 1
+            self._in_flight -= 1
+            self._client_in_flight[done.client] -= 1
+            if not self._client_in_flight[done.client]:
+                del self._client_in_flight[done.client]
+            client = next((c for c in self._waiting if self._client_in_flight[c] < self.max_in_flight_per_client), None)
+            if client is None:
                 return
-            client, queue = next(iter(self._waiting.items()))
+            queue = self._waiting.pop(client)
             queued = queue.popleft()
             self._num_waiting -= 1
-            del self._waiting[client]
             if queue:
                 self._waiting[client] = queue  # to the back of the round
+            self._in_flight += 1
+            self._client_in_flight[client] += 1
         self._start(queued)
 
     def _cache_key(self, kind: str, spec) -> tuple[str, str]:

@@ -41,10 +41,11 @@ GRAMMAR_TIMEOUT_S = 4
 
 @pytest.fixture(scope="module")
 def front_server():
-    """Sized small: prompts of up to 3M characters, 4 MiB bodies, 2 running + 1 queued requests, one grammar compile
-    per client. Per module, so that it is gone while the lifecycle and soak modules run servers of their own."""
+    """Sized small: prompts of up to 3M characters, 4 MiB bodies, 2 running + 1 queued requests, outlines-core on one
+    compile worker (2 compiles at once, 1 of a client's), one more waiting per client. Per module, so that it is gone while the lifecycle and soak modules run servers of their own."""
     srv = start_server("--max-prompt-chars", str(MAX_PROMPT_CHARS), "--max-body-bytes", str(MAX_BODY_BYTES),
                        "--max-running-requests", str(MAX_RUNNING), "--max-queued-requests", str(MAX_QUEUED),
-                       "--grammar-max-queued-per-client", "1", "--grammar-timeout-s", str(GRAMMAR_TIMEOUT_S))
+                       "--grammar-max-queued-per-client", "1", "--grammar-timeout-s", str(GRAMMAR_TIMEOUT_S),
+                       "--grammar-backend", "outlines", "--grammar-workers", "1")
     yield srv
     srv.stop()

@@ -193,9 +193,10 @@ def _post_from(server, source_ip: str, path: str, body: dict) -> tuple[int, dict
 
 
 def test_grammar_compiles_are_capped_per_client(front_server):
-    """--grammar-max-queued-per-client 1: while one pathological regex compiles, the same client's next new grammar
-    is a 429 at once; a request sharing that compile is not counted; another client's regex is served at once."""
-    slow_regex, other_slow_regex = "(a|b)*a(a|b){24}", "(a|b)*b(a|b){25}"
+    """outlines-core on one compile worker: 2 compiles at once, 1 of a client's; --grammar-max-queued-per-client 1.
+    While a client's pathological regex compiles, its second new one waits and its third is a 429 at once; another
+    client's regex starts beside them and is served at once."""
+    slow = ["(a|b)*a(a|b){24}", "(a|b)*b(a|b){25}", "(a|b)*a(a|b){23}"]
 
     def regex_body(regex: str) -> dict:
         return {"text": "Say maybe:", "sampling_params": {"max_new_tokens": 4, "regex": regex, "temperature": 0}}
@@ -205,24 +206,23 @@ def test_grammar_compiles_are_capped_per_client(front_server):
     def post(name: str, regex: str) -> None:
         results[name] = _post_from(front_server, "127.0.0.1", "/generate", regex_body(regex))
 
-    first = threading.Thread(target=post, args=("first", slow_regex))
-    first.start()
-    time.sleep(0.5)  # the first compile is running
-    sharing = threading.Thread(target=post, args=("sharing", slow_regex))
-    sharing.start()
+    threads = [threading.Thread(target=post, args=(f"slow{i}", regex)) for i, regex in enumerate(slow[:2])]
+    for t in threads:
+        t.start()
+        time.sleep(0.5)  # in this order: the first compiling, the second waiting for the client's turn
     started = time.time()
-    status, headers, body = _post_from(front_server, "127.0.0.1", "/generate", regex_body(other_slow_regex))
+    status, headers, body = _post_from(front_server, "127.0.0.1", "/generate", regex_body(slow[2]))
     assert status == 429, body
     assert time.time() - started < 2, "the capped request must fail at once, not after a compile"
-    assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["param"] == "regex"
+    assert body["error"]["code"] == "rate_limit_exceeded" and body["error"]["param"] == "regex", body
     assert "--grammar-max-queued-per-client" in body["error"]["message"] and int(headers["Retry-After"]) >= 1
     started = time.time()
     status, _, body = _post_from(front_server, "127.0.0.2", "/generate", regex_body("(maybe|perhaps)"))
     assert status == 200, body
     assert body["text"] in ("maybe", "perhaps") and time.time() - started < GRAMMAR_TIMEOUT_S
-    first.join(timeout=GRAMMAR_TIMEOUT_S * 10)
-    sharing.join(timeout=GRAMMAR_TIMEOUT_S * 10)
-    for name in ("first", "sharing"):  # both end with the compile timeout, a 400 naming the regex
+    for t in threads:
+        t.join(timeout=GRAMMAR_TIMEOUT_S * 10)
+    for name in ("slow0", "slow1"):  # each ends with the compile timeout: a 400 naming the regex
         status, _, body = results[name]
         assert status == 400 and body["error"]["param"] == "regex", (name, body)
     stats = front_server.idle_stats()
