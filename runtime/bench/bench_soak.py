@@ -3,7 +3,8 @@
 Sends a mix of well-behaved and abusive requests at a real server (started here unless --base-url is given)
 and checks that every request ends, no request gets a 5xx, the KV pool is back to fully free at idle, and the
 server's memory does not creep. The mix (weights in KINDS): plain and streamed completions, streamed chats,
-n=3, regex and JSON-schema constrained requests, pathological regexes that hit the compile timeout,
+n=3, regex and JSON-schema constrained requests, regexes pathological for an automaton (outlines-core hits its
+compile timeout: a 400; llguidance matches them lazily: ok),
 client disconnects mid-stream, aborts through /abort_request, prompts over --max-prompt-chars, 16 stop strings
 of 1,000 characters, and malformed parameters. Each kind has the outcomes it may end in (EXPECTED); anything
 else is reported as a failure. A final phase measures a plain request's latency while pathological regexes
@@ -38,7 +39,7 @@ KINDS = {"plain": 20, "stream": 12, "chat_stream": 12, "n3": 6, "regex": 8, "jso
          "disconnect": 8, "abort": 6, "oversized": 3, "huge_stops": 6, "bad_param": 6, "too_many_stops": 2}
 # kind -> outcomes that count as correct behaviour
 EXPECTED = {"plain": {"ok"}, "stream": {"ok"}, "chat_stream": {"ok"}, "n3": {"ok"}, "regex": {"ok"},
-            "json_schema": {"ok"}, "pathological": {"400"}, "disconnect": {"disconnected", "ok"},
+            "json_schema": {"ok"}, "pathological": {"400", "ok"}, "disconnect": {"disconnected", "ok"},
             "abort": {"aborted", "ok"}, "oversized": {"400"}, "huge_stops": {"ok"}, "bad_param": {"400"},
             "too_many_stops": {"400"}}
 
