@@ -16,6 +16,7 @@ import torch
 
 from .fsm import GrammarError, GrammarTimeoutError, check_regex_syntax
 from .jump_forward import JumpForward
+from .regex_classes import ascii_shorthand_classes
 from .schema_prepare import prepare_schema
 from .vocabulary import TokenVocabulary
 
@@ -31,6 +32,28 @@ _NOT_NARROWED = frozenset({"not", "if", "oneOf"})
 
 _INT_BOUNDS = (-(10**18 - 1), 10**18 - 1)  # at most 18 digits: within 64 bits (llguidance's range regex stops short)
 _FRACTION_STEP = 1e-9  # at most 9 decimals (llguidance takes no finer multipleOf)
+
+
+def ascii_patterns(schema):
+    """`schema` with every `pattern` and `patternProperties` key's \\d, \\w, \\s as ASCII classes (regex_classes.py:
+    Rust's are Unicode; SGLang and vLLM mean ASCII)."""
+    if isinstance(schema, list):
+        return [ascii_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = ascii_shorthand_classes(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {ascii_shorthand_classes(k): ascii_patterns(v) for k, v in value.items()}
+        elif key in ("properties", "$defs", "definitions", "dependentSchemas") and isinstance(value, dict):
+            out[key] = {name: ascii_patterns(sub) for name, sub in value.items()}
+        else:
+            out[key] = ascii_patterns(value)
+    return out
 
 
 def _mentions(schema, keys: frozenset) -> bool:
@@ -260,9 +283,9 @@ class LLGuidanceEngine:
         """llguidance's grammar for (kind, spec); GrammarError when it cannot be one."""
         try:
             if kind == "regex":
-                return llguidance.LLMatcher.grammar_from_regex(spec)
+                return llguidance.LLMatcher.grammar_from_regex(ascii_shorthand_classes(spec))
             if kind == "json":
-                schema = prepare_schema(json.loads(spec))
+                schema = ascii_patterns(prepare_schema(json.loads(spec)))
                 if self.json_strict:
                     schema = strict_schema(schema)
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=self.json_options)

@@ -1,6 +1,7 @@
 """`\\d`, `\\w`, `\\s` (and negations) are ASCII classes in every regex braid compiles: the rewrite itself, the
 token masks on the real SmolLM2 vocabulary (user regex, JSON-schema pattern), and sampling at temperature 1.0."""
 
+import json
 import re
 
 import pytest
@@ -70,6 +71,27 @@ def test_json_pattern_digits_are_ascii(grammars, smollm2_tokenizer):
     state = grammar.index.get_next_state(state, quote[0])
     texts = _token_texts(grammar, smollm2_tokenizer, state)
     assert texts and set("".join(texts)) <= ASCII_DIGITS, texts
+
+
+@pytest.mark.parametrize("kind, spec, prefix", [
+    ("regex", r"\d{3}", ""), ("regex", r"[^\D]+", ""), ("regex", r"x\w", "x"),
+    ("json", json.dumps({"type": "string", "pattern": r"^\d{2}$"}), '"'),
+    ("json", json.dumps({"type": "object", "patternProperties": {r"^\d$": {"type": "integer"}},
+                         "additionalProperties": False}), '{"'),
+])
+def test_llguidance_masks_admit_only_ascii(smollm2_tokenizer, kind, spec, prefix):
+    """The llguidance engine reads \\d, \\w as ASCII too, in regexes and in a schema's patterns."""
+    backend = GrammarBackend(smollm2_tokenizer, vocab_size=len(smollm2_tokenizer), engine="llguidance")
+    try:
+        state = backend.compile(kind, spec).new_state()
+        for t in smollm2_tokenizer.encode(prefix, add_special_tokens=False):
+            state.accept_token(t)
+        texts = {smollm2_tokenizer.decode([t]) for t in state.allowed_token_ids().tolist()
+                 if t != backend.eos_token_id}
+        assert texts and set("".join(texts)) <= set("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_"), \
+            sorted(set("".join(texts)))[-10:]
+    finally:
+        backend.shutdown()
 
 
 @pytest.fixture(scope="module")
