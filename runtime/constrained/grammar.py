@@ -139,8 +139,12 @@ class GrammarBackend:
 
     # ---- compiling ----
     def validate(self, kind: str, spec) -> None:
-        """The errors found without compiling (syntax, a schema's unsupported keywords): GrammarError."""
+        """The errors found without compiling (syntax, a schema's unsupported keywords): GrammarError. A spec the
+        cache holds is not checked again (its compile, or its error, answers the request)."""
         kind, spec = self._cache_key(kind, spec)
+        with self._lock:
+            if (kind, spec) in self._cache:
+                return
         try:
             self._primary.check(kind, spec)
         except GrammarError:
