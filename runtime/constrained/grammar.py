@@ -181,7 +181,8 @@ class GrammarBackend:
                 self._counts["cache_hits"] += 1
                 return cached
             queue = self._waiting.get(client)
-            can_start = self._in_flight < self.max_in_flight and self._client_in_flight[client] < self.max_in_flight_per_client
+            can_start = (self._in_flight < self.max_in_flight
+                         and self._client_in_flight[client] < self.max_in_flight_per_client)
             waiting = len(queue) if queue is not None else 0
             if not can_start and (self._num_waiting >= self.max_queued
                                   or (self.max_queued_per_client and waiting >= self.max_queued_per_client)):

@@ -66,8 +66,9 @@ def _mentions(schema, keys: frozenset) -> bool:
 
 def strict_schema(schema, branch: bool = False, defs_too: bool | None = None):
     """`schema` narrowed as SGLang and vLLM (XGrammar's strict mode) generate: `additionalProperties: false` on every
-    object schema that says nothing of extra properties, and numbers without bounds kept to 18 integer digits and 9 decimals (no exponent). Every output
-    still validates; a model cannot invent keys or run a number on until max_tokens.
+    object schema that says nothing of extra properties, and numbers without bounds kept to 18 integer digits and 9
+    decimals (no exponent). Every output still validates; a model cannot invent keys or run a number on until
+    max_tokens.
 
     Narrowing is sound only where it narrows the whole: never inside `not`, `if` or `oneOf` (a narrower branch can
     turn an instance two branches matched into one that only one matches), and an object that is a branch of
