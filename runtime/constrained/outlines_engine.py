@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from .bitmask import ids_to_bitmask_row, unpack_row
+from .bitmask import ids_to_bitmask_row
 from .fsm import CompilePool, GrammarError, check_regex_syntax
 from .json_schema import json_schema_to_regex
 from .jump_forward import ForcedBytes, JumpForward, retokenize_candidates

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Future
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 

@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from braid.runtime.constrained.llguidance_engine import strict_schema
+from braid.runtime.constrained.schema_strict import strict_schema
 
 CASES = [
     # (schema, instances to judge under both)
