@@ -2,7 +2,25 @@
 continuous usage stats (every chunk counts its choice's tokens so far; a chat choice's role chunk counts none), on
 the real SmolLM2 server through the official openai client."""
 
+import openai
+import pytest
+from real_server import start_server
+from server_helpers import API_KEY, SERVER_FLAGS
+
 CONTINUOUS = {"include_usage": True, "continuous_usage_stats": True}
+
+
+@pytest.fixture(scope="module")
+def server():
+    """Its own server: this module runs last in the folder, where the shared one may already be closed."""
+    srv = start_server(SERVER_FLAGS, API_KEY, "braid-usage-")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 MSGS = [{"role": "user", "content": "Count to ten."}]
 
 
