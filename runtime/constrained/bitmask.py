@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from braid.runtime.layers.token_bitmask import unpack_token_bitmask
+
 
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
@@ -33,13 +35,7 @@ def pack_bool(allowed: torch.Tensor) -> torch.Tensor:
 
 def unpack_row(row: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """row: [words] int32 -> sorted int64 ids of the allowed tokens below vocab_size."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = ((row.view(-1, 1) >> shifts) & 1).view(-1)[:vocab_size]
-    return bits.nonzero().squeeze(1)
-
-
-def is_allowed(row: torch.Tensor, token_id: int) -> bool:
-    return bool((int(row[token_id // 32]) >> (token_id % 32)) & 1)
+    return unpack_token_bitmask(row.view(1, -1), vocab_size)[0].nonzero().squeeze(1)
 
 
 def clear_tokens(row: torch.Tensor, token_ids) -> None:

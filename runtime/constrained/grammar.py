@@ -153,15 +153,6 @@ class GrammarBackend:
                 raise
             fallback.check(kind, spec)
 
-    def would_compile(self, kind: str, spec) -> bool:
-        """Whether submitting (kind, spec) now starts a compile (no cached or in-flight entry serves it)."""
-        try:
-            key = self._cache_key(kind, spec)
-        except GrammarError:
-            return False
-        with self._lock:
-            return key not in self._cache or self._timeout_passed_locked(key)
-
     def submit(self, kind: str, spec, client: str = "") -> concurrent.futures.Future:
         """Future of a compiled grammar; the same (kind, spec) gives the same future (and object). `client` names
         whose queue a new compile waits in."""

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from braid.runtime.core import GRAMMAR_BUSY_PREFIX, FinishReason, Req, RequestError
+from braid.runtime.sampling_params import GRAMMAR_FIELDS
 
 
 def validate_request(req: Req, vocab_size: int, context_len: int, kv_pool_size: int, grammar_backend) -> None:
@@ -53,8 +54,7 @@ def fan_out(req: Req, share_prefill: bool) -> tuple[Optional[Req], list[Req]]:
                 for i in range(sp.n)]
     if not share_prefill:
         return None, children
-    prefill_only = dataclasses.replace(sp, n=1, max_new_tokens=0, min_new_tokens=0, regex=None, json_schema=None,
-                                       ebnf=None, structural_tag=None)
+    prefill_only = dataclasses.replace(sp, n=1, max_new_tokens=0, min_new_tokens=0, **dict.fromkeys(GRAMMAR_FIELDS))
     parent = Req(rid=req.rid, index=-1, input_ids=list(req.input_ids), sampling_params=prefill_only, is_internal=True,
                  mm_inputs=req.mm_inputs)
     return parent, children

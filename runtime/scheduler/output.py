@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from braid.runtime.constrained.bitmask import allocate_bitmask, clear_tokens
+from braid.runtime.constrained.grammar import fill_bitmasks
 from braid.runtime.core import FinishReason, Req, ReqOutput
 
 _NEVER = 1 << 62  # an output length no request reaches
@@ -108,8 +109,6 @@ class OutputProcessor:
 
         @torch.inference_mode()  # on the runner's thread or the mask thread alike
         def fill(to_device: bool = True) -> torch.Tensor:
-            from braid.runtime.constrained.grammar import fill_bitmasks
-
             host = self._host_bitmask(len(reqs))
             host.fill_(-1)
             start = time.perf_counter()
