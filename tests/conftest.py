@@ -21,6 +21,19 @@ from suite_memory import CLOSE_WHEN_LEAVING, in_folder  # noqa: E402
 from braid.runtime.host_memory import return_freed_memory  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu`-marked tests are skipped where there is no CUDA device (benchmarks/gpu/test_tier.sh runs them where
+    there is one)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu: needs a CUDA device (benchmarks/gpu/test_tier.sh)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     for folder in list(CLOSE_WHEN_LEAVING):
