@@ -35,7 +35,6 @@ FlashInferAttnBackend = fib.FlashInferAttnBackend
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 BF16 = torch.bfloat16
 TOL = 1e-2
 
@@ -214,7 +213,6 @@ DECODE_CASES = {
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.usefixtures("jit_modules")
 @pytest.mark.parametrize("name", list(EXTEND_CASES))
 def test_gpu_extend_with_cached_prefixes(name):
@@ -230,7 +228,6 @@ def test_gpu_extend_with_cached_prefixes(name):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.usefixtures("jit_modules")
 @pytest.mark.parametrize("name", list(DECODE_CASES))
 def test_gpu_decode(name):
@@ -248,7 +245,6 @@ def test_gpu_decode(name):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.usefixtures("jit_modules")
 def test_gpu_layers_with_different_windows_in_one_batch():
     # Gemma-2 style: sliding-window and global layers (here two windows, one compiled module) planned per batch
@@ -274,7 +270,6 @@ FP8_KV_CASES = {
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("name", list(FP8_KV_CASES))
 def test_gpu_fp8_kv_extend_and_decode(name):
     kv_dtype, scales, h, h_kv, d, window, cap = FP8_KV_CASES[name]
@@ -329,7 +324,6 @@ GRAPH_CASES = {
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.usefixtures("jit_modules")
 @pytest.mark.parametrize("name", list(GRAPH_CASES))
 def test_gpu_decode_cuda_graph_capture_and_padded_replay(name):

@@ -21,7 +21,6 @@ from braid.runtime.layers.rotary_kernels import apply_rotary
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"  # the small cases run compiled on a GPU, interpreted without one
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -228,7 +227,6 @@ def cuda_kernel_launches(fn) -> int:
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("tokens", GPU_TOKENS + [16384])
 @pytest.mark.parametrize("has_residual", [False, True])
 def test_gpu_rmsnorm(tokens, has_residual):
@@ -247,7 +245,6 @@ def test_gpu_rmsnorm(tokens, has_residual):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("tokens", GPU_TOKENS)
 def test_gpu_rmsnorm_fp32_gemma_offset(tokens):
     torch.manual_seed(11)
@@ -259,7 +256,6 @@ def test_gpu_rmsnorm_fp32_gemma_offset(tokens):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("tokens", GPU_TOKENS)
 @pytest.mark.parametrize("layer", [SiluAndMul(), GeluAndMul("tanh")], ids=["silu", "gelu_tanh"])
 def test_gpu_act_and_mul(tokens, layer):
@@ -269,7 +265,6 @@ def test_gpu_act_and_mul(tokens, layer):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.parametrize("tokens", GPU_TOKENS + [16384])
 @pytest.mark.parametrize("neox", [True, False])
 def test_gpu_rotary_in_place_on_qkv_views(tokens, neox):
@@ -285,7 +280,6 @@ def test_gpu_rotary_in_place_on_qkv_views(tokens, neox):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_rotary_partial_out_of_place_fp16():
     torch.manual_seed(14)
     rope = make_rope(HEAD_DIM, 64, 4096, True, "cuda")
@@ -297,7 +291,6 @@ def test_gpu_rotary_partial_out_of_place_fp16():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_each_layer_is_one_kernel():
     norm = make_norm(HIDDEN, torch.bfloat16, "cuda")
     rope = make_rope(HEAD_DIM, HEAD_DIM, 8192, True, "cuda", LLAMA3_SCALING)
@@ -313,7 +306,6 @@ def test_gpu_each_layer_is_one_kernel():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_cuda_graph_replay_of_a_decode_step():
     torch.manual_seed(15)
     batch = 8

@@ -75,7 +75,6 @@ def test_decode_gemv_applies_only_to_batch1_half_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_disable_decode_gemv_routes_batch1_to_cublas(monkeypatch):
     """ServerArgs.disable_decode_gemv through apply_kernel_switches: a batch-1 bf16 Linear stops calling the GEMV."""
     from braid.runtime.layers import gemv as gemv_module
@@ -98,7 +97,6 @@ def test_gpu_disable_decode_gemv_routes_batch1_to_cublas(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("n,k,silu", [(6144, 4096, False), (4096, 4096, False), (14336, 4096, True),
                                       (4096, 14336, False), (128256, 4096, False)])
 def test_gpu_gemv_llama3_8b_shapes(n, k, silu):
@@ -107,7 +105,6 @@ def test_gpu_gemv_llama3_8b_shapes(n, k, silu):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_gpu_pdl_chain_in_cuda_graph_matches_without_pdl():
     """A decode-shaped chain (add+RMSNorm -> GEMV -> GEMV(SiLU) -> GEMV, repeated) where every kernel reads
     the one before's output: captured and replayed with programmatic dependent launch it must give the

@@ -212,7 +212,6 @@ def test_fp8_epilogue_leaves_to_the_unfused_path(case):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fp8_method_routes_a_decode_qkv_to_the_fused_kernel(monkeypatch):
     """Fp8LinearMethod at one row on CUDA: a RotaryKVStore act runs fp8_gemv_rotary_store (the shape's measured or
     first f16 config), equal to the pool that keeps the store to itself (GEMV, then rotary + store)."""

@@ -114,7 +114,6 @@ def test_applies_only_to_measured_shapes_of_2_to_16_half_rows_on_cuda(monkeypatc
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("act", [None, "silu", "gelu"])
 def test_gpu_linear_routes_small_batches_here(monkeypatch, act):
     """A bf16 Linear at 8 rows whose shape has a measured tile calls the kernel with its gated activation fused (the
@@ -141,7 +140,6 @@ def test_gpu_linear_routes_small_batches_here(monkeypatch, act):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(8192, 3584, ""), (3584, 4096, ""), (28672, 3584, "gelu"), (3584, 14336, ""),
                                    (6144, 4096, ""), (28672, 4096, "silu")])
 def test_gpu_real_shapes_in_a_cuda_graph(shape):

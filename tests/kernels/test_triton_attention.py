@@ -20,7 +20,6 @@ from braid.runtime.mem_cache.pools import MHAKVPool
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 
 FP8_E4M3 = torch.float8_e4m3fn
 FP8_E5M2 = torch.float8_e5m2
@@ -466,7 +465,6 @@ LLAMA3_8B = dict(h=32, h_kv=8, d=128, dv=128)
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_extend_llama3_8b():
     err = run_extend_case(**LLAMA3_8B, prefix_lens=[0, 512, 1500, 3000, 77], extend_lens=[2048, 700, 1, 1096, 129],
                           dtype=torch.bfloat16)
@@ -474,7 +472,6 @@ def test_gpu_extend_llama3_8b():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_decode_llama3_8b_batch64():
     gen = torch.Generator().manual_seed(0)
     seq_lens = torch.randint(1, 4097, (64,), generator=gen).tolist()
@@ -494,7 +491,6 @@ GPU_VARIANTS = {
 
 @pytest.mark.parametrize("name", list(GPU_VARIANTS))
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_variants(name):
     h, h_kv, d, dv, kv_dtype, cap, window = GPU_VARIANTS[name]
     common = dict(h=h, h_kv=h_kv, d=d, dv=dv, dtype=torch.bfloat16, kv_dtype=kv_dtype, logit_cap=cap, window=window)
@@ -503,7 +499,6 @@ def test_gpu_variants(name):
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_fp32_and_fp16_llama_shapes():
     # fp32 tiles need twice the shared memory of bf16 ones: the launcher falls back to smaller configs
     for dtype in (torch.float32, torch.float16):
@@ -512,13 +507,11 @@ def test_gpu_fp32_and_fp16_llama_shapes():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_backend_bf16_end_to_end():
     Scenario(DEVICE, dtype=torch.bfloat16, logit_cap=0.8, window=9).run_all()
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_decode_cuda_graph_replay():
     """Capture decode once, replay with new lengths/queries written into the same static tensors."""
     h, h_kv, d = 32, 8, 128

@@ -296,7 +296,6 @@ def test_tensor_parallel_rank_holds_its_heads_and_the_whole_latent(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- GPU: DeepSeek-V2-Lite's real shapes
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 V2_LITE_CONFIG = "benchmarks/configs/deepseek-v2-lite.json"
 
 
@@ -322,7 +321,6 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_mla_decode_kernel_real_shapes_and_cuda_graph():
     """The Triton split-KV decode on the latent cache (16 heads on one KV head, Dk 576, Dv 512 as a view of the
     key rows) vs an fp32 reference, eagerly and replayed from a CUDA graph with new sequence lengths."""
@@ -364,7 +362,6 @@ def test_gpu_mla_decode_kernel_real_shapes_and_cuda_graph():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_v2_lite_absorbed_matches_expanded():
     """Prefill (128 tokens, then a 40-token extend over that cached prefix) and 16 decode steps through the Triton
     backend: the absorbed latent form gives the expanded form's logits up to bf16 rounding."""
@@ -383,7 +380,6 @@ def test_gpu_v2_lite_absorbed_matches_expanded():
 
 
 @pytest.mark.gpu
-@requires_cuda
 def test_gpu_v2_lite_cuda_graph_decode_equals_eager():
     """Decode steps of V2-Lite-shaped layers replayed from CUDA graphs (latent decode attention and the MoE's
     one-launch router and small-batch expert GEMVs inside the graph; batches 1 and 3 captured as they are, batch 5
@@ -433,7 +429,6 @@ def test_padded_static_extend_equals_eager(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_engine_greedy_equal_with_extend_graphs(tmp_path):
     """On CUDA (fp32, Triton, MoE kernels): the engine's greedy tokens with DeepSeek-V2 extends replayed from CUDA
     graphs equal the eager extends', prefixes from the radix cache included."""

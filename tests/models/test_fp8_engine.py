@@ -242,7 +242,7 @@ def test_gpu_fp8_engine_close_to_bf16(dense_folder, kv_cache_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or HAS_FP8_GPU, reason="needs a CUDA GPU without fp8")
+@pytest.mark.skipif(HAS_FP8_GPU, reason="checks the refusal on a GPU without fp8 (before sm89)")
 def test_gpu_without_fp8_is_refused(dense_folder):
     with pytest.raises(ValueError, match="compute capability 8.9"):
         Engine(model_path=dense_folder, quantization="fp8", device="cuda", dtype="bfloat16", log_level="warning",

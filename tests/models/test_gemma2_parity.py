@@ -549,7 +549,6 @@ def gpu_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("backend,dtype,tol", [("triton", "float32", 2e-3), ("triton", "bfloat16", 0.1),
                                                ("flashinfer", "bfloat16", 0.1)])
 def test_gpu_backends_match_hf(gpu_checkpoint, backend, dtype, tol):

@@ -101,7 +101,6 @@ def test_mixed_batch_on_triton(checkpoint, triton_on_cpu):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [("float32", 2e-3), ("bfloat16", 0.1)])
 def test_gpu_triton_matches_hf(checkpoint, dtype, tol):
     """On the GPU path (Triton kernels, fused q/k head norms and per-layer rotary, CUDA graphs): prompts crossing the

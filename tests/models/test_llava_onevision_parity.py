@@ -155,7 +155,6 @@ def test_anyres_shrink_matches_hf_packing(llava):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_triton_fp32_matches_hf(llava):
     """The same model on CUDA (Triton attention, CUDA-graph decode, fp32): an anyres image and a video in one prompt,
     then two images, against HF on the CPU."""

@@ -149,7 +149,6 @@ def test_flags_are_checked_and_shown():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_engine_greedy_equal_with_extend_graphs(tiny_llama):
     from braid.runtime import Engine
 
@@ -177,7 +176,6 @@ def test_gpu_engine_greedy_equal_with_extend_graphs(tiny_llama):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_gemma2_greedy_equal_with_extend_graphs(tiny_gemma2):
     """On CUDA: Gemma-2 over the window-trimmed pool, extends replayed from graphs == eager, with prompts and cached
     prefixes longer than the window."""

@@ -421,7 +421,6 @@ def test_a_200_token_request_keeps_at_most_w_window_slots_after_decoding(mixed_w
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_triton_cuda_graphs_and_overlap_trimmed_equal_untrimmed(mixed_window_model):
     """On CUDA: decode steps replayed from CUDA graphs (window slots translated into the graphs' static rows),
     the overlap schedule (window KV released behind the step in flight), bf16; outputs equal untrimmed ones."""
