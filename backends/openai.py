@@ -269,7 +269,7 @@ def stream_deltas(stream: Any, is_chat: bool, token_usage: Any) -> Iterator[tupl
         if delta:
             yield delta, None
     add_usage(token_usage, usage)
-    yield "", {"id": rid, "finish_reason": {"type": _finish_type(finish), "matched": None}}
+    yield "", {"id": rid, "finish_reason": {"type": _finish_type(finish), "matched": None}, **usage_meta(usage)}
 
 
 def add_usage(token_usage: Any, usage: Any) -> None:
@@ -287,10 +287,16 @@ def _finish_type(reason: Optional[str]) -> str:
 
 
 def response_meta(resp: Any, finish_reason: Optional[str]) -> dict:
-    usage = getattr(resp, "usage", None)
-    meta: dict[str, Any] = {"id": getattr(resp, "id", None),
-                            "finish_reason": {"type": _finish_type(finish_reason), "matched": None}}
-    if usage is not None:
-        meta["prompt_tokens"] = usage.prompt_tokens
-        meta["completion_tokens"] = usage.completion_tokens
+    return {"id": getattr(resp, "id", None), "finish_reason": {"type": _finish_type(finish_reason), "matched": None},
+            **usage_meta(getattr(resp, "usage", None))}
+
+
+def usage_meta(usage: Any) -> dict:
+    """meta_info's token counts from an OpenAI `usage` object; cached_tokens only when the endpoint reports it."""
+    if usage is None:
+        return {}
+    meta = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens}
+    cached = getattr(getattr(usage, "prompt_tokens_details", None), "cached_tokens", None)
+    if cached is not None:
+        meta["cached_tokens"] = cached
     return meta

@@ -17,6 +17,7 @@ from braid.defaults import get_default_backend, set_default_backend
 from braid.errors import (BackendError, BackendRequestError, BraidError, NoBackendError, ProgramError,
                           ServerStartError, UnsupportedFeatureError)
 from braid.program import BraidFunction
+from braid.run_trace import RunTrace, collected_trace, merge_traces
 from braid.state import ForkGroup, ProgramState
 from braid.global_config import global_config
 from braid.tracer import Trace
@@ -59,6 +60,7 @@ __all__ = [
     "token_length_normalized", "greedy_token_selection", "unconditional_likelihood_normalized",
     "ChoicesMethod", "ChoicesDecision", "ChatTemplate", "get_chat_template", "register_chat_template",
     "chat_template_for", "ProgramState", "ForkGroup", "BraidFunction", "Trace",
+    "RunTrace", "collected_trace", "merge_traces",
     "BraidError", "ProgramError", "NoBackendError", "UnsupportedFeatureError", "BackendError",
     "BackendRequestError", "ServerStartError", *_LAZY,
 ]

@@ -12,6 +12,7 @@ from braid.defaults import get_default_backend, set_default_backend
 _SETTINGS = {
     "verbosity": int,  # 0: quiet; >= 2: print every program's final text after run()
     "enable_precache_with_tracing": bool,  # run_batch first caches the program's traced constant prefix
+    "trace": bool,  # every run records a run trace (braid.run_trace; braid.collected_trace() gathers them)
 }
 
 
@@ -19,6 +20,7 @@ class GlobalConfig:
     def __init__(self) -> None:
         object.__setattr__(self, "verbosity", 0)
         object.__setattr__(self, "enable_precache_with_tracing", True)
+        object.__setattr__(self, "trace", False)
 
     @property
     def default_backend(self) -> Any:
@@ -38,7 +40,7 @@ class GlobalConfig:
 
     def __repr__(self) -> str:
         return (f"GlobalConfig(default_backend={self.default_backend!r}, verbosity={self.verbosity}, "
-                f"enable_precache_with_tracing={self.enable_precache_with_tracing})")
+                f"enable_precache_with_tracing={self.enable_precache_with_tracing}, trace={self.trace})")
 
 
 global_config = GlobalConfig()

@@ -8,6 +8,8 @@ later nodes are skipped and the exception is raised to whoever waits on the stat
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import queue
 import re
 import threading
@@ -18,8 +20,9 @@ from braid.backends.base import (CAP_CHOICES_METHODS, CAP_FORK, CAP_GEN, CAP_IMA
                                  CAP_PREFIX_CACHE, CAP_REGEX, CAP_SELECT, CAP_STOP_TOKEN_IDS, CAP_STREAM, CAP_VIDEO,
                                  Backend, LogprobRequest, Prompt)
 from braid.chat_template import ChatTemplate
-from braid.choices import token_length_normalized
+from braid.choices import ChoicesDecision, token_length_normalized
 from braid.errors import ProgramError
+from braid.run_trace import LOGPROB_KEYS, TOP_LOGPROBS, TraceRecorder, meta_fields, sampling_fields
 from braid.runtime.sampling_params import SamplingParams
 from braid.sampling import convert_dtype, merge
 from braid.speculation import (SPEC_CHAT_TRIES, BlockGen, BlockItem, Speculation, is_speculable, speculative_params,
@@ -33,13 +36,17 @@ _ids = itertools.count()
 class StreamExecutor:
     def __init__(self, backend: Backend, defaults: SamplingParams, *, stream: bool = False,
                  chat_template: Optional[ChatTemplate] = None, arguments: Optional[dict] = None,
-                 record_nodes: bool = False, num_api_spec_tokens: Optional[int] = None):
+                 record_nodes: bool = False, num_api_spec_tokens: Optional[int] = None,
+                 recorder: Optional[TraceRecorder] = None, trace_scope: Optional[int] = None):
         self.backend = backend
         self.defaults = defaults
         self.stream = stream
         self.template = chat_template or backend.get_chat_template()
         self.arguments = dict(arguments or {})
         self.recorded: Optional[list[ir.Node]] = [] if record_nodes else None
+        # run trace (braid.run_trace); None: not recording, and every call site skips it with one check
+        self.recorder = recorder
+        self.trace_scope = trace_scope
 
         # API speculative execution (braid.speculation); None: off
         self.num_api_spec_tokens = num_api_spec_tokens
@@ -106,6 +113,10 @@ class StreamExecutor:
         with self._cond:
             self._cond.wait_for(lambda: self._pending == 0)
 
+    def wait_idle(self) -> None:
+        """Wait until every submitted node ran, without raising the program's error."""
+        self._wait_idle()
+
     def end(self) -> None:
         """No more nodes: the worker exits once the queue is drained. Ends forked children too."""
         if not self._ended:
@@ -130,6 +141,11 @@ class StreamExecutor:
     @property
     def error(self) -> Optional[BaseException]:
         return self._error
+
+    def trace_text(self) -> tuple[str, int, Optional[BaseException]]:
+        """(the text so far, where this state's own text starts (after a fork point), the error) for a trace."""
+        with self._cond:
+            return self.text_, self.fork_text_len, self._error
 
     @property
     def ended(self) -> bool:
@@ -363,6 +379,15 @@ class StreamExecutor:
         self._plain_gen(node, sp, logprobs)
 
     def _plain_gen(self, node: ir.Gen, sp: SamplingParams, logprobs: LogprobRequest = LogprobRequest()) -> None:
+        if self.recorder is not None:
+            self._traced_gen(node, sp, logprobs)
+            return
+        text, meta = self._call_gen(node, sp, logprobs)
+        self._finish_gen(node, text, meta)
+
+    def _call_gen(self, node: ir.Gen, sp: SamplingParams, logprobs: LogprobRequest,
+                  on_first_delta: Optional[Callable[[], None]] = None) -> tuple[str, dict]:
+        """One backend call for a gen, its text appended as it comes; (text, meta_info)."""
         backend = self.backend
         prompt = self.snapshot()
         if self.stream and backend.supports(CAP_STREAM):
@@ -370,16 +395,60 @@ class StreamExecutor:
             meta: dict = {}
             for delta, chunk_meta in backend.generate_stream(prompt, sp, logprobs):
                 if delta:
+                    if not pieces and on_first_delta is not None:
+                        on_first_delta()
                     pieces.append(delta)
                     self._append(delta, var=node.name, generated=True)
                 if chunk_meta is not None:
                     meta = chunk_meta
-            text = "".join(pieces)
-        else:
-            out = backend.generate(prompt, sp, logprobs)
-            text, meta = out.text, out.meta_info
-            self._append(text, var=node.name, generated=True)
+            return "".join(pieces), meta
+        out = backend.generate(prompt, sp, logprobs)
+        self._append(out.text, var=node.name, generated=True)
+        return out.text, out.meta_info
+
+    def _traced_gen(self, node: ir.Gen, sp: SamplingParams, logprobs: LogprobRequest) -> None:
+        """A gen's call, recorded: its tokens' logprobs are asked for when the backend gives them (and taken out of
+        the meta_info again when the program did not ask)."""
+        added_logprobs = not logprobs.return_logprob and self.backend.supports(CAP_LOGPROBS)
+        if added_logprobs:
+            logprobs = LogprobRequest(return_logprob=True, top_logprobs_num=TOP_LOGPROBS, return_text=True)
+        call = self._trace_call("gen", node.name, sp)
+        first: list[float] = []
+        try:
+            text, meta = self._call_gen(node, sp, logprobs, on_first_delta=lambda: first.append(self.recorder.now()))
+        except BaseException as e:
+            self._trace_failed(call, e)
+            raise
+        self._trace_done(call, text, meta, first[0] if first else None)
+        if added_logprobs:
+            meta = {k: v for k, v in meta.items() if k not in LOGPROB_KEYS}
         self._finish_gen(node, text, meta)
+
+    # ---- run trace records (worker; only while self.recorder is set) -----------------------------
+    def _trace_call(self, kind: str, name: Optional[str], sp: Optional[SamplingParams]) -> dict:
+        """A call record opened now: arguments, constraint, the span's start and the time sent."""
+        args, constraint = sampling_fields(sp) if sp is not None else ({}, None)
+        start = len(self.text_) - self.fork_text_len
+        return {"id": None, "scope": self.trace_scope, "kind": kind, "name": name, "args": args,
+                "constraint": constraint, "span": [start, start] if kind != "prefill" else None, "text": "",
+                "t_sent": self.recorder.now(), "t_first_token": None, "t_done": None, "prompt_tokens": None,
+                "completion_tokens": None, "cached_tokens": None, "finish_reason": None, "tokens": None,
+                "speculated": False, "error": None}
+
+    def _trace_done(self, call: dict, text: str, meta: Optional[dict], first_token: Optional[float] = None) -> None:
+        call["t_done"] = self.recorder.now()
+        call.update(meta_fields(meta, call["t_sent"], call["t_done"]))
+        if first_token is not None:  # seen on a stream: better than the server's figure
+            call["t_first_token"] = first_token
+        call["text"] = text
+        if call["span"] is not None:
+            call["span"] = [call["span"][0], call["span"][0] + len(text)]
+        self.recorder.add_call(call)
+
+    def _trace_failed(self, call: dict, error: BaseException) -> None:
+        call["t_done"] = self.recorder.now()
+        call["error"] = f"{type(error).__name__}: {error}"
+        self.recorder.add_call(call)
 
     def _finish_gen(self, node: ir.Gen, text: str, meta: dict) -> None:
         self.last_meta_info = meta
@@ -413,7 +482,11 @@ class StreamExecutor:
         self._plain_gen(node, sp)
 
     def _gen_from_speculation(self, node: ir.Gen, text: str, meta: dict) -> None:
+        call = self._trace_call("gen", node.name, None) if self.recorder is not None else None
         self._append(text, var=node.name, generated=True)
+        if call is not None:
+            call["speculated"] = True
+            self._trace_done(call, text, meta)
         self._finish_gen(node, text, meta)
 
     def _literal(self, text: str) -> None:
@@ -511,13 +584,33 @@ class StreamExecutor:
         backend.require(CAP_SELECT, what)
         if node.method is not token_length_normalized:
             backend.require(CAP_CHOICES_METHODS, f"{what} with choices_method={node.method.name}")
-        decision = backend.select(self.snapshot(), list(node.choices), node.temperature, node.method)
+        call = self._trace_call("select", node.name, None) if self.recorder is not None else None
+        try:
+            decision = backend.select(self.snapshot(), list(node.choices), node.temperature, node.method)
+        except BaseException as e:
+            if call is not None:
+                self._trace_failed(call, e)
+            raise
+        if call is not None:
+            self._trace_select(call, node, decision)
         if decision.decision not in node.choices:
             raise ProgramError(f"{backend.name} selected {decision.decision!r}, which is not one of {node.choices}")
         self._append(decision.decision, var=node.name, generated=True)
         self.last_meta_info = decision.meta_info
         if node.name is not None:
             self.set_var(node.name, decision.decision, decision.meta_info)
+
+    def _trace_select(self, call: dict, node: ir.Select, decision: ChoicesDecision) -> None:
+        meta = decision.meta_info or {}
+        per_choice = meta.get("token_logprobs")
+        call["args"] = {"temperature": node.temperature} if node.temperature else {}
+        call["constraint"] = {"type": "choices", "value": json.dumps(list(node.choices))}
+        call["method"] = meta.get("choices_method", node.method.name)
+        call["decision"] = decision.index
+        call["choices"] = [{"text": c, "score": _finite(decision.scores[i] if i < len(decision.scores) else None),
+                            "token_logprobs": list(per_choice[i]) if per_choice and i < len(per_choice) else None}
+                           for i, c in enumerate(node.choices)]
+        self._trace_done(call, decision.decision, meta)
 
     def visit_var_scope_begin(self, node: ir.VarScopeBegin) -> None:
         self._scopes[node.name] = len(self.text_)
@@ -538,12 +631,22 @@ class StreamExecutor:
         self.sync()
         self.backend.require(CAP_FORK, "fork()")
         if cache_prefix and n > 1 and self.text_ and self.backend.supports(CAP_PREFIX_CACHE):
+            call = self._trace_call("prefill", None, None) if self.recorder is not None else None
             self.backend.cache_prefix(self.snapshot())
+            if call is not None:
+                self._trace_done(call, "", None)
         children = []
-        for _ in range(n):
+        for i in range(n):
+            scope = None
+            if self.recorder is not None:
+                scope = self.recorder.add_scope("fork_branch", None, parent=self.trace_scope, index=i,
+                                                fork_at=len(self.text_) - self.fork_text_len)
             child = StreamExecutor(self.backend, self.defaults, stream=self.stream, chat_template=self.template,
-                                   arguments=self.arguments, num_api_spec_tokens=self.num_api_spec_tokens)
+                                   arguments=self.arguments, num_api_spec_tokens=self.num_api_spec_tokens,
+                                   recorder=self.recorder, trace_scope=scope)
             child._copy_state(self)
+            if scope is not None:
+                self.recorder.attach(scope, child)
             children.append(child)
         self._children.extend(children)
         return children
@@ -563,6 +666,10 @@ class StreamExecutor:
         self.fork_text_len = len(self.text_)
         self.vars_set_since_fork = {}
         self._done_vars = set(self.variables)
+
+
+def _finite(value: Optional[float]) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def _snake(name: str) -> str:

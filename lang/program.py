@@ -13,6 +13,7 @@ from braid.defaults import resolve_backend
 from braid.errors import ProgramError
 from braid.global_config import global_config
 from braid.interpreter import StreamExecutor
+from braid.run_trace import TraceRecorder, new_recorder
 from braid.sampling import defaults_from_keywords, is_sampling_keyword, to_field_overrides
 from braid.state import ProgramState
 from braid.tracer import Trace, trace_program
@@ -90,20 +91,31 @@ class BraidFunction:
         self.func(state, *positional, **keywords)
 
     # ---- running --------------------------------------------------------------------------------
-    def run(self, *args: Any, backend: Any = None, stream: bool = False, **kwargs: Any) -> ProgramState:
+    def run(self, *args: Any, backend: Any = None, stream: bool = False, trace: Optional[bool] = None,
+            **kwargs: Any) -> ProgramState:
         """Run the program. kwargs are the program's arguments, plus sampling defaults for every gen
         (gen's own keywords: max_tokens, temperature, stop, ...). With stream=True the state comes back
-        at once and fills in the background (read it with text_iter)."""
+        at once and fills in the background (read it with text_iter). With trace=True (default:
+        global_config.trace) the run records every call; `state.trace()` gives the record (braid.run_trace)."""
         arguments, sampling = self._split(args, kwargs)
-        return self._run(resolve_backend(backend), arguments, sampling, stream)
+        backend = resolve_backend(backend)
+        recorder = new_recorder(backend) if _tracing(trace) else None
+        return self._run(backend, arguments, sampling, stream, recorder)
 
-    def _run(self, backend: Backend, arguments: dict, sampling: dict, stream: bool) -> ProgramState:
+    def _run(self, backend: Backend, arguments: dict, sampling: dict, stream: bool,
+             recorder: Optional[TraceRecorder] = None, parent_scope: Optional[int] = None,
+             index: Optional[int] = None) -> ProgramState:
         defaults = defaults_from_keywords({**self.default_sampling, **sampling})
         if stream and self.num_api_spec_tokens is not None:
             raise ProgramError(f"{self.__name__}: stream=True cannot be combined with num_api_spec_tokens "
                                "(speculated gens are known only once the speculation is cut)")
+        scope = None
+        if recorder is not None:
+            scope = recorder.add_scope("program", self.__name__, parent=parent_scope, index=index, arguments=arguments)
         executor = StreamExecutor(backend, defaults, stream=stream, arguments=arguments,
-                                  num_api_spec_tokens=self.num_api_spec_tokens)
+                                  num_api_spec_tokens=self.num_api_spec_tokens, recorder=recorder, trace_scope=scope)
+        if recorder is not None:
+            recorder.attach(scope, executor)
         state = ProgramState(executor)
         if stream:
             threading.Thread(target=self._body_in_background, args=(state, arguments), daemon=True,
@@ -127,9 +139,11 @@ class BraidFunction:
             state._executor.end()
 
     def run_batch(self, batch_kwargs: list[dict], *, num_threads: Union[int, str] = "auto", progress_bar: bool = True,
-                  backend: Any = None, **sampling: Any) -> list[Union[ProgramState, BaseException]]:
+                  backend: Any = None, trace: Optional[bool] = None,
+                  **sampling: Any) -> list[Union[ProgramState, BaseException]]:
         """Run the program once per dict of arguments, concurrently. Results keep the input order; a
-        program that raised has its exception in its slot instead of a state."""
+        program that raised has its exception in its slot instead of a state. With trace=True (default:
+        global_config.trace) the batch records one trace: each state's `trace()` gives the whole batch's."""
         if not isinstance(batch_kwargs, (list, tuple)):
             raise ProgramError("run_batch takes a list of argument dicts")
         for i, item in enumerate(batch_kwargs):
@@ -140,6 +154,10 @@ class BraidFunction:
         n = len(batch_kwargs)
         if n == 0:
             return []
+        recorder, batch_scope = None, None
+        if _tracing(trace):
+            recorder = new_recorder(backend)
+            batch_scope = recorder.add_scope("batch", self.__name__)
         if num_threads == "auto":
             num_threads = min(n, _MAX_AUTO_THREADS)
         if not isinstance(num_threads, int) or num_threads < 1:
@@ -152,7 +170,8 @@ class BraidFunction:
         def run_one(i: int) -> None:
             try:
                 arguments, item_sampling = self._split((), batch_kwargs[i])
-                results[i] = self._run(backend, arguments, {**sampling, **item_sampling}, stream=False)
+                results[i] = self._run(backend, arguments, {**sampling, **item_sampling}, stream=False,
+                                       recorder=recorder, parent_scope=batch_scope, index=i)
             except Exception as e:  # noqa: BLE001 - reported in the results
                 results[i] = e
 
@@ -213,3 +232,11 @@ class BraidFunction:
 
     def __repr__(self) -> str:
         return f"<braid.function {self.__name__}>"
+
+
+def _tracing(trace: Optional[bool]) -> bool:
+    if trace is None:
+        return global_config.trace
+    if not isinstance(trace, bool):
+        raise ProgramError(f"trace must be True or False, got {trace!r}")
+    return trace

@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
 from braid import ir
 from braid.errors import ProgramError
 from braid.interpreter import StreamExecutor
+from braid.run_trace import RunTrace
 
 
 class ProgramState:
@@ -111,6 +112,16 @@ class ProgramState:
     def error(self) -> Optional[BaseException]:
         """The exception that stopped the program, if any (without raising it)."""
         return self._executor.error
+
+    def trace(self) -> "RunTrace":
+        """The run trace of this state's run (or batch), once its nodes ran (a failed program's too): a
+        JSON-serialisable dict, schema in braid.run_trace; `.save_html(path)` draws it as one web page."""
+        recorder = self._executor.recorder
+        if recorder is None:
+            raise ProgramError("this state was run without recording: pass trace=True to run() / run_batch() "
+                               "or set braid.global_config.trace = True")
+        self._executor.wait_idle()
+        return recorder.export()
 
     def sync(self) -> None:
         self._executor.sync()

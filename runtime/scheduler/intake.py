@@ -88,6 +88,10 @@ class RequestIntake:
                 cache_size=args.grammar_cache_size, json_strict=args.grammar_json_strict)
         return self._grammar_backend
 
+    def grammar_stats(self) -> Optional[dict]:
+        """The grammar backend's counters (GrammarBackend.stats); None until a request with a grammar started it."""
+        return None if self._grammar_backend is None else self._grammar_backend.stats()
+
     def add(self, req: Req) -> list[Req]:
         """Validate (raises RequestError / SamplingParamsError / GrammarError); the requests ready to wait for
         admission now (the others wait for their grammar)."""

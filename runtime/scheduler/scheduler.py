@@ -203,6 +203,7 @@ class Scheduler:
             effective_admission_min_extend_tokens=self.admission_min_extend_tokens,
             num_forward_extend_graphed=getattr(getattr(self.runner, "extend_graph_runner", None), "num_replays", 0),
             **self.timing.stats(), grammar_mask_time_s_total=self.output.grammar_mask_s,
+            grammar=self.intake.grammar_stats(),
         )
         return s
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import gc
 import hmac
@@ -16,6 +17,7 @@ import msgspec
 from aiohttp import web
 
 from braid.runtime.server import metrics as metrics_mod
+from braid.runtime.server.dashboard import dashboard_html
 from braid.runtime.server.errors import APIError, bad_request, body_too_large, from_exception, unauthorized, unavailable
 from braid.runtime.server.openai_api import OpenAIServing, template_messages
 from braid.runtime.core import Req
@@ -85,12 +87,27 @@ def auth_middleware(api_key: str):
     @web.middleware
     async def check(request: web.Request, handler):
         if request.path not in _PUBLIC_PATHS:
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return error_response(unauthorized())
+            given = request.headers.get("Authorization", "")
+            if not (hmac.compare_digest(given.encode(), expected) or _basic_auth_ok(request, given, api_key)):
+                err = unauthorized()
+                if request.path == "/dashboard":  # a browser asks its user for the key (as the password)
+                    err.headers = {**(err.headers or {}), "WWW-Authenticate": 'Basic realm="braid", charset="UTF-8"'}
+                return error_response(err)
         return await handler(request)
 
     return check
+
+
+def _basic_auth_ok(request: web.Request, given: str, api_key: str) -> bool:
+    """GET requests may carry the key as an HTTP Basic password (any user name): what a browser sends for the
+    dashboard and the routes its page polls."""
+    if request.method != "GET" or not given.startswith("Basic "):
+        return False
+    try:
+        password = base64.b64decode(given[6:], validate=True).decode().partition(":")[2]
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return hmac.compare_digest(password.encode(), api_key.encode())
 
 
 # ---- native API -------------------------------------------------------------------------------------
@@ -297,6 +314,10 @@ async def abort_request(request: web.Request) -> web.Response:
     return json_response({"success": found, "rid": body["rid"]}, status=200 if found else 404)
 
 
+async def dashboard(request: web.Request) -> web.Response:
+    return web.Response(text=dashboard_html(), content_type="text/html")
+
+
 async def metrics(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     stats = None if tm.dead else await tm.get_stats()
@@ -358,6 +379,7 @@ def create_app(tm: TokenizerManager) -> web.Application:
     app.router.add_post("/flush_cache", flush_cache)
     app.router.add_post("/abort_request", abort_request)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/dashboard", dashboard)
     app.router.add_post("/generate", generate)
     app.router.add_get("/v1/models", v1_models)
     app.router.add_post("/v1/completions", v1_completions)

@@ -69,6 +69,10 @@ class OutputAccumulator:
         self.completion_tokens_wo_jump_forward = 0
         self.finish_reason: Optional[dict] = None
         self.finished = False
+        # wall-clock times (time.time()): the request's arrival (set by the server's handle) and its first token (from
+        # the scheduler's finished output); together they give meta_info's time_to_first_token
+        self.arrival_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
 
     def add(self, out: Any) -> Optional[ChoiceUpdate]:
         """Apply one scheduler output (a `ReqOutput` or a wire `Output`); None once the choice has finished."""
@@ -90,6 +94,7 @@ class OutputAccumulator:
         self.completion_tokens = out.completion_tokens
         self.cached_tokens = out.cached_tokens
         self.completion_tokens_wo_jump_forward = out.completion_tokens_wo_jump_forward
+        self.first_token_time = getattr(out, "first_token_time", None) or self.first_token_time
         detok_ids = new_ids
         matched = (out.finish_reason or {}).get("matched")
         if (out.finished and isinstance(matched, int) and new_ids and new_ids[-1] == matched
@@ -124,6 +129,8 @@ class OutputAccumulator:
                 "cached_tokens": now.cached_tokens,
                 "completion_tokens_wo_jump_forward": now.completion_tokens_wo_jump_forward,
                 "finish_reason": self.finish_reason if update is None or update.finished else None}
+        if self.arrival_time is not None and self.first_token_time is not None and (update is None or update.finished):
+            meta["time_to_first_token"] = max(self.first_token_time - self.arrival_time, 0.0)
         if self.return_logprob:
             n = len(self.output_token_logprobs) if update is None else update.num_token_logprobs
             meta["input_token_logprobs"] = _entries(self.input_token_logprobs, token_text)

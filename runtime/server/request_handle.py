@@ -50,6 +50,8 @@ class RequestHandle:
                                           snapshot_ids) for i in range(self.n)]
         self.created = time.time()
         self._arrival = time.perf_counter()
+        for choice in self.choices:
+            choice.arrival_time = self.created
         self._last_token_time: Optional[float] = None
         self.returned_n = self.n if returned_n is None else returned_n  # fewer than n when best_of ranks them
         self._first_token_seen = False
