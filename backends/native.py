@@ -11,10 +11,17 @@ this class builds request bodies, reads responses, and implements select from pr
 
 Images and video are capabilities only when the served model takes them (`is_multimodal` in its model
 info); everything else the native API always offers.
+
+The prompt text: the program's own (its chat template's role markers), except where the served model's chat template
+iterates over content parts (`chat_template_content_format` "openai" in its model info) and the program waits on an
+assistant block: then the model's template renders the program's role blocks (`_apply_chat_template`; an image is
+the part {"type": "image"} and its placeholder goes where that template puts it), as /v1/chat/completions would.
 """
 
 from __future__ import annotations
 
+import json
+import threading
 from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Union
@@ -26,6 +33,10 @@ from braid.errors import BackendError, UnsupportedFeatureError
 from braid.runtime.sampling_params import SamplingParams
 
 _SELECT_PARALLELISM = 8
+_RENDERED_CONVERSATIONS = 64  # rendered prompts kept per backend (a program's next calls share its conversation)
+# a message's content part (OpenAI shape, as the interpreter records it) -> the part a chat template takes
+_TEMPLATE_PARTS = {"text": lambda p: {"type": "text", "text": p["text"]}, "image_url": lambda p: {"type": "image"},
+                   "video_url": lambda p: {"type": "video"}}
 _MEDIA_CAPABILITIES = frozenset({CAP_IMAGE, CAP_VIDEO})
 
 
@@ -39,6 +50,8 @@ class NativeApiBackend(Backend):
             chat_template = get_chat_template(chat_template)
         self._chat_template_override = chat_template
         self._chat_template: Optional[ChatTemplate] = None
+        self._rendered: dict[str, str] = {}  # template messages (JSON) -> the model's template over them
+        self._rendered_lock = threading.Lock()
 
     # ---- transport (subclasses) -----------------------------------------------------------------
     @abstractmethod
@@ -48,6 +61,10 @@ class NativeApiBackend(Backend):
     @abstractmethod
     def _generate_stream(self, body: dict) -> Iterator[dict]:
         """One streaming generate call; yields each chunk object (text cumulative so far)."""
+
+    def _apply_chat_template(self, messages: list[dict]) -> str:
+        """The served model's chat template over `messages` (HF's shape) with the generation prompt."""
+        raise NotImplementedError(f"{type(self).__name__} cannot render the model's chat template")
 
     @abstractmethod
     def get_model_info(self) -> dict:
@@ -82,10 +99,28 @@ class NativeApiBackend(Backend):
             self._chat_template = chat_template_for(info.get("chat_template"), info.get("model_path"))
         return self._chat_template
 
+    def prompt_text(self, prompt: Prompt) -> str:
+        """The text the model reads for `prompt` (see the module's docstring)."""
+        if (self._chat_template_override is not None or prompt.open_role != "assistant" or not prompt.messages
+                or prompt.loose_text or self.get_model_info().get("chat_template_content_format") != "openai"):
+            return prompt.text
+        messages = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+                     [_TEMPLATE_PARTS[p["type"]](p) for p in m["content"]]} for m in prompt.messages]
+        key = json.dumps(messages)
+        with self._rendered_lock:
+            rendered = self._rendered.get(key)
+        if rendered is None:
+            rendered = self._apply_chat_template(messages)
+            with self._rendered_lock:
+                if len(self._rendered) >= _RENDERED_CONVERSATIONS:
+                    self._rendered.pop(next(iter(self._rendered)))
+                self._rendered[key] = rendered
+        return rendered + prompt.open_role_text
+
     def request_body(self, prompt: Prompt, sp: Union[SamplingParams, dict], logprobs: LogprobRequest = LogprobRequest(),
                      stream: bool = False, text: Optional[str] = None) -> dict:
         body: dict[str, Any] = {
-            "text": prompt.text if text is None else text,
+            "text": self.prompt_text(prompt) if text is None else text,
             "sampling_params": sp if isinstance(sp, dict) else sampling_params_json(sp),
         }
         if stream:
@@ -146,12 +181,13 @@ class NativeApiBackend(Backend):
 
     def _score_choices(self, prompt: Prompt, choices: list[str]) -> list[list[float]]:
         """Per choice, the logprobs of its tokens after `prompt` (steps 1 and 2 above)."""
+        prefix = self.prompt_text(prompt)
         prefix_len = int(self.prefill(prompt)["prompt_tokens"])
         start = max(prefix_len - 1, 0)
         scoring = {"max_new_tokens": 0, "temperature": 0.0}
 
         def score(choice: str) -> list[float]:
-            body = self.request_body(prompt, scoring, LogprobRequest(True, start, 0), text=prompt.text + choice)
+            body = self.request_body(prompt, scoring, LogprobRequest(True, start, 0), text=prefix + choice)
             entries = self._call(body)["meta_info"]["input_token_logprobs"]
             return _choice_logprobs(entries, prefix_len - start, choice)
 

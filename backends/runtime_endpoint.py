@@ -180,6 +180,9 @@ class RuntimeEndpoint(NativeApiBackend):
             self._model_info = self._request("GET", "/get_model_info")
         return self._model_info
 
+    def _apply_chat_template(self, messages: list[dict]) -> str:
+        return self._request("POST", "/apply_chat_template", {"messages": messages})["text"]
+
     def get_server_info(self) -> dict:
         return self._request("GET", "/get_server_info")
 

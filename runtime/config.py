@@ -73,6 +73,12 @@ class ServerArgs:
     chat_template: Optional[str] = _opt(None, "chat template used by the chat routes instead of the tokenizer's: a "
                                               "name (chatml, qwen, llama-3-instruct, gemma-it), a Jinja file, or "
                                               "the template text")
+    chat_template_content_format: str = _opt("auto", "how the chat template gets a message's content: openai = the "
+                                                     "list of parts ({'type': 'text', 'text'}, {'type': 'image'}, "
+                                                     "{'type': 'video'}), for templates that iterate over them; "
+                                                     "string = one text with <image> / <video> where the media "
+                                                     "were; auto = openai when the template loops over a message's "
+                                                     "content, else string", ["auto", "string", "openai"])
     random_seed: int = _opt(0, "seed for dummy weights and unseeded sampling")
 
     # ---- memory and scheduling ----
@@ -243,6 +249,9 @@ class ServerArgs:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("max_total_tokens must be >= 16")
+        if self.chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format {self.chat_template_content_format!r} is not one of "
+                             "auto, string, openai")
         if self.window_kv_ratio is not None and not 0 < self.window_kv_ratio <= 1:
             raise ValueError("window_kv_ratio must be in (0, 1]")
         if self.window_kv_ratio is not None and self.disable_window_kv_trimming:

@@ -9,7 +9,7 @@ PINPOINTS = [[TILE * i, TILE * j] for i in range(1, 4) for j in range(1, 4)]
 IMAGE_TOKEN, VIDEO_TOKEN = 49150, 49151
 
 
-def make_tiny_llava(folder):
+def make_tiny_llava(folder, vocab_size=49152, image_token=IMAGE_TOKEN, video_token=VIDEO_TOKEN):
     """Writes config, safetensors and preprocessor_config.json to `folder`; returns (HF model, HF PIL processor)."""
     import transformers
     from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2Config,
@@ -17,11 +17,11 @@ def make_tiny_llava(folder):
 
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                 image_size=TILE, patch_size=PATCH)
-    text = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    text = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                        tie_word_embeddings=False)
-    config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN,
-                                  video_token_index=VIDEO_TOKEN, vision_feature_select_strategy="full",
+    config = LlavaOnevisionConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                                  video_token_index=video_token, vision_feature_select_strategy="full",
                                   vision_feature_layer=-1, image_grid_pinpoints=PINPOINTS, tie_word_embeddings=False)
     torch.manual_seed(0)
     hf = LlavaOnevisionForConditionalGeneration(config).eval()
@@ -35,6 +35,40 @@ def make_tiny_llava(folder):
     processor = transformers.LlavaOnevisionImageProcessorPil(size={"height": TILE, "width": TILE},
                                                              image_grid_pinpoints=PINPOINTS)
     processor.save_pretrained(folder)
+    return hf, processor
+
+
+def make_tiny_llava_with_processor(folder, chat_template):
+    """The tiny checkpoint with its own tokenizer (SmolLM2's plus the special tokens <image> = 49152 and
+    <video> = 49153) and `chat_template` in `folder`, as a hub OneVision-HF folder has them; returns (HF model, HF
+    LlavaOnevisionProcessor). HF's video processor needs torchvision, absent here: videos go through a stand-in that
+    prepares each frame as the image processor prepares an image's base tile (what LLaVA-OneVision does to frames)."""
+    import copy
+
+    import transformers
+
+    from braid.runtime.loader.tokenizer import load_tokenizer
+
+    tokenizer = copy.deepcopy(load_tokenizer("smollm2"))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
+    assert tokenizer.convert_tokens_to_ids(["<image>", "<video>"]) == [49152, 49153]
+    tokenizer.chat_template = chat_template
+    tokenizer.save_pretrained(folder)
+    hf, image_processor = make_tiny_llava(folder, vocab_size=len(tokenizer), image_token=49152, video_token=49153)
+
+    class Processor(transformers.LlavaOnevisionProcessor):
+        def check_argument_for_proper_class(self, name, arg):
+            if name != "video_processor":
+                return super().check_argument_for_proper_class(name, arg)
+
+    def video_processor(videos, **_):
+        tiles = [torch.stack([image_processor(f, return_tensors="pt")["pixel_values"][0, 0] for f in video])
+                 for video in videos]
+        return {"pixel_values_videos": torch.stack(tiles)}
+
+    processor = Processor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+                          num_image_tokens=(TILE // PATCH) ** 2, vision_feature_select_strategy="full",
+                          chat_template=chat_template)
     return hf, processor
 
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from braid.runtime.server import metrics as metrics_mod
 from braid.runtime.server.dashboard import dashboard_html
 from braid.runtime.server.errors import APIError, bad_request, body_too_large, from_exception, unauthorized, unavailable
+from braid.runtime.server.chat_content import parse_template_messages
 from braid.runtime.server.openai_api import OpenAIServing, template_messages
 from braid.runtime.core import Req
 from braid.runtime.server.protocol import (SSE_DONE, ChatCompletionRequest, GenerateRequest, api_error_event, json_bytes,
@@ -211,6 +212,7 @@ async def get_model_info(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     info = tm.served_model.public_info()
     info["tokenizer_path"] = tm.server_args.tokenizer_path or tm.server_args.model_path
+    info["chat_template_content_format"] = tm.chat_content_format
     return json_response(info)
 
 
@@ -252,6 +254,25 @@ async def tokenize(request: web.Request) -> web.Response:
         add_special = body.get("add_special_tokens", True)
     ids = await tm.tokenize(text, add_special)
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": tm.context_len})
+
+
+async def apply_chat_template(request: web.Request) -> web.Response:
+    """{"messages": as HF's apply_chat_template takes them (content parts {"type": "text" | "image" | "video"}),
+    "add_generation_prompt"?} -> {"text": the prompt the chat routes build from them, "content_format"}: braid's
+    runtime backends render a program's role blocks with the model's own template through it."""
+    tm = request.app[TM_KEY]
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    unknown = sorted(set(body) - {"model", "messages", "add_generation_prompt"})
+    if unknown:
+        raise bad_request(f"unknown parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
+    request.app[OPENAI_KEY].check_model(body.get("model"))
+    if not isinstance(body.get("add_generation_prompt", True), bool):
+        raise bad_request("add_generation_prompt must be a boolean", param="add_generation_prompt")
+    text = await tm.apply_chat_template(parse_template_messages(body.get("messages")),
+                                        add_generation_prompt=body.get("add_generation_prompt", True))
+    return json_response({"text": text, "content_format": tm.chat_content_format})
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -373,6 +394,7 @@ def create_app(tm: TokenizerManager) -> web.Application:
     app.router.add_get("/version", version)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/apply_chat_template", apply_chat_template)
     app.router.add_get("/get_server_info", get_server_info)
     app.router.add_get("/get_server_args", get_server_args)
     app.router.add_route("GET", "/flush_cache", flush_cache)  # SGLang v0.3 flushes on GET

@@ -10,12 +10,12 @@ from aiohttp import web
 
 from braid.runtime.core import Req
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
+from braid.runtime.server.chat_content import count_placeholders, template_messages
 from braid.runtime.server.errors import APIError, bad_request, model_not_found
 from braid.runtime.server.output_accumulator import OutputAccumulator
 from braid.runtime.server.protocol import (
     SSE_DONE,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     GrammarServing,
     api_error_event,
@@ -47,48 +47,6 @@ def finish_reason_name(reason: Optional[dict]) -> Optional[str]:
 
 def matched_stop(reason: Optional[dict]) -> Any:
     return None if reason is None else reason.get("matched")
-
-
-# content part type -> (its payload key, prepare_request's keyword)
-_MEDIA_PARTS = {"image_url": ("image_url", "image_data"), "video_url": ("video_url", "video_data"),
-                "input_audio": ("input_audio", "audio_data")}
-# where an image or video sits in the templated text (runtime/multimodal/prompt.py fills them in order)
-_MEDIA_PLACEHOLDERS = {"image_url": "<image>", "video_url": "<video>"}
-
-
-def template_messages(messages: list[ChatMessage]) -> tuple[list[dict], dict[str, list]]:
-    """Messages as the chat template wants them (text content), and the media their parts carry as
-    {"image_data" | "video_data" | "audio_data": [payload, ...]}."""
-    out: list[dict] = []
-    media: dict[str, list] = {}
-    for i, m in enumerate(messages):
-        content = m.content
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        else:
-            pieces = []
-            for part in content:
-                kind = part.get("type")
-                if kind == "text" and isinstance(part.get("text"), str):
-                    pieces.append(part["text"])
-                elif kind in _MEDIA_PARTS and isinstance(part.get(_MEDIA_PARTS[kind][0]), dict):
-                    payload = part[_MEDIA_PARTS[kind][0]]
-                    if kind == "input_audio":
-                        media.setdefault("audio_data", []).append(payload.get("url", payload))
-                    else:  # the whole {"url", "detail"} / {"frames"} object; the template gets its placeholder
-                        media.setdefault(_MEDIA_PARTS[kind][1], []).append(payload)
-                        pieces.append(_MEDIA_PLACEHOLDERS[kind])
-                else:  # parse_openai checked each part's shape
-                    raise bad_request(f"messages[{i}].content: content part {kind!r} is malformed",
-                                      param=f"messages.{i}.content")
-            text = "".join(pieces)
-        d = {"role": "system" if m.role == "developer" else m.role, "content": text}
-        if m.name:
-            d["name"] = m.name
-        out.append(d)
-    return out, media
 
 
 def _param_names(req, prompt_param: str) -> dict:
@@ -257,6 +215,7 @@ class OpenAIServing:
         tools = ([{"type": "function", "function": f} for f in plan.functions]
                  if plan is not None and native_tools and plan.choice != "none" else None)
         prompt = await self.tm.apply_chat_template(messages, tools=tools, **chat_template_options(req))
+        self._check_placeholders(prompt, media)
         names = _param_names(req, "messages")
         if source is not None:
             names.update(dict.fromkeys(GRAMMAR_FIELDS, source))
@@ -297,6 +256,20 @@ class OpenAIServing:
             raise
         finally:
             await self.tm.release(handle)
+
+    def _check_placeholders(self, prompt: str, media: dict[str, list]) -> None:
+        """On a vision model, each image / video part needs its placeholder in the templated prompt (the pixels go
+        there); a text model's prompt is text, and media parts sent to it are refused by prepare_request."""
+        if not self.tm.served_model.is_multimodal:
+            return
+        rendered = count_placeholders(prompt)
+        for param, kind in (("image_data", "image"), ("video_data", "video")):
+            given = len(media.get(param, []))
+            if rendered[param] != given:
+                raise bad_request(
+                    f"the chat template rendered {rendered[param]} <{kind}> placeholder(s) for {given} {kind} "
+                    f"part(s) (chat template content format {self.tm.chat_content_format!r}; see "
+                    "--chat-template-content-format)", param="messages")
 
     @staticmethod
     def _tool_calls(plan: ToolPlan, text: str) -> tuple[Optional[str], list[dict]]:

@@ -31,6 +31,7 @@ from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.server import messages as M
 from braid.runtime.scheduler import process as scheduler_process
+from braid.runtime.server.chat_content import content_text, in_content_format, resolve_content_format
 from braid.runtime.server.errors import APIError, bad_request, internal, retry_later, too_many_requests, unavailable
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.prepare import RequestError, ServedModel, prepare_request
@@ -95,6 +96,7 @@ class TokenizerManager:
         self.vocab_size = 0
         self.model_info: dict = {}
         self.served_model: Optional[ServedModel] = None
+        self.chat_content_format = "string"  # how the chat template takes content (runtime/server/chat_content.py)
         self.metrics = ServerMetrics(server_args.model_name)
         self.handles: dict[str, RequestHandle] = {}
         self.proc = None
@@ -141,6 +143,11 @@ class TokenizerManager:
         try:
             ready = await self._wait_ready(timeout_s)
             self.tokenizer = with_chat_template(await tokenizer_task, self.server_args.chat_template)
+            template = getattr(self.tokenizer, "chat_template", None)
+            self.chat_content_format = resolve_content_format(self.server_args.chat_template_content_format,
+                                                              template if isinstance(template, str) else None)
+            logger.info("chat template content format: %s (--chat-template-content-format %s)",
+                        self.chat_content_format, self.server_args.chat_template_content_format)
             release_gguf_readers()  # a GGUF's tokenizer conversion is on disk now
         except BaseException:
             tokenizer_task.cancel()
@@ -242,13 +249,15 @@ class TokenizerManager:
     async def apply_chat_template(self, messages: list[dict], tools: Optional[list[dict]] = None,
                                   add_generation_prompt: bool = True, continue_final_message: bool = False,
                                   template_kwargs: Optional[dict] = None) -> str:
-        """The prompt text of a conversation; `tools` goes to templates that render tool definitions,
-        `template_kwargs` are further template variables (vLLM's chat_template_kwargs)."""
+        """The prompt text of a conversation (content: text, or template parts as chat_content.template_messages
+        makes them; the template gets them in this server's content format); `tools` goes to templates that render
+        tool definitions, `template_kwargs` are further template variables (vLLM's chat_template_kwargs)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("this model has no chat template; start the server with --chat-template, or use "
                               "/v1/completions", param="messages")
         tool_chars = len(json.dumps(tools)) if tools else 0
-        self.check_prompt_chars(sum(len(m.get("content") or "") for m in messages) + tool_chars, "messages")
+        self.check_prompt_chars(sum(len(content_text(m.get("content"))) for m in messages) + tool_chars, "messages")
+        messages = in_content_format(messages, self.chat_content_format)
         extra = dict(template_kwargs or {})
         if tools:
             extra["tools"] = tools

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from braid.runtime.server.chat_content import add_text, content_text
 from braid.runtime.server.errors import bad_request
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -135,19 +136,20 @@ def history_for_template(messages: list[dict], raw_messages: list, plan: Optiona
             if raw.tool_call_id is not None:
                 m["tool_call_id"] = raw.tool_call_id
         elif m["role"] == "tool":
-            m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
+            m = {"role": "user", "content": f"<tool_response>\n{content_text(m['content'])}\n</tool_response>"}
         elif calls:
             blocks = "".join(CALL_OPEN + json.dumps(_template_call(c)["function"], ensure_ascii=False) + CALL_CLOSE
                              for c in calls)
-            m = {**m, "content": (m["content"] or "") + blocks}
+            m = {**m, "content": add_text(m["content"] or "", blocks)}
         out.append(m)
     if plan is not None and plan.choice != "none" and not native_tools:
         text = _SYSTEM_PROMPT.format(tools="\n".join(json.dumps(f, ensure_ascii=False) for f in plan.functions))
         first_user = next((i for i, m in enumerate(out) if m["role"] == "user"), None)
         if not system_role and first_user is not None:
-            out[first_user] = {**out[first_user], "content": text + "\n\n" + out[first_user]["content"]}
+            out[first_user] = {**out[first_user], "content": add_text(out[first_user]["content"], text + "\n\n",
+                                                                      before=True)}
         elif out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + text}
+            out[0] = {**out[0], "content": add_text(out[0]["content"], "\n\n" + text)}
         else:
             out.insert(0, {"role": "system", "content": text})
     return out
