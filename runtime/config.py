@@ -135,8 +135,14 @@ class ServerArgs:
         "token counts instead of launching each kernel from Python (Triton attention; other backends run them "
         "eagerly); 0: never (default: 1024 on CUDA)")
     cuda_graph_max_extend_reqs: int = _opt(64, "most requests in one graphed extend pass (more run eagerly)")
-    enable_torch_compile: bool = _opt(False, "torch.compile the model's non-attention parts")
-    torch_compile_max_bs: int = _opt(32, "largest batch compiled", aliases=("--max-torch-compile-bs",))
+    enable_torch_compile: bool = _opt(
+        False, "torch.compile (Inductor) the model's non-attention parts for the decode batch sizes captured in CUDA "
+        "graphs up to --torch-compile-max-bs; nothing changes without CUDA graphs (CPU, --disable-cuda-graph). Not "
+        "faster than the default path where measured so far: batch 1 0.84-0.91x, batch 8 and 16 0.99x (Inductor "
+        "launches the compiled kernels without PDL; docs/benchmarks.md)")
+    torch_compile_max_bs: int = _opt(32, "largest decode batch that replays the compiled forward (with "
+                                         "--enable-torch-compile); larger ones replay the eager one",
+                                     aliases=("--max-torch-compile-bs",))
     disable_pdl: bool = _opt(False, "launch the decode path's Triton kernels without programmatic dependent launch "
                                     "(Hopper and later; ignored elsewhere)")
     disable_decode_gemv: bool = _opt(False, "decode batches of 1-16 rows through cuBLAS (bf16/fp16) or "

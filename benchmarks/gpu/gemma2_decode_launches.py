@@ -65,10 +65,11 @@ class LaunchCounter(TorchDispatchMode):
             self._in_triton -= 1
 
 
-def count_decode_step(config: dict = TINY_GEMMA2, context: int = 40, decode_steps: int = 1,
+def count_decode_step(config: dict = TINY_GEMMA2, context: int = 40, decode_steps: int = 1, batch: int = 1,
                       **server_args) -> LaunchCounter:
-    """Builds the tiny model (ServerArgs fields `server_args` on top), prefills `context` tokens, counts the launches
-    of the `decode_steps` decode steps after it; the counter's `output_ids` are the tokens generated."""
+    """Builds the tiny model (ServerArgs fields `server_args` on top), prefills `batch` requests of `context` tokens,
+    counts the launches of the `decode_steps` decode steps after it; the counter's `output_ids` are the tokens
+    generated."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from braid.runtime.bench.bench_one_batch import StaticBatchRunner
@@ -123,7 +124,7 @@ def count_decode_step(config: dict = TINY_GEMMA2, context: int = 40, decode_step
     torch.Tensor.is_cuda = property(lambda self: True)  # the GPU dispatch path, on CPU tensors
     try:
         with counter:
-            counter.output_ids = StaticBatchRunner(runner).run([[5] * context], decode_steps + 1).output_ids
+            counter.output_ids = StaticBatchRunner(runner).run([[5] * context] * batch, decode_steps + 1).output_ids
     finally:
         torch.Tensor.is_cuda = is_cuda
         InterpretedFunction.run = original_run

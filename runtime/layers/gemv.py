@@ -147,9 +147,12 @@ def _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride,
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, num_programs, SILU_MUL: tl.constexpr,
                  GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr):
     """One program per BLOCK_N rows; PERSISTENT: num_programs programs (the grid) take the row blocks in turn, so
-    that all of them finish within one block of each other instead of the last wave running alone."""
+    that all of them finish within one block of each other instead of the last wave running alone. Every launch
+    passes every constexpr (none has a default): Inductor launches a kernel called inside a torch.compile region
+    with the constexprs given at the call or by the autotune configs only, and a defaulted one it leaves out
+    (TypeError: launcher() missing 1 required positional argument)."""
     pid = tl.program_id(0)
     let_next_kernel_launch(USE_PDL)
     _gemv_row_block(pid, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL, GELU_GATE, W_SCALED,
@@ -435,10 +438,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_
                  **pdl.launch_options(x.device))
     if config is None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        # one program per row block: num_programs 0 is unused without PERSISTENT
         if scaled:
-            _gemv_fp8_autotuned[grid](*args, 0, **flags)
+            _gemv_fp8_autotuned[grid](*args, 0, **flags, PERSISTENT=False)
         else:
-            _gemv_autotuned[grid](*args, 0, **flags)
+            _gemv_autotuned[grid](*args, 0, **flags, PERSISTENT=False)
     else:
         cfg = dict(config)
         launch = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}

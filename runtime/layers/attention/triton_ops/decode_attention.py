@@ -94,7 +94,7 @@ def _decode_stage1_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr, CLAMP_Q: tl.constexpr,
-    STAGE_V: tl.constexpr, USE_PDL: tl.constexpr, ROWS_AHEAD: tl.constexpr = False,
+    STAGE_V: tl.constexpr, USE_PDL: tl.constexpr, ROWS_AHEAD: tl.constexpr,
 ):
     let_next_kernel_launch(USE_PDL)
     wait_for_previous_kernel(USE_PDL)
@@ -277,6 +277,7 @@ def decode_attention_fwd(
     stage_v = bool(launch_config.pop("STAGE_V", _stage_fp8_values(v_buffer, dot_dt)))
     configs = [launch_config] if launch_config else _decode_launch_configs(d, dv, q.device,
                                                                            k_buffer.dtype in FP8_DTYPES)
+    configs = [{"ROWS_AHEAD": False, **cfg} for cfg in configs]  # the kernel's constexprs have no defaults
     block_s = max(2, min(triton.next_power_of_2(num_kv_splits), STAGE2_VALUES_PER_LOAD // block_dv))
     key = ("decode", q.device, q.dtype, k_buffer.dtype, d, dv, stage_v, tuple(sorted(launch_config.items())))
     cfg = launch_first_fitting(
