@@ -23,6 +23,7 @@ import torch
 from braid.runtime.bench.results import append_jsonl
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import ForwardBatch, ForwardMode
+from braid.runtime.mem_cache.kv_sizing import KVPoolTooLarge
 
 __all__ = ["BenchOneBatchError", "BatchRun", "StaticBatchRunner", "latency_test", "build_parser", "parse_args",
            "run_benchmark", "main"]
@@ -403,7 +404,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         run_benchmark(args)
-    except BenchOneBatchError as e:
+    except (BenchOneBatchError, KVPoolTooLarge) as e:
         print(f"bench_one_batch: {e}", file=sys.stderr)
         return 2
     return 0

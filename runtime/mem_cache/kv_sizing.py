@@ -9,7 +9,7 @@ import torch
 from braid.runtime.layers.dtypes import kv_cache_dtype
 
 __all__ = ["mha_kv_bytes_per_token", "mla_kv_bytes_per_token", "kv_cache_bytes_per_token", "max_tokens_for_budget",
-           "window_tokens_for", "hybrid_tokens_for_budget"]
+           "window_tokens_for", "hybrid_tokens_for_budget", "KVPoolTooLarge", "check_kv_pool_fits"]
 
 
 def _cache_itemsize(dtype: Union[str, torch.dtype]) -> int:
@@ -83,3 +83,61 @@ def hybrid_tokens_for_budget(budget_bytes: int, full_bytes_per_token: int, windo
         full -= max(full // 1000, 1)  # the window term rounds up
     full = max(full, max_tokens_for_budget(budget_bytes, full_bytes_per_token + window_bytes_per_token), 1)
     return full, window_tokens_for(full, window, context_len, prefill_tokens, ratio)
+
+
+class KVPoolTooLarge(ValueError):
+    """A KV pool the device cannot hold, refused before it is allocated."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_kv_pool_fits(tokens: int, pool_bytes: int, bytes_per_token: int, free_bytes: int, reserved_bytes: int,
+                       fitting_tokens: int, *, device: str = "cuda", requested: bool = True,
+                       mem_fraction_static: Optional[float] = None, capacity_bytes: Optional[int] = None,
+                       kv_dtype: Optional[torch.dtype] = None, latent_bytes_per_token: Optional[int] = None,
+                       heads_split_by_tp: bool = False) -> None:
+    """Raises KVPoolTooLarge, naming the sizes and what to lower, when a pool of `tokens` slots (pool_bytes in all:
+    dummy slots and a hybrid pool's window space included; bytes_per_token of KV a token) exceeds what the device
+    has for it: free_bytes (free after the weights) less reserved_bytes (kept for activations and CUDA graphs:
+    (1 - mem_fraction_static) x capacity_bytes where the user asked for the size, 0 for the smallest pool the runtime
+    sizes on its own). fitting_tokens: the pool that the available bytes hold, by the runtime's own sizing.
+
+    requested: the size came from --max-total-tokens; kv_dtype: the cache's dtype (fp8 is offered while it is
+    wider); latent_bytes_per_token: a token's KV in MLA's latent layout when --disable-mla expanded it;
+    heads_split_by_tp: more GPUs (--tp-size) would split the KV heads. A pure function of sizes."""
+    available = free_bytes - reserved_bytes
+    if pool_bytes <= available:
+        return
+    what = (f"--max-total-tokens {tokens:,}" if requested else
+            f"the smallest KV pool braid sizes on its own ({tokens:,} tokens)")
+    where = f"{free_bytes:,} bytes ({_gib(free_bytes)}) free on {device} after the weights"
+    if reserved_bytes:
+        share = (f"(1 - --mem-fraction-static {mem_fraction_static}) x {capacity_bytes:,} bytes of device memory"
+                 if mem_fraction_static is not None and capacity_bytes is not None else "by --mem-fraction-static")
+        where += (f", less {reserved_bytes:,} bytes ({_gib(reserved_bytes)}) kept for activations and CUDA graphs: "
+                  f"{share}")
+    lower = []
+    if requested:
+        lower.append(f"lower --max-total-tokens to at most {max(fitting_tokens, 0):,}")
+    elif fitting_tokens > 0:
+        lower.append(f"ask for a smaller pool with --max-total-tokens (at most {fitting_tokens:,} fit)")
+    if mem_fraction_static is not None and capacity_bytes:
+        needed = 1 - (free_bytes - pool_bytes) / capacity_bytes
+        if pool_bytes < free_bytes and needed < 1:
+            lower.append(f"raise --mem-fraction-static from {mem_fraction_static} to at least {needed:.3f} (less "
+                         "room for activations and CUDA graphs)")
+    if kv_dtype is not None and kv_dtype.itemsize > 1:
+        lower.append(f"store the KV in fp8 with --kv-cache-dtype fp8_e4m3 or fp8_e5m2 (1 byte a value instead of "
+                     f"{kv_dtype.itemsize}: {str(kv_dtype).replace('torch.', '')})")
+    if latent_bytes_per_token is not None:
+        lower.append(f"drop --disable-mla (the latent cache takes {latent_bytes_per_token:,} bytes a token)")
+    if heads_split_by_tp:
+        lower.append("split the KV heads over more GPUs with --tp-size")
+    if not lower:
+        lower.append("free memory that other processes hold on the device, or use one with more memory")
+    raise KVPoolTooLarge(
+        f"{what} needs a KV pool of {pool_bytes:,} bytes ({_gib(pool_bytes)}; {bytes_per_token:,} bytes a token), "
+        f"more than the {max(available, 0):,} bytes ({_gib(max(available, 0))}) available for it: {where}. To fit: "
+        + "; or ".join(lower) + ".")

@@ -16,8 +16,8 @@ from braid.runtime.layers.kernel_switches import apply_kernel_switches
 from braid.runtime.layers.logits import compute_logits, last_token_rows, token_logprobs
 from braid.runtime.layers.sampler import Sampler, apply_penalties
 from braid.runtime.loader import load_model, load_model_config
-from braid.runtime.mem_cache.kv_sizing import (hybrid_tokens_for_budget, mha_kv_bytes_per_token,
-                                               mla_kv_bytes_per_token, window_tokens_for)
+from braid.runtime.mem_cache.kv_sizing import (check_kv_pool_fits, hybrid_tokens_for_budget, max_tokens_for_budget,
+                                               mha_kv_bytes_per_token, mla_kv_bytes_per_token, window_tokens_for)
 from braid.runtime.mem_cache.window_pool import HybridKVPool, window_layer_split
 from braid.runtime.mem_cache.pools import MHAKVPool, MLAKVPool, ReqToTokenPool
 
@@ -109,20 +109,20 @@ class ModelRunner:
         mc = self.model_config
         kv_dtype = kv_cache_dtype(self.server_args.kv_cache_dtype, self.dtype)
         heads_kv = ps.split_units(mc.num_key_value_heads, "KV heads")[1]  # this TP rank's (replicated when fewer)
-        if mc.attention_arch == "mla":
-            per_token = mla_kv_bytes_per_token(mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_layers, kv_dtype)
-        else:
-            per_token = mha_kv_bytes_per_token(heads_kv, mc.head_dim, mc.num_layers, kv_dtype, mc.v_head_dim)
+        per_token = self._kv_bytes_per_token(kv_dtype)
         # window layers' KV trimmed (mem_cache/window_pool.py) when the layers mix windows and global attention
         layer_windows = [spec.sliding_window for spec in mc.layers]
         hybrid = (mc.attention_arch != "mla" and not self.server_args.disable_window_kv_trimming
                   and window_layer_split(layer_windows) is not None)
         self.window_kv_tokens = None
         total = self.server_args.max_total_tokens
+        requested = total is not None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks the loader freed and the allocator still caches are the pool's too
+            free, capacity = torch.cuda.mem_get_info(self.device)
+            budget = free - capacity * (1 - self.server_args.mem_fraction_static)
         if total is None:
             if self.device.type == "cuda":
-                free, capacity = torch.cuda.mem_get_info(self.device)
-                budget = free - capacity * (1 - self.server_args.mem_fraction_static)
                 total = max(int(budget // per_token), 1024)
                 if hybrid:
                     total, self.window_kv_tokens = self._hybrid_sizes(budget, layer_windows, kv_dtype)
@@ -136,13 +136,18 @@ class ModelRunner:
         self.max_total_tokens = ps.min_over_ranks(int(total))  # TP ranks schedule against one budget
         self.max_running_requests = self.server_args.running_requests_cap(self.max_total_tokens)
         max_reqs = min(self.max_running_requests + 32, max(self.max_total_tokens // 2, 8))
-        self.req_to_token_pool = ReqToTokenPool(max_reqs, self.context_len + 8, self.device)
         if hybrid:
             if self.window_kv_tokens is None:
                 self.window_kv_tokens = window_tokens_for(self.max_total_tokens, max(w for w in layer_windows if w),
                                                           self.context_len, self._extend_tokens_bound(),
                                                           self.server_args.window_kv_ratio)
             self.window_kv_tokens = ps.min_over_ranks(self.window_kv_tokens)
+        if self.device.type == "cuda":
+            # an asked-for size must leave the mem-fraction reserve; the runtime's own smallest pool only has to fit
+            self._check_pool_fits(kv_dtype, layer_windows if hybrid else None, free, capacity,
+                                  capacity * (1 - self.server_args.mem_fraction_static) if requested else 0, requested)
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, self.context_len + 8, self.device)
+        if hybrid:
             k_scales, v_scales = getattr(self.model, "kv_cache_scales", None) or (1.0, 1.0)
             self.token_to_kv_pool = HybridKVPool(
                 self.max_total_tokens, self.window_kv_tokens, self.dtype, heads_kv, mc.head_dim, layer_windows,
@@ -177,16 +182,53 @@ class ModelRunner:
         cap = sa.max_running_requests or max(DEFAULT_MAX_RUNNING_REQUESTS, sa.cuda_graph_max_bs)
         return min(sa.max_prefill_tokens, chunk) + cap
 
-    def _hybrid_sizes(self, budget: float, layer_windows: list, kv_dtype) -> tuple[int, int]:
+    def _kv_bytes_per_token(self, kv_dtype) -> int:
+        """One token's KV over all layers in this rank's pool layout (MLA's latent, or per-head K and V)."""
+        mc = self.model_config
+        if mc.attention_arch == "mla":
+            return mla_kv_bytes_per_token(mc.kv_lora_rank, mc.qk_rope_head_dim, mc.num_layers, kv_dtype)
+        heads_kv = ps.split_units(mc.num_key_value_heads, "KV heads")[1]
+        return mha_kv_bytes_per_token(heads_kv, mc.head_dim, mc.num_layers, kv_dtype, mc.v_head_dim)
+
+    def _hybrid_bytes_per_token(self, layer_windows: list, kv_dtype) -> tuple[int, int]:
+        """A hybrid pool's KV bytes a token: (global layers' space, window layers' space)."""
         mc = self.model_config
         num_window = sum(1 for w in layer_windows if w)
         per_layer = mha_kv_bytes_per_token(ps.split_units(mc.num_key_value_heads, "KV heads")[1], mc.head_dim, 1,
                                            kv_dtype, mc.v_head_dim)
-        full, window = hybrid_tokens_for_budget(int(budget), per_layer * (len(layer_windows) - num_window),
-                                                per_layer * num_window, max(w for w in layer_windows if w),
-                                                self.context_len, self._extend_tokens_bound(),
-                                                self.server_args.window_kv_ratio)
+        return per_layer * (len(layer_windows) - num_window), per_layer * num_window
+
+    def _hybrid_sizes(self, budget: float, layer_windows: list, kv_dtype) -> tuple[int, int]:
+        full_bytes, window_bytes = self._hybrid_bytes_per_token(layer_windows, kv_dtype)
+        full, window = hybrid_tokens_for_budget(int(budget), full_bytes, window_bytes,
+                                                max(w for w in layer_windows if w), self.context_len,
+                                                self._extend_tokens_bound(), self.server_args.window_kv_ratio)
         return max(full, 1024), max(window, 1024)
+
+    def _check_pool_fits(self, kv_dtype, layer_windows, free: int, capacity: int, reserved: float,
+                         requested: bool) -> None:
+        """Refuses (KVPoolTooLarge) the pool _init_pools settled on (max_total_tokens, window_kv_tokens) when the
+        device cannot hold it, before any of it is allocated. layer_windows: a hybrid pool's (None for one space);
+        free, capacity: torch.cuda.mem_get_info after the weights; reserved: bytes the pool must leave free."""
+        mc = self.model_config
+        per_token = self._kv_bytes_per_token(kv_dtype)
+        tokens, available = self.max_total_tokens, int(free - reserved)
+        if layer_windows is None:
+            pool_bytes = (tokens + 1) * per_token  # + the dummy slot
+            fitting = max_tokens_for_budget(max(available, 0), per_token)
+        else:
+            full_bytes, window_bytes = self._hybrid_bytes_per_token(layer_windows, kv_dtype)
+            pool_bytes = (tokens + 1) * full_bytes + (self.window_kv_tokens + 1) * window_bytes
+            fitting = 0 if available <= 0 else hybrid_tokens_for_budget(
+                available, full_bytes, window_bytes, max(w for w in layer_windows if w), self.context_len,
+                self._extend_tokens_bound(), self.server_args.window_kv_ratio)[0]
+        latent = (mla_kv_bytes_per_token(mc.mla.kv_lora_rank, mc.mla.qk_rope_head_dim, mc.num_layers, kv_dtype)
+                  if mc.mla_expanded else None)
+        check_kv_pool_fits(tokens, pool_bytes, per_token, int(free), int(reserved), fitting, device=str(self.device),
+                           requested=requested, mem_fraction_static=self.server_args.mem_fraction_static,
+                           capacity_bytes=int(capacity), kv_dtype=kv_dtype, latent_bytes_per_token=latent,
+                           heads_split_by_tp=mc.attention_arch == "mha"
+                           and ps.split_units(mc.num_key_value_heads, "KV heads")[1] > 1)
 
     # ---- forward ----
     @torch.inference_mode()
