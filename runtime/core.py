@@ -102,8 +102,6 @@ class Req:
     retracted_count: int = 0
     grammar: Any = None  # constrained-decoding state (braid.runtime.constrained)
     jump_forward_tokens: int = 0  # completion tokens appended by jump-forward (not sampled)
-    # torch.Generator for seeded sampling
-    generator: Optional[torch.Generator] = None
 
     # ---- logprobs (filled by the scheduler) ----
     output_token_logprobs: list = field(default_factory=list)  # [(logprob, token_id)]

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["argmax_last_dim", "chunked_argmax"]
+__all__ = ["argmax_last_dim", "chunked_argmax", "row_argmax_of_chunks_kernel"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -32,7 +32,7 @@ def _chunk_argmax_kernel(x_ptr, max_ptr, idx_ptr, V, x_row_stride, num_chunks, B
 
 
 @triton.jit
-def _row_argmax_kernel(max_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
+def row_argmax_of_chunks_kernel(max_ptr, idx_ptr, out_ptr, num_chunks, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_C)
     maxima = tl.load(max_ptr + row * num_chunks + offs, mask=offs < num_chunks, other=float("-inf"))
@@ -59,6 +59,6 @@ def chunked_argmax(logits: torch.Tensor, block: int = 4096) -> torch.Tensor:
     indices = torch.empty((rows, num_chunks), dtype=torch.int32, device=logits.device)
     _chunk_argmax_kernel[(rows, num_chunks)](logits, maxima, indices, vocab, logits.stride(0), num_chunks,
                                              BLOCK=block, num_warps=1 if _INTERPRET else 8)
-    _row_argmax_kernel[(rows,)](maxima, indices, out, num_chunks,
-                                BLOCK_C=max(2, triton.next_power_of_2(num_chunks)), num_warps=1)
+    row_argmax_of_chunks_kernel[(rows,)](maxima, indices, out, num_chunks,
+                                         BLOCK_C=max(2, triton.next_power_of_2(num_chunks)), num_warps=1)
     return out

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from braid.runtime.layers.argmax_kernels import argmax_last_dim
+from braid.runtime.layers.race_sampling import race_draw, random_keys, seeded_keys
 from braid.runtime.layers.token_bitmask import apply_token_bitmask_, unpack_token_bitmask
 from braid.runtime.core import host_to_device as _to_device
 
@@ -20,8 +21,11 @@ from braid.runtime.core import host_to_device as _to_device
 @dataclass
 class SamplingBatchInfo:
     is_greedy: list[bool]
-    generators: list[Optional[torch.Generator]]  # per-request seeded generators (None: shared RNG)
     all_greedy: bool
+    # seeded requests (None when no row has a seed): a row's draw is keyed by (seed, seed_steps) (race_sampling)
+    seeds: Optional[torch.Tensor] = None  # [B] int64 (0 for unseeded rows)
+    seeded: Optional[torch.Tensor] = None  # [B] bool
+    seed_steps: Optional[torch.Tensor] = None  # [B] int64, tokens each request has sampled; +1 per draw
     # None when all_greedy
     temperatures: Optional[torch.Tensor] = None  # [B, 1] fp32 (0 -> greedy)
     top_ps: Optional[torch.Tensor] = None  # [B] fp32
@@ -48,16 +52,16 @@ class SamplingBatchInfo:
     logprob_top_k: Optional[int] = None
 
     @classmethod
-    def build(cls, reqs, vocab_size: int, device: torch.device,
-              discarded: Optional[list[bool]] = None) -> "SamplingBatchInfo":
-        """discarded[i]: row i's sample is thrown away (a prefill chunk); it must not draw from a seeded generator."""
+    def build(cls, reqs, vocab_size: int, device: torch.device) -> "SamplingBatchInfo":
         params = [r.sampling_params for r in reqs]
         is_greedy = [p.is_greedy for p in params]
-        generators = [None if discarded and discarded[i] else r.generator for i, r in enumerate(reqs)]
         want_lp = [r.top_logprobs_num for r in reqs if r.return_logprob]
-        info = cls(is_greedy=is_greedy, generators=generators, all_greedy=all(is_greedy),
-                   logprob_top_k=max(want_lp) if want_lp else None)
+        info = cls(is_greedy=is_greedy, all_greedy=all(is_greedy), logprob_top_k=max(want_lp) if want_lp else None)
         B = len(reqs)
+        if any(p.seed is not None and not p.is_greedy for p in params):
+            info.seeds = _to_device([p.seed or 0 for p in params], torch.int64, device)
+            info.seeded = _to_device([p.seed is not None for p in params], torch.bool, device)
+            info.seed_steps = _to_device([len(r.output_ids) for r in reqs], torch.int64, device)
         if not info.all_greedy:
             top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
             info.temperatures = _to_device([max(p.temperature, 0.0) for p in params], torch.float32, device).view(B, 1)
@@ -102,9 +106,9 @@ class SamplingBatchInfo:
 
     def filter(self, keep: list[int], keep_on_device: Optional[torch.Tensor]) -> "SamplingBatchInfo":
         """The rows `keep` (keep_on_device: the same indices as an int64 tensor, None when all greedy)."""
-        out = replace(self, is_greedy=[self.is_greedy[i] for i in keep], generators=[self.generators[i] for i in keep],
-                      token_bitmask=None, fill_token_bitmask=None)
-        for name in ("temperatures", "top_ps", "top_ks", "min_ps", "frequency_penalties", "presence_penalties",
+        out = replace(self, is_greedy=[self.is_greedy[i] for i in keep], token_bitmask=None, fill_token_bitmask=None)
+        for name in ("seeds", "seeded", "seed_steps", "temperatures", "top_ps", "top_ks", "min_ps",
+                     "frequency_penalties", "presence_penalties",
                      "repetition_penalties", "output_counts", "seen_tokens", "logit_bias", "allowed_tokens"):
             t = getattr(self, name)
             if t is not None:
@@ -143,15 +147,26 @@ class Sampler:
         """logits: [B, V] fp32 (already penalized/masked) -> token ids [B] int64."""
         if info.all_greedy:
             return argmax_last_dim(logits)
-        greedy_ids = argmax_last_dim(logits)
-        probs = torch.softmax(logits / info.temperatures.clamp_min(1e-5), dim=-1)
+        inv_temps = 1.0 / info.temperatures.view(-1).clamp_min(1e-5)
         if info.need_top_k_filter or info.need_top_p_filter or info.need_min_p_filter:
-            probs = self._filter(probs, info)
-        sampled = self._draw(probs, info.generators)
+            probs = self._filter(torch.softmax(logits * inv_temps.view(-1, 1), dim=-1), info)
+            sampled = race_draw(probs.log(), torch.ones_like(inv_temps), self._keys(info, logits.shape[0]))
+        else:
+            sampled = race_draw(logits, inv_temps, self._keys(info, logits.shape[0]))
+        if info.seed_steps is not None:
+            info.seed_steps.add_(1)
         if not any(info.is_greedy):
             return sampled
         greedy_mask = (info.temperatures.view(-1) <= 0) | (info.top_ks == 1)
-        return torch.where(greedy_mask, greedy_ids, sampled)
+        return torch.where(greedy_mask, argmax_last_dim(logits), sampled)
+
+    @staticmethod
+    def _keys(info: SamplingBatchInfo, rows: int) -> torch.Tensor:
+        """[B, 2] int64: seeded rows keyed by (seed, tokens sampled so far), the others by torch's RNG."""
+        keys = random_keys(rows, info.temperatures.device)
+        if info.seeds is None:
+            return keys
+        return torch.where(info.seeded.view(-1, 1), seeded_keys(info.seeds, info.seed_steps), keys)
 
     @staticmethod
     def _filter(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
@@ -166,14 +181,3 @@ class Sampler:
         drop[:, 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-
-    @staticmethod
-    def _draw(probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
-        seeded = [i for i, g in enumerate(generators) if g is not None]
-        if not seeded:
-            return torch.multinomial(probs, 1).view(-1)
-        out = torch.multinomial(probs, 1).view(-1) if len(seeded) < len(generators) else torch.empty(
-            probs.shape[0], dtype=torch.int64, device=probs.device)
-        for i in seeded:
-            out[i] = torch.multinomial(probs[i], 1, generator=generators[i])[0]
-        return out

@@ -11,8 +11,6 @@ import dataclasses
 from concurrent.futures import Future
 from typing import Optional
 
-import torch
-
 from braid.runtime.core import GRAMMAR_BUSY_PREFIX, FinishReason, Req, RequestError
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
 
@@ -62,13 +60,12 @@ def fan_out(req: Req, share_prefill: bool) -> tuple[Optional[Req], list[Req]]:
 
 class RequestIntake:
     def __init__(self, server_args, tokenizer, vocab_size: int, context_len: int, kv_pool_size: int,
-                 device: torch.device, share_prefill: bool):
+                 share_prefill: bool):
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.kv_pool_size = kv_pool_size
-        self.device = device
         self.share_prefill = share_prefill
         self.grammar_queue: list[tuple[Req, Future]] = []
         self.pending_children: dict[int, list[Req]] = {}  # n > 1: id(prefill parent) -> its samples
@@ -109,8 +106,6 @@ class RequestIntake:
         ready = []
         for req in reqs:
             sp = req.sampling_params
-            if sp.seed is not None:
-                req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
             grammar = sp.grammar()
             if grammar is not None:
                 self.grammar_queue.append((req, self.grammar_backend.submit(*grammar, client=req.client)))

@@ -136,7 +136,7 @@ class Scheduler:
         self.decode = DecodeRunner(server_args, self.runner, self.tree_cache, self.device, self.timing,
                                    self.finish_table, self.output)
         self.intake = RequestIntake(server_args, self.tokenizer, self.vocab_size, self.context_len, self.kv_pool.size,
-                                    self.device, share_prefill=not self.tree_cache.disabled)
+                                    share_prefill=not self.tree_cache.disabled)
 
         self.waiting: list[Req] = []  # hold no KV
         self.running: list[Req] = []  # decode next step
@@ -328,8 +328,7 @@ class Scheduler:
             raise RuntimeError("KV pool exhausted during extend admission (scheduler accounting bug)")
         fb, logprob_slices = built
         samples = [not r.is_chunked and r.sampling_params.max_new_tokens > 0 for r in batch]
-        fb.sampling_info = SamplingBatchInfo.build(batch, self.vocab_size, self.device,
-                                                   discarded=[not s for s in samples])
+        fb.sampling_info = SamplingBatchInfo.build(batch, self.vocab_size, self.device)
         fb.sampling_info.fill_token_bitmask = self.output.bitmask_filler(batch)
         self.stats["num_forward_extend"] += 1
         self.stats["num_tokens_through_model_total"] += sum(fb.extend_seq_lens_cpu)

@@ -49,16 +49,42 @@ def test_top_k_top_p_min_p_restrict_support():
     assert seen[2] == {0, 1}  # >= 0.6 * 0.4
 
 
-def test_seeded_generators_are_independent_of_batch_mates():
-    logits = torch.randn(1, V)
-    a = _req(temperature=1.0, seed=42)
-    a.generator = torch.Generator().manual_seed(42)
-    first = [Sampler()(logits, SamplingBatchInfo.build([a], V, torch.device("cpu"))).item() for _ in range(20)]
-    b, c = _req(temperature=1.0, seed=42), _req(temperature=1.0)
-    b.generator = torch.Generator().manual_seed(42)
-    both = logits.repeat(2, 1)
-    second = [Sampler()(both, SamplingBatchInfo.build([b, c], V, torch.device("cpu")))[0].item() for _ in range(20)]
-    assert first == second
+def test_a_seeded_draw_depends_on_its_seed_and_step_not_on_batch_mates():
+    """A seeded row's token is a function of (seed, tokens sampled so far, its logits): the same alone or beside
+    other rows, the next draw of the same info differs (the step advances), another seed differs."""
+    torch.manual_seed(0)
+    logits = torch.randn(1, 4000)
+
+    def draws(reqs, n=12):
+        info = SamplingBatchInfo.build(reqs, 4000, torch.device("cpu"))
+        rows = logits.repeat(len(reqs), 1)
+        return [Sampler()(rows, info).tolist() for _ in range(n)]
+
+    alone = [d[0] for d in draws([_req(temperature=1.0, seed=42)])]
+    beside = [d[1] for d in draws([_req(temperature=1.0), _req(temperature=1.0, seed=42), _req(temperature=0.5, seed=7)])]
+    assert alone == beside
+    assert len(set(alone)) > 6  # successive steps draw afresh
+    other = [d[0] for d in draws([_req(temperature=1.0, seed=43)])]
+    assert other != alone
+    later = draws([_req(output_ids=[1, 2, 3], temperature=1.0, seed=42)], n=3)
+    assert [d[0] for d in later] == alone[3:6]  # a request rebuilt after 3 tokens continues the same sequence
+
+
+def test_race_draws_follow_the_softmax_with_temperature_and_filters():
+    """Frequencies over many unseeded draws match softmax(logits / T) (and the top-k support)."""
+    torch.manual_seed(1)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0] + [-30.0] * 6])
+    n = 4000
+    reqs = [_req(temperature=0.7)] * n
+    info = SamplingBatchInfo.build(reqs, V, torch.device("cpu"))
+    ids = Sampler()(logits.repeat(n, 1), info)
+    freq = torch.bincount(ids, minlength=V).float() / n
+    expect = torch.softmax(logits[0] / 0.7, -1)
+    assert (freq - expect).abs().max().item() < 0.03
+    info = SamplingBatchInfo.build([_req(temperature=1.0, top_k=2)] * n, V, torch.device("cpu"))
+    ids = Sampler()(logits.repeat(n, 1), info)
+    freq = torch.bincount(ids, minlength=V).float() / n
+    assert set(ids.tolist()) == {0, 1} and abs(freq[0].item() - 1 / (1 + torch.e ** -1)) < 0.03
 
 
 def test_token_logprobs_are_log_softmax():

@@ -14,7 +14,7 @@ class _Req:
     def __init__(self, **sp):
         self.sampling_params = SamplingParams.from_dict(sp)
         self.sampling_params.verify(VOCAB)
-        self.generator, self.return_logprob, self.top_logprobs_num = None, False, 0
+        self.return_logprob, self.top_logprobs_num = False, 0
         self.input_ids, self.output_ids = [1, 2], []
 
 
