@@ -88,8 +88,8 @@ async def run_all(url: str, prompts: list[str], params: list[dict], stream: bool
         return time.perf_counter() - start, outs
 
 
-TIMING_KEYS = ("num_steps", "num_forward_decode", "num_decode_overlapped", "step_time_s_total", "forward_time_s_total",
-               "device_wait_s_total", "send_time_s_total", "grammar_accept_time_s_total", "grammar_mask_time_s_total")
+TIMING_KEYS = ("num_steps", "num_forward_decode", "num_decode_overlapped", "num_forward_extend", "extend_time_s_total",
+               "step_time_s_total", "forward_time_s_total", "device_wait_s_total", "send_time_s_total", "grammar_accept_time_s_total", "grammar_mask_time_s_total")
 
 
 def server_timing(port: int) -> dict:
