@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from braid.runtime.error_kind import ErrorKind
 from braid.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -53,16 +54,12 @@ class RequestError(ValueError):
         self.code = code
 
 
-# the message prefix of an abort whose grammar was refused because the compile queue was full: a load condition
-# the client may retry (HTTP 429), unlike "grammar error: ..." (the regex or schema itself, HTTP 400)
-GRAMMAR_BUSY_PREFIX = "grammar compiler busy"
-
-
 @dataclass
 class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: Any = None  # the stop token id (int) or stop string (str) that ended it
     message: Optional[str] = None  # for aborts caused by errors
+    kind: Optional[ErrorKind] = None  # for aborts the submitter must answer as an error (runtime/error_kind.py)
 
     def to_json(self) -> dict:
         d = {"type": self.type, "matched": self.matched}
@@ -246,3 +243,4 @@ class ReqOutput:
     # timings, on the finished report only: wall-clock time of the first token, seconds waiting to be scheduled
     first_token_time: Optional[float] = None
     queue_time: Optional[float] = None
+    error_kind: Optional[ErrorKind] = None  # finished report only: the abort's FinishReason.kind

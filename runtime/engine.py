@@ -15,7 +15,8 @@ from typing import Iterator, Optional, Union
 import torch
 
 from braid.runtime.config import ServerArgs
-from braid.runtime.core import GRAMMAR_BUSY_PREFIX, Req
+from braid.runtime.core import Req
+from braid.runtime.error_kind import exception_for
 from braid.runtime.host_memory import return_freed_memory
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.output_accumulator import OutputAccumulator
@@ -231,14 +232,14 @@ class Engine:
         if kind == "error":
             self._pending.pop(p.rid, None)
             raise value
-        reason = value.finish_reason if value.finished else None
-        message = str(reason.get("message", "")) if reason and reason.get("type") == "abort" else ""
-        if message.startswith(("grammar error", GRAMMAR_BUSY_PREFIX)):
-            # a grammar that failed to compile is the caller's error, as the server's 400 (busy: its 429)
+        kind = value.error_kind if value.finished else None
+        if kind is not None:
+            # e.g. a grammar that failed to compile: the caller's error, as the server's 400 (ValueError); the compile
+            # queue full, the server's 429 (BusyError)
             self._pending.pop(p.rid, None)
             if p.remaining > 1:
                 self.abort(p.rid)
-            raise (ValueError if message.startswith("grammar error") else RuntimeError)(message)
+            raise exception_for(kind, str(value.finish_reason.get("message", "")))
         return value
 
     def _wait(self, p: _Pending) -> list[dict]:

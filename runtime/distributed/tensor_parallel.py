@@ -86,6 +86,7 @@ class GrammarGate:
 
     def poll(self):
         from braid.runtime.core import FinishReason
+        from braid.runtime.error_kind import ErrorKind
 
         decided, self.decided = self.decided, {}
         queue = self.intake.grammar_queue
@@ -98,7 +99,8 @@ class GrammarGate:
         self.intake.grammar_queue = [(req, fut) for req, fut in queue if (req.rid, req.index) not in decided]
         for req in [r for r in ready if not decided[(r.rid, r.index)]]:
             ready.remove(req)  # rank 0's compile failed (a timeout): this rank fails it too
-            failed.append((req, FinishReason("abort", message="grammar error on rank 0")))
+            failed.append((req, FinishReason("abort", message="grammar error on rank 0",
+                                             kind=ErrorKind.GRAMMAR_INVALID)))
         if any(decided[(r.rid, r.index)] for r, _ in failed):
             raise RuntimeError("a grammar compiled on rank 0 failed on this rank; the ranks' schedules would diverge")
         return ready, failed

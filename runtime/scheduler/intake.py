@@ -11,7 +11,8 @@ import dataclasses
 from concurrent.futures import Future
 from typing import Optional
 
-from braid.runtime.core import GRAMMAR_BUSY_PREFIX, FinishReason, Req, RequestError
+from braid.runtime.core import FinishReason, Req, RequestError
+from braid.runtime.error_kind import ErrorKind, error_kind_of
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
 
 
@@ -124,8 +125,11 @@ class RequestIntake:
                 req.grammar = fut.result().new_state()
                 ready.append(req)
             except Exception as e:  # GrammarError, timeouts, the compile queue full (GrammarBusyError)
-                kind = GRAMMAR_BUSY_PREFIX if type(e).__name__ == "GrammarBusyError" else "grammar error"
-                failed.append((req, FinishReason("abort", message=f"{kind}: {e}")))
+                # any other failure of the compile (a worker that died, too) is answered as the grammar's
+                busy = error_kind_of(e) == ErrorKind.GRAMMAR_BUSY
+                kind = ErrorKind.GRAMMAR_BUSY if busy else ErrorKind.GRAMMAR_INVALID
+                label = "grammar compiler busy" if busy else "grammar error"
+                failed.append((req, FinishReason("abort", message=f"{label}: {e}", kind=kind)))
         self.grammar_queue = still
         return ready, failed
 

@@ -271,6 +271,7 @@ class OutputProcessor:
             req.sent_logprob_offset = len(req.output_token_logprobs)
         if reason is not None:
             out.first_token_time = req.first_token_time
+            out.error_kind = reason.kind
             if req.scheduled_time is not None:
                 out.queue_time = req.scheduled_time - req.created_time
         req.sent_offset = n

@@ -23,6 +23,7 @@ from typing import Optional
 
 import zmq
 
+from braid.runtime.error_kind import GRAMMAR_KINDS, ErrorKind, error_kind_of
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
 from braid.runtime.scheduler.stats_log import ServingStatsLog
 from braid.runtime.server import messages as M
@@ -187,19 +188,17 @@ class SchedulerLoop:
 
         try:
             self.scheduler.add_request(req_from_message(msg))
-        except ValueError as e:
-            self.send(M.ReqError(msg.rid, str(e), getattr(e, "param", None) or _grammar_param(e, msg), True,
-                                 retry_later=type(e).__name__ == "GrammarBusyError"))
         except Exception as e:
-            logger.exception("add_request failed for %s", msg.rid)
-            self.send(M.ReqError(msg.rid, f"{type(e).__name__}: {e}", None, False))
-
-
-def _grammar_param(e: ValueError, msg: M.GenerateReq) -> Optional[str]:
-    """A grammar error names no field; it is the grammar field the request carried (regex, json_schema, ...)."""
-    if type(e).__name__ not in ("GrammarError", "GrammarTimeoutError", "GrammarBusyError"):
-        return None
-    return next((f for f in GRAMMAR_FIELDS if msg.sampling_params.get(f) is not None), None)
+            kind = error_kind_of(e)
+            if kind == ErrorKind.INTERNAL:
+                logger.exception("add_request failed for %s", msg.rid)
+                self.send(M.ReqError(msg.rid, f"{type(e).__name__}: {e}", None, kind))
+                return
+            # a grammar error names no field; it is the grammar field the request carried (regex, json_schema, ...)
+            param = getattr(e, "param", None) or (
+                next((f for f in GRAMMAR_FIELDS if msg.sampling_params.get(f) is not None), None)
+                if kind in GRAMMAR_KINDS else None)
+            self.send(M.ReqError(msg.rid, str(e), param, kind))
 
 
 def _plain_stats(stats: dict) -> dict:

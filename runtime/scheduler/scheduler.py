@@ -20,6 +20,7 @@ import torch
 
 from braid.runtime.constrained.grammar import accept_tokens
 from braid.runtime.core import FinishReason, ForwardOutput, Req, ReqOutput
+from braid.runtime.error_kind import ErrorKind
 from braid.runtime.layers.sampler import SamplingBatchInfo
 from braid.runtime.loader.gguf import release_gguf_readers
 from braid.runtime.loader.tokenizer import get_tokenizer
@@ -423,7 +424,7 @@ class Scheduler:
             ended = grammar_ended.get(i)
             if ended is _REFUSED:
                 self.finish(req, FinishReason("abort", message=f"grammar error: the sampled token {tok} was refused "
-                                                                "by the grammar"))
+                                                                "by the grammar", kind=ErrorKind.GRAMMAR_INVALID))
                 continue
             if slow:
                 if host_lists is None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from braid.runtime.error_kind import ErrorKind
+
 
 class APIError(Exception):
     """An error answered to the client as `{"error": {"message", "type", "param", "code"}}`."""
@@ -70,6 +72,17 @@ def unavailable(message: str) -> APIError:
 
 def internal(message: str) -> APIError:
     return APIError(message, 500, code="internal_error")
+
+
+def for_kind(kind: ErrorKind, message: str, param: Optional[str] = None) -> APIError:
+    """What the client gets for a request the scheduler refused or aborted with `kind`: the request's or its grammar's
+    fault a 400 (invalid_request_error), the grammar compile queue full a 429 with Retry-After (rate_limit_error), a
+    bug a 500 (internal_server_error)."""
+    if kind in (ErrorKind.INVALID_REQUEST, ErrorKind.GRAMMAR_INVALID):
+        return bad_request(message, param=param)
+    if kind == ErrorKind.GRAMMAR_BUSY:
+        return retry_later(message, param=param)
+    return internal(message)
 
 
 def from_exception(exc: BaseException) -> APIError:

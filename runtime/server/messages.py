@@ -11,6 +11,8 @@ from typing import Any, Optional, Union
 
 import msgspec
 
+from braid.runtime.error_kind import ErrorKind
+
 # ---- server -> scheduler ----------------------------------------------------------------------
 
 
@@ -106,6 +108,7 @@ class Output(msgspec.Struct, tag=True):
     input_top_logprobs: Optional[list] = None
     first_token_time: Optional[float] = None  # finished output only: wall-clock time of the first token
     queue_time: Optional[float] = None  # finished output only: seconds the request waited to be scheduled
+    error_kind: Optional[ErrorKind] = None  # finished output only: an abort the server answers as an error
 
 
 class OutputBatch(msgspec.Struct, tag=True):
@@ -113,14 +116,12 @@ class OutputBatch(msgspec.Struct, tag=True):
 
 
 class ReqError(msgspec.Struct, tag=True):
-    """add_request rejected the request; `user_error` says whether it was the client's fault (400), `retry_later`
-    that it may succeed later (429)."""
+    """add_request rejected the request; `kind` says whose fault it was and whether a retry may succeed."""
 
     rid: str
     message: str
     param: Optional[str] = None
-    user_error: bool = True
-    retry_later: bool = False
+    kind: ErrorKind = ErrorKind.INVALID_REQUEST
 
 
 class FlushCacheResult(msgspec.Struct, tag=True):
@@ -177,5 +178,5 @@ def output_from_req_output(o: Any) -> Output:
     return Output(o.rid, o.index, o.output_ids_offset, o.new_token_ids, o.finished, o.finish_reason, o.prompt_tokens,
                   o.completion_tokens, o.cached_tokens, o.completion_tokens_wo_jump_forward, o.output_token_logprobs,
                   o.output_top_logprobs, o.input_token_logprobs, o.input_top_logprobs, o.first_token_time,
-                  o.queue_time)
+                  o.queue_time, o.error_kind)
 

@@ -12,10 +12,11 @@ import collections
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 
-from braid.runtime.core import GRAMMAR_BUSY_PREFIX, Req
+from braid.runtime.core import Req
+from braid.runtime.error_kind import GRAMMAR_KINDS
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
 from braid.runtime.server import messages as M
-from braid.runtime.server.errors import APIError, bad_request, retry_later
+from braid.runtime.server.errors import APIError, for_kind
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.output_accumulator import ChoiceUpdate, OutputAccumulator
 
@@ -76,7 +77,7 @@ class RequestHandle:
         """Apply one step's outputs; returns what to deliver: [list of ChoiceUpdate] or [APIError]."""
         updates = []
         for out in outs:
-            error = _grammar_failure(out, self.sampling_params)
+            error = _error_failure(out, self.sampling_params)
             if error is not None:
                 return [error]
             update = self._apply(out)
@@ -188,17 +189,16 @@ def _run_now(handle: RequestHandle, fn: Callable[[], list]) -> None:
         handle.deliver(item)
 
 
-def _grammar_failure(out: M.Output, sp: "SamplingParams") -> Optional[APIError]:
-    """A request the scheduler aborted because its regex/schema could not be compiled: the client's error (400); or
-    because the grammar compile queue was full (--grammar-max-queued): retry later (429)."""
-    reason = out.finish_reason if out.finished else None
-    message = str(reason.get("message", "")) if reason and reason.get("type") == "abort" else ""
-    param = next((f for f in GRAMMAR_FIELDS if getattr(sp, f) is not None), None)
-    if message.startswith(GRAMMAR_BUSY_PREFIX):  # the compile queue was full: 429 with Retry-After
-        return retry_later(message, param=param)
-    if not message.startswith("grammar error"):
+def _error_failure(out: M.Output, sp: "SamplingParams") -> Optional[APIError]:
+    """A request the scheduler aborted with an error kind (its grammar could not be compiled: the client's error, 400;
+    the grammar compile queue was full, --grammar-max-queued: retry later, 429), as the error the handler raises; None
+    for any other output. A grammar error names the grammar field the request carried."""
+    kind = out.error_kind if out.finished else None
+    if kind is None:
         return None
-    return bad_request(message, param=param)
+    message = str((out.finish_reason or {}).get("message", ""))
+    param = next((f for f in GRAMMAR_FIELDS if getattr(sp, f) is not None), None) if kind in GRAMMAR_KINDS else None
+    return for_kind(kind, message, param=param)
 
 
 async def merge_steps(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, list[ChoiceUpdate]]]:

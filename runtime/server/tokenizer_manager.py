@@ -32,7 +32,7 @@ from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.server import messages as M
 from braid.runtime.scheduler import process as scheduler_process
 from braid.runtime.server.chat_content import content_text, in_content_format, resolve_content_format
-from braid.runtime.server.errors import APIError, bad_request, internal, retry_later, too_many_requests, unavailable
+from braid.runtime.server.errors import APIError, bad_request, for_kind, internal, too_many_requests, unavailable
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.server.prepare import RequestError, ServedModel, prepare_request
 from braid.runtime.server.request_handle import DEADLINE_GRACE_S, RequestHandle
@@ -458,9 +458,7 @@ class TokenizerManager:
         if isinstance(msg, M.ReqError):
             handle = self.handles.get(msg.rid)
             if handle is not None:
-                handle.deliver(retry_later(msg.message, param=msg.param) if msg.retry_later
-                               else bad_request(msg.message, param=msg.param) if msg.user_error
-                               else internal(msg.message))
+                handle.deliver(for_kind(msg.kind, msg.message, param=msg.param))
         elif isinstance(msg, (M.FlushCacheResult, M.Stats)):
             fut = self._pending.get(msg.req_id)
             if fut is not None and not fut.done():

@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from braid.runtime.core import ReqOutput
+from braid.runtime.error_kind import ErrorKind
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.server import messages as M
 from braid.runtime.scheduler.process import SchedulerLoop
@@ -42,6 +43,10 @@ def test_output_from_req_output_keeps_every_field():
     assert out.completion_tokens_wo_jump_forward == 2
     assert out.output_token_logprobs == [[-0.5, 5], [-0.25, 6]] and out.output_top_logprobs == [[[-0.5, 5]], None]
     assert out.input_token_logprobs == [[None, 1], [-1.0, 2]]
+    assert out.error_kind is None
+    ro.error_kind = ErrorKind.GRAMMAR_BUSY
+    out = M.decode_from_scheduler(M.encode(M.OutputBatch([M.output_from_req_output(ro)]))).outputs[0]
+    assert out.error_kind is ErrorKind.GRAMMAR_BUSY  # decoded as the enum, not its text
 
 
 class StandInScheduler:
@@ -129,9 +134,9 @@ def test_scheduler_loop_runs_requests_and_answers_calls(loop_sockets):
     ids = [o.new_token_ids[0] for b in batches for o in b.outputs]
     assert ids == [10, 11, 12] and batches[-1].outputs[0].finished
     (err,) = rpc(_gen("b", temperature=7))
-    assert err == M.ReqError("b", "temperature: too hot", "temperature", True)
+    assert err == M.ReqError("b", "temperature: too hot", "temperature", ErrorKind.INVALID_REQUEST)
     (err,) = rpc(_gen("c", temperature=8))
-    assert isinstance(err, M.ReqError) and not err.user_error
+    assert isinstance(err, M.ReqError) and err.kind == ErrorKind.INTERNAL and err.message == "RuntimeError: bug"
     (stats,) = rpc(M.GetStatsReq(9))
     assert stats.req_id == 9 and stats.stats == {"num_running_reqs": 0, "kv_used_tokens": 0}
     (flushed,) = rpc(M.FlushCacheReq(10))
