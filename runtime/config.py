@@ -195,6 +195,30 @@ class ServerArgs:
                                                    "clients' compiles are served in turn, so this only bounds a "
                                                    "burst (0: no limit; in-process requests share one queue)")
 
+    # ---- speculative decoding (docs/api.md, "Speculative decoding") ----
+    speculative_algorithm: Optional[str] = _opt(
+        None, "draft several tokens a step and verify them in one pass of the model: NGRAM drafts by prompt lookup "
+        "(the request's last tokens matched earlier in its prompt and output); EAGLE and EAGLE3 (draft heads) are "
+        "refused until they are wired; greedy output is token for token the same, sampled output distributed the "
+        "same (rejection sampling). Speculative steps run synchronously (no overlap schedule)",
+        ["NGRAM", "EAGLE", "EAGLE3"])
+    speculative_draft_model_path: Optional[str] = _opt(None, "EAGLE / EAGLE3: the draft head's folder (config.json "
+                                                             "and safetensors)")
+    speculative_num_steps: Optional[int] = _opt(None, "draft depth (NGRAM: the draft tokens a request a step, "
+                                                      "--speculative-num-draft-tokens - 1)")
+    speculative_eagle_topk: Optional[int] = _opt(None, "draft branches per step (1: a chain; NGRAM takes only 1)")
+    speculative_num_draft_tokens: Optional[int] = _opt(None, "tokens one verify pass takes per request, its last "
+                                                             "token included (NGRAM default 5: 4 draft tokens)")
+    speculative_ngram_min_match_window_size: Optional[int] = _opt(
+        None, "NGRAM: the shortest suffix of the request's tokens looked up (default 2; vLLM's prompt_lookup_min)")
+    speculative_ngram_max_match_window_size: Optional[int] = _opt(
+        None, "NGRAM: the longest suffix looked up; longer matches are tried first (default 8; vLLM's "
+        "prompt_lookup_max)")
+    speculative_config: Optional[str] = _opt(
+        None, "vLLM's form, mapped onto the flags above: JSON such as '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 8}' (method ngram, eagle or eagle3; model, "
+        "prompt_lookup_min)")
+
     # ---- server ----
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
@@ -321,6 +345,12 @@ class ServerArgs:
                              f"{self.kv_cache_dtype!r} (give --kv-cache-dtype fp8_e4m3, or drop the flag)")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give the API key once: --api-key or --api-key-file")
+        from braid.runtime.speculative import spec_args
+
+        resolved = spec_args.resolve({name: getattr(self, name) for name in (*spec_args.FIELDS, "speculative_config")},
+                                     tp_size=self.tp_size)
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
         if self.attention_backend == "torch" and not self.disable_cuda_graph:
             # the torch backend runs attention with host-side loops over requests, which a graph cannot replay
             object.__setattr__(self, "disable_cuda_graph", True)
