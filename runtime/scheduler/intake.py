@@ -11,33 +11,17 @@ import dataclasses
 from concurrent.futures import Future
 from typing import Optional
 
-from braid.runtime.core import FinishReason, Req, RequestError
+from braid.runtime.core import FinishReason, Req
 from braid.runtime.error_kind import ErrorKind, error_kind_of
+from braid.runtime.request_checks import RequestLimits, check_request
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
 
 
-def validate_request(req: Req, vocab_size: int, context_len: int, kv_pool_size: int, grammar_backend) -> None:
+def validate_request(req: Req, limits: RequestLimits, grammar_backend) -> None:
     """grammar_backend: a callable returning the GrammarBackend (started only for requests with a grammar)."""
-    sp = req.sampling_params
-    sp.verify(vocab_size)
-    if not req.input_ids:
-        raise RequestError("the prompt is empty", "prompt")
     model_ids = req.input_ids if req.mm_inputs is None else req.mm_inputs.model_ids(req.input_ids, 0)
-    if any((not isinstance(t, int)) or t < 0 or t >= vocab_size for t in model_ids):
-        raise RequestError("input_ids contain a token id outside the vocabulary", "input_ids")
-    if len(req.input_ids) >= context_len:
-        raise RequestError(f"the prompt has {len(req.input_ids)} tokens; the model's context is {context_len}", "prompt")
-    if len(req.input_ids) + sp.max_new_tokens > context_len:
-        raise RequestError(f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({sp.max_new_tokens}) exceeds "
-                           f"the context length {context_len}", "max_new_tokens")
-    if len(req.input_ids) + sp.max_new_tokens > kv_pool_size:
-        raise RequestError(f"prompt + max_new_tokens ({len(req.input_ids) + sp.max_new_tokens}) exceeds the KV pool "
-                           f"({kv_pool_size} tokens)", "max_new_tokens")
-    if req.top_logprobs_num < 0 or req.top_logprobs_num > 20:
-        raise RequestError("top_logprobs_num must be in [0, 20]", "top_logprobs_num")
-    if req.logprob_start_len >= len(req.input_ids):
-        raise RequestError("logprob_start_len must be < the prompt length", "logprob_start_len")
-    grammar = sp.grammar()
+    check_request(limits, model_ids, req.sampling_params, req.logprob_start_len, req.top_logprobs_num)
+    grammar = req.sampling_params.grammar()
     if grammar is not None:
         grammar_backend().validate(*grammar)
 
@@ -93,7 +77,8 @@ class RequestIntake:
     def add(self, req: Req) -> list[Req]:
         """Validate (raises RequestError / SamplingParamsError / GrammarError); the requests ready to wait for
         admission now (the others wait for their grammar)."""
-        validate_request(req, self.vocab_size, self.context_len, self.kv_pool_size, lambda: self.grammar_backend)
+        validate_request(req, RequestLimits(self.vocab_size, self.context_len, self.kv_pool_size),
+                         lambda: self.grammar_backend)
         self.num_requests += 1
         if req.sampling_params.n == 1:
             return self.enqueue([req])

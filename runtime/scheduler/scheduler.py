@@ -19,7 +19,7 @@ from braid.runtime.config import (DEFAULT_CUDA_ADMISSION_MIN_EXTEND_TOKENS, DEFA
 import torch
 
 from braid.runtime.constrained.grammar import accept_tokens
-from braid.runtime.core import FinishReason, ForwardOutput, Req, ReqOutput
+from braid.runtime.core import FinishReason, ForwardOutput, Req, ReqOutput, RequestError
 from braid.runtime.error_kind import ErrorKind
 from braid.runtime.layers.sampler import SamplingBatchInfo
 from braid.runtime.loader.gguf import release_gguf_readers
@@ -28,7 +28,7 @@ from braid.runtime.mem_cache.chunk_cache import ChunkCache
 from braid.runtime.mem_cache.radix_cache import RadixCache
 from braid.runtime.model_executor.model_runner import ModelRunner
 from braid.runtime.scheduler.decode import DecodeInFlight, DecodeRunner
-from braid.runtime.scheduler.intake import RequestError, RequestIntake
+from braid.runtime.scheduler.intake import RequestIntake
 from braid.runtime.scheduler.output import FinishTable, OutputProcessor
 from braid.runtime.scheduler.prefill import PrefillPlanner, record_prompt_logprobs
 

@@ -3,7 +3,8 @@
 The in-process Engine and the HTTP server both call `prepare_request`; the server then sends the Req to
 the scheduler process as a `GenerateReq`. Nothing here imports aiohttp or zmq. A user's mistake raises
 `RequestError` (or `SamplingParamsError`), ValueErrors that name the parameter; the server answers them
-with HTTP 400. The scheduler validates again as the last line of defence.
+with HTTP 400. The checks against the model and the pool are runtime/request_checks.py's, which the scheduler
+runs again as the last line of defence.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from braid.runtime.core import Req, RequestError
-from braid.runtime.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, SamplingParamsError
-
-_MAX_INT32 = 2**31 - 1
+from braid.runtime.request_checks import RequestLimits, check_request, culprit
+from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class ServedModel:
                    vocab_size=vocab_size, kv_total_tokens=kv_total if isinstance(kv_total, int) else None,
                    is_multimodal=bool(model_info.get("is_multimodal", False)),
                    is_generation=bool(model_info.get("is_generation", True)))
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.vocab_size, self.context_len, self.kv_total_tokens)
 
     @property
     def room(self) -> int:
@@ -80,8 +84,8 @@ def prepare_request(model: ServedModel, prompt: Union[str, list[int]],
     else:
         input_ids = _tokenize(model, prompt, add_special_tokens)
     sp = _sampling_params(model, sampling_params, len(input_ids), max_new_tokens_fills_context)
-    _check_length(model, len(input_ids), sp.max_new_tokens)
-    _check_logprobs(len(input_ids), return_logprob, logprob_start_len, top_logprobs_num)
+    check_request(model.limits, input_ids if mm_inputs is None else mm_inputs.model_ids(input_ids, 0), sp,
+                  logprob_start_len, top_logprobs_num)
     return Req(rid=rid, input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream,
                mm_inputs=mm_inputs)
@@ -113,11 +117,7 @@ def _tokenize(model: ServedModel, prompt: Union[str, list[int]], add_special_tok
         return list(model.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         raise RequestError("the prompt must be a string or a list of token ids", "prompt")
-    if not prompt:
-        raise RequestError("the prompt is empty", "prompt")
-    if any(not 0 <= t < model.vocab_size for t in prompt):
-        raise RequestError(f"the prompt holds a token id outside the vocabulary [0, {model.vocab_size})", "prompt")
-    return list(prompt)
+    return list(prompt)  # emptiness and the vocabulary: check_request
 
 
 def _sampling_params(model: ServedModel, given: Union[None, dict, SamplingParams], prompt_len: int,
@@ -135,44 +135,6 @@ def _sampling_params(model: ServedModel, given: Union[None, dict, SamplingParams
         except SamplingParamsError:
             raise
         except (TypeError, ValueError) as e:
-            raise SamplingParamsError(f"invalid sampling parameters: {e}", _culprit(overrides)) from None
-    try:
-        sp.verify(model.vocab_size)
-    except SamplingParamsError:
-        raise
-    except (TypeError, ValueError) as e:
-        raise SamplingParamsError(f"invalid sampling parameters: {e}", _culprit(sp.to_dict(drop_defaults=True))) from None
-    return sp
+            raise SamplingParamsError(f"invalid sampling parameters: {e}", culprit(overrides)) from None
+    return sp  # verified by check_request
 
-
-def _culprit(fields: dict) -> Optional[str]:
-    """The first field that fails on its own (for errors SamplingParams raises without naming one)."""
-    for name, value in fields.items():
-        try:
-            SamplingParams.from_dict({name: value}).verify()
-        except (TypeError, ValueError):
-            return name
-    return None
-
-
-def _check_length(model: ServedModel, prompt_len: int, max_new_tokens: int) -> None:
-    if prompt_len >= model.context_len:
-        raise RequestError(f"The prompt is {prompt_len} tokens, the model's context is {model.context_len} tokens",
-                           "prompt", "context_length_exceeded")
-    if prompt_len + max_new_tokens > model.context_len:
-        raise RequestError(f"The prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
-                           f"model's context of {model.context_len} tokens", "max_new_tokens", "context_length_exceeded")
-    if model.kv_total_tokens is not None and prompt_len + max_new_tokens > model.kv_total_tokens:
-        raise RequestError(f"The prompt ({prompt_len} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the KV "
-                           f"cache of {model.kv_total_tokens} tokens", "max_new_tokens", "context_length_exceeded")
-
-
-def _check_logprobs(prompt_len: int, return_logprob: bool, logprob_start_len: int, top_logprobs_num: int) -> None:
-    for name, value, low in (("logprob_start_len", logprob_start_len, -1), ("top_logprobs_num", top_logprobs_num, 0)):
-        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= _MAX_INT32:
-            raise RequestError(f"{name} must be an integer in [{low}, {_MAX_INT32}], got {value!r}", name)
-    if top_logprobs_num > MAX_TOP_LOGPROBS:
-        raise RequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs_num}",
-                           "top_logprobs_num")
-    if return_logprob and logprob_start_len >= prompt_len:
-        raise RequestError(f"logprob_start_len must be < the prompt length ({prompt_len})", "logprob_start_len")

@@ -176,14 +176,14 @@ def test_prepare_generate_builds_requests():
     ({}, "text"),
     ({"text": "a", "input_ids": [1]}, "text"),
     ({"text": 5}, "text"),
-    ({"input_ids": [1, 99]}, "input_ids"),
+    ({"input_ids": [1, 100]}, "input_ids"),
     ({"input_ids": []}, "input_ids"),
     ({"text": ""}, "text"),
     ({"text": "a", "sampling_params": {"bogus": 1}}, "bogus"),
     ({"text": "a", "sampling_params": {"max_new_tokens": -2}}, "max_new_tokens"),
     ({"text": "a", "sampling_params": {"max_new_tokens": CONTEXT}}, "max_new_tokens"),
     ({"text": "a" * CONTEXT}, "text"),
-    ({"text": "a", "sampling_params": {"stop_token_ids": [50]}}, "stop_token_ids"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [100]}}, "stop_token_ids"),
     ({"text": "a", "sampling_params": "x"}, "sampling_params"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num"),
@@ -197,7 +197,8 @@ def test_prepare_generate_builds_requests():
     ({"text": "a", "image_data": ["f1"], "modalities": ["video"]}, "image_data"),
 ])
 def test_native_request_errors(body, param):
-    assert status_param(lambda: native(body, vocab_size=50)) == (400, param)
+    # vocab_size 100: the stand-in tokenizer's ids are all below it (the prompt's ids are checked against it too)
+    assert status_param(lambda: native(body, vocab_size=100)) == (400, param)
 
 
 def test_over_context_is_context_length_exceeded_in_the_routes_names():
