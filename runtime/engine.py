@@ -82,7 +82,8 @@ class Engine:
             if self.server_args.dp_size > 1:
                 raise ValueError("dp_size > 1 is a server feature (python -m braid.launch_server --dp-size N); the "
                                  "in-process Engine runs one scheduler group")
-            from braid.runtime.distributed.tensor_parallel import EngineRanks, init_rank, uses_distributed
+            from braid.runtime.distributed.tensor_parallel import init_rank, uses_distributed
+            from braid.runtime.scheduler.process import EngineRanks
 
             if uses_distributed(self.server_args):
                 self._ranks = EngineRanks(self.server_args)

@@ -18,7 +18,6 @@ import concurrent.futures
 import logging
 import os
 import socket
-import subprocess
 import time
 from typing import Optional
 
@@ -198,7 +197,9 @@ def follow(scheduler) -> None:
 def add_like_rank_0(scheduler, msg, command: Command) -> None:
     """Add a request rank 0 received; its outcome (taken or refused: rank 0 told the client) must be rank 0's.
     Refusals that depend on this rank's timing (a full grammar queue) are the only way the outcomes can differ."""
-    req = req_from_message(msg)
+    from braid.runtime.server import messages as M
+
+    req = M.req_from_message(msg)
     req.created_time = command.created_time
     req.client = ""  # the per-client grammar cap counts compiles pending on this rank: rank 0's outcome decides
     try:
@@ -212,21 +213,6 @@ def add_like_rank_0(scheduler, msg, command: Command) -> None:
         raise RuntimeError(f"request {msg.rid} was taken on rank 0 but refused on this rank ({reason}); the ranks' "
                            "schedules would diverge")
     scheduler.abort_request(msg.rid)  # refused on rank 0: never scheduled here either
-
-
-def req_from_message(msg):
-    """The Req a GenerateReq carries (the scheduler process's and the followers' intake)."""
-    from braid.runtime.core import Req
-    from braid.runtime.sampling_params import SamplingParams
-
-    req = Req(rid=msg.rid, input_ids=list(msg.input_ids), sampling_params=SamplingParams.from_dict(msg.sampling_params),
-              return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-              top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, client=msg.client)
-    if msg.media is not None:
-        from braid.runtime.multimodal.inputs import inputs_from_wire
-
-        req.mm_inputs = inputs_from_wire(msg.media)
-    return req
 
 
 # ---- process layout ----------------------------------------------------------------------------------------------
@@ -279,75 +265,3 @@ def init_rank(server_args, rank: int, init_addr: Optional[str]) -> None:
         # the same cores wait on each other at every collective
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // per_host)))
     ps.init_tensor_parallel(server_args.tp_size, rank, init_addr, device)
-
-
-def spawn_followers(server_args, init_addr: str, ranks, parent_pid: int) -> list[subprocess.Popen]:
-    """Start follower rank processes (the scheduler process in follower mode: no sockets, typed config on stdin)."""
-    from braid.runtime.scheduler import process
-
-    return [process.spawn_rank(server_args, rank, init_addr, parent_pid) for rank in ranks if rank != 0]
-
-
-def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    for proc in procs:
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-class EngineRanks:
-    """The in-process Engine under TP: rank 0 runs on the Engine's scheduler thread, the others as processes."""
-
-    def __init__(self, server_args):
-        if server_args.nnodes > 1:
-            raise ValueError("nnodes > 1 is a server feature (python -m braid.launch_server on every host); the "
-                             "in-process Engine runs all its ranks on this host")
-        self.server_args = server_args
-        self.init_addr = group_init_addr(server_args)
-        self.followers = spawn_followers(server_args, self.init_addr, range(server_args.tp_size), os.getpid())
-        self.leader: Optional[LeaderScheduler] = None
-
-    def build_scheduler(self):
-        from braid.runtime.scheduler.scheduler import Scheduler
-
-        try:
-            init_rank(self.server_args, 0, self.init_addr)
-            self.leader = LeaderScheduler(Scheduler(self.server_args))
-        except BaseException:
-            self.close()
-            raise
-        return self.leader
-
-    def close(self) -> None:
-        for proc in self.followers:
-            if proc.poll() is None and self.leader is None:
-                proc.kill()  # rank 0 never joined: they wait at the rendezvous
-        stop_processes(self.followers)
-        ps.destroy_tensor_parallel()
-
-
-def run_node_ranks(server_args) -> int:
-    """--node-rank > 0: run this host's TP ranks (followers of rank 0 on node 0) until they exit; one rank failing
-    stops the others. SIGTERM/SIGINT stop them too."""
-    import signal
-    import time
-
-    procs = spawn_followers(server_args, group_init_addr(server_args), local_ranks(server_args), os.getpid())
-    stopping = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.append(True))
-    logger.info("node %d: ranks %s running, following rank 0 at %s", server_args.node_rank,
-                list(local_ranks(server_args)), server_args.dist_init_addr)
-    while not stopping and all(p.poll() is None for p in procs):
-        time.sleep(0.5)
-    codes = [p.poll() for p in procs]
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    stop_processes(procs)
-    failed = {rank: code for rank, code in zip(local_ranks(server_args), codes) if code not in (None, 0)}
-    for rank, code in failed.items():
-        logger.error("node %d: rank %d exited with code %d", server_args.node_rank, rank, code)
-    return 1 if failed else 0

@@ -107,6 +107,80 @@ class RankProcesses:
         return self.returncode
 
 
+def spawn_followers(server_args, init_addr: str, ranks, parent_pid: int) -> list[subprocess.Popen]:
+    """Start follower rank processes (the scheduler process in follower mode: no sockets, typed config on stdin)."""
+    return [spawn_rank(server_args, rank, init_addr, parent_pid) for rank in ranks if rank != 0]
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    for proc in procs:
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class EngineRanks:
+    """The in-process Engine under TP: rank 0 runs on the Engine's scheduler thread, the others as processes."""
+
+    def __init__(self, server_args):
+        if server_args.nnodes > 1:
+            raise ValueError("nnodes > 1 is a server feature (python -m braid.launch_server on every host); the "
+                             "in-process Engine runs all its ranks on this host")
+        from braid.runtime.distributed.tensor_parallel import group_init_addr
+
+        self.server_args = server_args
+        self.init_addr = group_init_addr(server_args)
+        self.followers = spawn_followers(server_args, self.init_addr, range(server_args.tp_size), os.getpid())
+        self.leader = None  # rank 0's tensor_parallel.LeaderScheduler once built
+
+    def build_scheduler(self):
+        from braid.runtime.distributed.tensor_parallel import LeaderScheduler, init_rank
+        from braid.runtime.scheduler.scheduler import Scheduler
+
+        try:
+            init_rank(self.server_args, 0, self.init_addr)
+            self.leader = LeaderScheduler(Scheduler(self.server_args))
+        except BaseException:
+            self.close()
+            raise
+        return self.leader
+
+    def close(self) -> None:
+        for proc in self.followers:
+            if proc.poll() is None and self.leader is None:
+                proc.kill()  # rank 0 never joined: they wait at the rendezvous
+        from braid.runtime.distributed import parallel_state as ps
+
+        stop_processes(self.followers)
+        ps.destroy_tensor_parallel()
+
+
+def run_node_ranks(server_args) -> int:
+    """--node-rank > 0: run this host's TP ranks (followers of rank 0 on node 0) until they exit; one rank failing
+    stops the others. SIGTERM/SIGINT stop them too."""
+    from braid.runtime.distributed.tensor_parallel import group_init_addr, local_ranks
+
+    procs = spawn_followers(server_args, group_init_addr(server_args), local_ranks(server_args), os.getpid())
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.append(True))
+    logger.info("node %d: ranks %s running, following rank 0 at %s", server_args.node_rank,
+                list(local_ranks(server_args)), server_args.dist_init_addr)
+    while not stopping and all(p.poll() is None for p in procs):
+        time.sleep(0.5)
+    codes = [p.poll() for p in procs]
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    stop_processes(procs)
+    failed = {rank: code for rank, code in zip(local_ranks(server_args), codes) if code not in (None, 0)}
+    for rank, code in failed.items():
+        logger.error("node %d: rank %d exited with code %d", server_args.node_rank, rank, code)
+    return 1 if failed else 0
+
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         try:
@@ -184,10 +258,8 @@ class SchedulerLoop:
             self.running = False
 
     def _add(self, msg: M.GenerateReq) -> None:
-        from braid.runtime.distributed.tensor_parallel import req_from_message
-
         try:
-            self.scheduler.add_request(req_from_message(msg))
+            self.scheduler.add_request(M.req_from_message(msg))
         except Exception as e:
             kind = error_kind_of(e)
             if kind == ErrorKind.INTERNAL:

@@ -503,7 +503,7 @@ def launch_server(server_args) -> int:
     logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
                         format="[server %(asctime)s] %(levelname)s %(message)s")
     if server_args.node_rank > 0:  # multi-node TP: this host runs its ranks; node 0 serves HTTP
-        from braid.runtime.distributed.tensor_parallel import run_node_ranks
+        from braid.runtime.scheduler.process import run_node_ranks
 
         return run_node_ranks(server_args)
     return asyncio.run(serve(server_args))

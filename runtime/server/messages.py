@@ -52,6 +52,21 @@ def generate_req(req: Any) -> GenerateReq:
                        client=req.client)
 
 
+def req_from_message(msg):
+    """The Req a GenerateReq carries (the scheduler process's and the TP followers' intake); `generate_req`'s inverse."""
+    from braid.runtime.core import Req
+    from braid.runtime.sampling_params import SamplingParams
+
+    req = Req(rid=msg.rid, input_ids=list(msg.input_ids), sampling_params=SamplingParams.from_dict(msg.sampling_params),
+              return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
+              top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, client=msg.client)
+    if msg.media is not None:
+        from braid.runtime.multimodal.inputs import inputs_from_wire
+
+        req.mm_inputs = inputs_from_wire(msg.media)
+    return req
+
+
 def _media_items(mm: Any) -> Optional[list[MediaItem]]:
     if mm is None:
         return None
