@@ -3,9 +3,10 @@ in-process Engine), and what each becomes there.
 
 A kind rides as a typed field of the messages (`ReqError.kind`, `Output.error_kind`, `FinishReason.kind`), never as
 a class name or a prefix of the message text. The HTTP side maps it to a status and an OpenAI error type in one
-table (`server/errors.py: for_kind`); the Engine raises `exception_for(kind, message)`.
+table (`server/errors.py: for_kind`); the Engine raises `exception_for(kind, message)`; the scheduler tells an
+exception's kind by its type (`scheduler/intake.py: error_kind_of`).
 
-Torch-free: the messages module imports it.
+Imports nothing of the runtime (torch-free: the messages module imports it).
 """
 
 from __future__ import annotations
@@ -25,20 +26,6 @@ GRAMMAR_KINDS = frozenset({ErrorKind.GRAMMAR_INVALID, ErrorKind.GRAMMAR_BUSY})
 
 class BusyError(RuntimeError):
     """The runtime cannot take the request now; the same request may succeed later (the server's 429)."""
-
-
-def error_kind_of(exc: BaseException) -> ErrorKind:
-    """The kind of an exception raised while adding a request or compiling its grammar: the compile queue full is a
-    load condition, any other grammar failure (timeouts included) the grammar's fault, any other ValueError the
-    request's (RequestError, SamplingParamsError), anything else a bug."""
-    # torch-free, and already imported by the time a grammar failed
-    from braid.runtime.constrained.fsm import GrammarBusyError, GrammarError
-
-    if isinstance(exc, GrammarBusyError):
-        return ErrorKind.GRAMMAR_BUSY
-    if isinstance(exc, GrammarError):
-        return ErrorKind.GRAMMAR_INVALID
-    return ErrorKind.INVALID_REQUEST if isinstance(exc, ValueError) else ErrorKind.INTERNAL
 
 
 def exception_for(kind: ErrorKind, message: str) -> Exception:

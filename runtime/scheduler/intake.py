@@ -11,10 +11,22 @@ import dataclasses
 from concurrent.futures import Future
 from typing import Optional
 
+from braid.runtime.constrained.fsm import GrammarBusyError, GrammarError
 from braid.runtime.core import FinishReason, Req
-from braid.runtime.error_kind import ErrorKind, error_kind_of
+from braid.runtime.error_kind import ErrorKind
 from braid.runtime.request_checks import RequestLimits, check_request
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
+
+
+def error_kind_of(exc: BaseException) -> ErrorKind:
+    """The kind of an exception raised while adding a request or compiling its grammar: the compile queue full is a
+    load condition, any other grammar failure (timeouts included) the grammar's fault, any other ValueError the
+    request's (RequestError, SamplingParamsError), anything else a bug."""
+    if isinstance(exc, GrammarBusyError):
+        return ErrorKind.GRAMMAR_BUSY
+    if isinstance(exc, GrammarError):
+        return ErrorKind.GRAMMAR_INVALID
+    return ErrorKind.INVALID_REQUEST if isinstance(exc, ValueError) else ErrorKind.INTERNAL
 
 
 def validate_request(req: Req, limits: RequestLimits, grammar_backend) -> None:

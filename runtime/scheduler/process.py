@@ -23,7 +23,7 @@ from typing import Optional
 
 import zmq
 
-from braid.runtime.error_kind import GRAMMAR_KINDS, ErrorKind, error_kind_of
+from braid.runtime.error_kind import GRAMMAR_KINDS, ErrorKind
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
 from braid.runtime.scheduler.stats_log import ServingStatsLog
 from braid.runtime.server import messages as M
@@ -261,6 +261,8 @@ class SchedulerLoop:
         try:
             self.scheduler.add_request(M.req_from_message(msg))
         except Exception as e:
+            from braid.runtime.scheduler.intake import error_kind_of  # imports torch: not at this module's import
+
             kind = error_kind_of(e)
             if kind == ErrorKind.INTERNAL:
                 logger.exception("add_request failed for %s", msg.rid)

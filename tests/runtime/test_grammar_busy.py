@@ -9,9 +9,9 @@ from concurrent.futures import Future
 
 from braid.runtime.constrained.fsm import GrammarBusyError, GrammarError, GrammarTimeoutError
 from braid.runtime.core import Req
-from braid.runtime.error_kind import BusyError, ErrorKind, error_kind_of, exception_for
+from braid.runtime.error_kind import BusyError, ErrorKind, exception_for
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
-from braid.runtime.scheduler.intake import RequestIntake
+from braid.runtime.scheduler.intake import RequestIntake, error_kind_of
 from braid.runtime.server import messages as M
 from braid.runtime.server.errors import for_kind
 from braid.runtime.server.request_handle import _error_failure
