@@ -236,21 +236,7 @@ class ModelRunner:
         """One pass: the model, the logits at each request's last token, then on the device penalties, the vocab
         mask and sampling (greedy when fb.sampling_info is None), and the logprobs asked for; with
         fb.defer_sampling, the logits alone (ForwardOutput.pending_logits, for `sample`)."""
-        if self._graphs_after_calibration and not self.token_to_kv_pool.calibrating_kv_scales:
-            self._graphs_after_calibration = False
-            with torch.inference_mode(False):  # static buffers as at start-up: normal tensors
-                self._capture_cuda_graphs()
-        fb.req_to_token_pool = self.req_to_token_pool
-        fb.token_to_kv_pool = self.token_to_kv_pool
-        fb.attn_backend = self.attn_backend
-        if (fb.forward_mode.is_decode() and self.cuda_graph_runner is not None
-                and self.cuda_graph_runner.can_run(fb)):
-            hidden = self.cuda_graph_runner.replay(fb)
-        elif self.extend_graph_runner is not None and self.extend_graph_runner.can_run(fb):
-            hidden = self.extend_graph_runner.replay(fb)
-        else:
-            self.attn_backend.init_forward_metadata(fb)
-            hidden = self.model(fb)
+        hidden = self.forward_hidden(fb)
         logits = compute_logits(self.model.lm_head, hidden, last_token_rows(fb), self.vocab_size)  # [B, V] fp32
         if fb.defer_sampling:
             return ForwardOutput(next_token_ids=None, pending_logits=logits)
@@ -262,6 +248,25 @@ class ModelRunner:
             out.input_token_logprobs, out.input_top_logprobs, out.input_top_ids = token_logprobs(
                 prompt_logits, fb.logits_targets, top_k)
         return out
+
+    @torch.inference_mode()
+    def forward_hidden(self, fb: ForwardBatch) -> torch.Tensor:
+        """The model's pass alone (a captured graph when one fits): final hidden states [T, hidden] for every token,
+        which speculative verification turns into logits at every position."""
+        if self._graphs_after_calibration and not self.token_to_kv_pool.calibrating_kv_scales:
+            self._graphs_after_calibration = False
+            with torch.inference_mode(False):  # static buffers as at start-up: normal tensors
+                self._capture_cuda_graphs()
+        fb.req_to_token_pool = self.req_to_token_pool
+        fb.token_to_kv_pool = self.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+        if (fb.forward_mode.is_decode() and self.cuda_graph_runner is not None
+                and self.cuda_graph_runner.can_run(fb)):
+            return self.cuda_graph_runner.replay(fb)
+        if self.extend_graph_runner is not None and self.extend_graph_runner.can_run(fb):
+            return self.extend_graph_runner.replay(fb)
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, info) -> ForwardOutput:

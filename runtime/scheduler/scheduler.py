@@ -136,6 +136,13 @@ class Scheduler:
                                       self.tree_cache, self.device)
         self.decode = DecodeRunner(server_args, self.runner, self.tree_cache, self.device, self.timing,
                                    self.finish_table, self.output)
+        # --speculative-algorithm: decode steps verify drafts, synchronously (runtime/speculative/verify.py)
+        self.spec = None
+        if server_args.speculative_algorithm is not None:
+            from braid.runtime.speculative.verify import SpeculativeDecoder
+
+            self.spec = SpeculativeDecoder(server_args, self.runner, self.tree_cache, self.output, self.context_len)
+            self.decode.overlap = False
         self.intake = RequestIntake(server_args, self.tokenizer, self.vocab_size, self.context_len, self.kv_pool.size,
                                     share_prefill=not self.tree_cache.disabled)
 
@@ -204,7 +211,7 @@ class Scheduler:
             effective_admission_min_extend_tokens=self.admission_min_extend_tokens,
             num_forward_extend_graphed=getattr(getattr(self.runner, "extend_graph_runner", None), "num_replays", 0),
             **self.timing.stats(), grammar_mask_time_s_total=self.output.grammar_mask_s,
-            grammar=self.intake.grammar_stats(),
+            grammar=self.intake.grammar_stats(), **(self.spec.stats() if self.spec is not None else {}),
         )
         return s
 
@@ -360,8 +367,10 @@ class Scheduler:
 
     def _run_decode(self) -> None:
         reqs, self.running = self.running, []
-        self.stats["num_tokens_through_model_total"] += len(reqs)
         self.decode_steps_before_admit -= 1
+        if self.spec is not None and self.spec.step(self, reqs):
+            return
+        self.stats["num_tokens_through_model_total"] += len(reqs)
         if self.decode.overlap and self.decode.can_overlap(reqs, 0):
             self.in_flight = self.decode.launch(reqs, None)
             return

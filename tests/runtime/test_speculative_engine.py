@@ -1,0 +1,97 @@
+"""NGRAM speculation on SmolLM2 (real weights, CPU), in-process: greedy output is token for token the output without
+speculation (prompts where prompt lookup hits: copying, code, lists; with stop strings, regex and JSON-schema
+constraints, penalties, min_new_tokens and short length limits), logprobs of accepted tokens as without it, drafts
+are accepted and counted, and the KV pool is fully free after a sampled load."""
+
+import json
+
+import pytest
+
+from braid.runtime import Engine
+
+TEXT = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+        "All that glitters is not gold.")
+CODE = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+SCHEMA = json.dumps({"type": "object", "properties": {"quote": {"type": "string"}, "words": {"type": "integer"}},
+                     "required": ["quote", "words"]})
+
+CASES = [
+    (f"Repeat this text exactly, twice:\n{TEXT}\n", {"max_new_tokens": 48}),
+    (CODE, {"max_new_tokens": 32}),
+    ("Monday, Tuesday, Wednesday, Monday, Tuesday, Wednesday, Monday,", {"max_new_tokens": 16}),
+    (f"Repeat: {TEXT}\n{TEXT}\n", {"max_new_tokens": 48, "stop": ["single"]}),
+    (f"Repeat: {TEXT}\n{TEXT}\n", {"max_new_tokens": 3}),
+    (f"Repeat: {TEXT}\n{TEXT}\n", {"max_new_tokens": 32, "regex": "(fox|dog)( (fox|dog|jumps)){3,12}"}),
+    (f"Quote the first sentence as JSON.\n{TEXT}\n", {"max_new_tokens": 32, "json_schema": SCHEMA}),
+    (f"Repeat: {TEXT}\n{TEXT}\n", {"max_new_tokens": 24, "frequency_penalty": 0.5}),
+    (f"Repeat: {TEXT}\n{TEXT}\n", {"max_new_tokens": 24, "min_new_tokens": 12, "stop_token_ids": [13]}),
+]
+ALONE = 2  # the first cases also run one at a time (batch-1 verify passes)
+
+
+def run_cases(**server_args) -> tuple[list[dict], dict]:
+    """Every case in one batch (requests with and without drafts share verify passes), then the first ALONE alone."""
+    with Engine("smollm2", max_total_tokens=4096, **server_args) as engine:
+        batched = engine.generate([p for p, _ in CASES], [{"temperature": 0, **s} for _, s in CASES],
+                                  return_logprob=True, top_logprobs_num=2)
+        alone = [engine.generate(p, {"temperature": 0, **s}) for p, s in CASES[:ALONE]]
+        return batched + alone, engine.get_stats()
+
+
+@pytest.fixture(scope="module")
+def runs():
+    plain, _ = run_cases()
+    spec, stats = run_cases(speculative_algorithm="NGRAM")
+    return plain, spec, stats
+
+
+def test_greedy_output_is_token_for_token_the_plain_output(runs):
+    plain, spec, _ = runs
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        case = CASES[i if i < len(CASES) else i - len(CASES)]
+        assert b["output_ids"] == a["output_ids"], (case, a["text"], b["text"])
+        assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"], case
+        assert b["meta_info"]["completion_tokens"] == a["meta_info"]["completion_tokens"], case
+    assert spec[3]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "single"}
+    assert spec[4]["meta_info"]["completion_tokens"] == 3
+    assert spec[6]["text"].startswith('{"quote":')
+
+
+def test_logprobs_of_accepted_tokens_are_the_plain_logprobs(runs):
+    plain, spec, _ = runs
+    for a, b in zip(plain[:len(CASES)], spec[:len(CASES)]):
+        la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        assert len(la) == len(lb) > 0
+        for ea, eb in zip(la, lb):  # (logprob, token id)
+            assert ea[1] == eb[1] and eb[0] == pytest.approx(ea[0], abs=2e-3)
+        for ta, tb in zip(a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]):
+            assert [t[1] for t in ta] == [t[1] for t in tb]
+
+
+def test_drafts_are_accepted_and_counted(runs):
+    _, _, stats = runs
+    assert stats["spec_num_verify_forward"] > 0
+    assert 0 < stats["spec_num_accepted_tokens_total"] <= stats["spec_num_draft_tokens_total"]
+    assert stats["spec_accept_length_mean"] > 1.3  # copying prompts: well over one token per pass
+    assert stats["kv_used_tokens"] == 0
+    assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_total_tokens"]
+
+
+def test_sampled_load_leaves_the_kv_pool_free():
+    prompts = [f"Repeat {i}: {TEXT}\n{TEXT}\n" for i in range(16)]
+    params = [{"temperature": 0.9, "top_p": 0.95, "max_new_tokens": 8 + 4 * (i % 5), **({"seed": i} if i % 3 == 0
+                                                                                          else {})}
+              for i in range(16)]
+    with Engine("smollm2", max_total_tokens=2048, speculative_algorithm="NGRAM",
+                speculative_num_draft_tokens=7) as engine:
+        first = engine.generate(prompts, params)
+        again = engine.generate(prompts, params)
+        stats = engine.get_stats()
+    for i, (a, b) in enumerate(zip(first, again)):
+        assert a["meta_info"]["completion_tokens"] == params[i]["max_new_tokens"] or \
+            a["meta_info"]["finish_reason"]["type"] == "stop"
+        if "seed" in params[i]:  # a seeded request draws the same tokens again
+            assert a["output_ids"] == b["output_ids"]
+    assert stats["spec_num_accepted_tokens_total"] > 0
+    assert stats["kv_used_tokens"] == 0 and stats["num_running_reqs"] == 0
+    assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_total_tokens"]
