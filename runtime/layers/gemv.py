@@ -405,7 +405,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_
     activation rounded to x's dtype before the product. `config` (BLOCK_N, BLOCK_K, num_warps, num_stages, and
     optionally PROGRAMS: a persistent grid of that many programs) skips the autotuner (benchmarks sweep configs with
     it). weight_scale: an fp8 e4m3 weight's fp32 scale per row
-    [N] (or [2N]); W is then weight * weight_scale[:, None] and x stays in its own dtype."""
+    [N] (or [2N]); W is then weight * weight_scale[:, None], upcast to fp32, and x stays in its own dtype (the
+    reference fp8 kernel; the runtime's fp8 batch-1 path is quantization/fp8_kernels.fp8_gemv)."""
     if weight_scale is not None:
         if not fp8_supports(x, weight, weight_scale):
             raise ValueError(f"fp8 gemv needs x [1, K] bf16/fp16, an e4m3 weight [N, K] and an fp32 scale [N], got "
@@ -414,13 +415,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_
     elif not supports(x, weight):
         raise ValueError(f"gemv needs x [1, K] and weight [N, K] of one dtype and device, got {tuple(x.shape)}, "
                          f"{tuple(weight.shape)}")
-    if weight_scale is not None and config is None and not gelu_tanh_mul:
-        # e4m3 weights: the faster variants of fp8_kernels (fp16 products / fp8 tensor cores), autotuned per shape;
-        # an explicit config (benchmarks) still runs the fp32-upcast kernel below. (Imported here: fp8_kernels'
-        # package imports this module.)
-        from braid.runtime.layers.quantization.fp8_kernels import fp8_gemv
-
-        return fp8_gemv(x.contiguous(), weight, weight_scale, silu_mul=silu_mul)
     rows, k = weight.shape
     if silu_mul and gelu_tanh_mul:
         raise ValueError("gemv takes one gated activation: silu_mul or gelu_tanh_mul")

@@ -115,7 +115,7 @@ def test_scaled_mm_equals_the_dequantized_matmul(tensorwise):
 def test_fp8_gemv_matches_dequantized_reference(silu_mul, rows, k):
     x = _randn(1, k, seed=6, dtype=torch.bfloat16)
     w_q, w_scale = quantize_weight_per_channel(_randn(rows, k, seed=7, scale=k ** -0.5))
-    y = gemv(x, w_q, silu_mul=silu_mul, weight_scale=w_scale)
+    y = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul)
     dense = w_q.double() * w_scale.double()[:, None]
     ref = (x.double() @ dense.t()).to(torch.bfloat16)  # x is not quantized at batch 1
     if silu_mul:  # gate and up rounded to bf16, silu(gate) * up in fp32, as the kernel does
@@ -148,7 +148,7 @@ def test_gpu_fp8_gemv_llama3_8b_shapes(name):
     x = _randn(1, k, seed=10, dtype=torch.bfloat16)
     w_q, w_scale = quantize_weight_per_channel(_randn(rows, k, seed=11, scale=k ** -0.5))
     silu = name == "gate_up"
-    y = gemv(x, w_q, silu_mul=silu, weight_scale=w_scale)
+    y = fp8_gemv(x, w_q, w_scale, silu_mul=silu)
     ref = (x.float() @ (w_q.float() * w_scale[:, None]).t()).to(torch.bfloat16)
     if silu:
         ref = SiluAndMul().forward_native(ref)

@@ -14,8 +14,8 @@ per shard by writing each shard's scale on its rows: exact, no requantization. A
 `input_scale`s (one per shard) become one: their maximum (the shards read the same input).
 
 Multiplication (`apply`), y = act(x @ W^T + b) in x's dtype:
-- CUDA, one row of x (batch-1 decode), no bias: braid's Triton GEMV (gemv.py) streams the fp8 weight and
-  multiplies by the row scales, SiLU-and-mul fused for a [gate; up] weight (and for a decode step's qkv rotary and
+- CUDA, one row of x (batch-1 decode), no bias: fp8_kernels.fp8_gemv (a variant of gemv.py's Triton GEMV) streams
+  the fp8 weight and multiplies by the row scales, SiLU-and-mul fused for a [gate; up] weight (and for a decode step's qkv rotary and
   the KV write, where the pool lets a kernel write: fp8_kernels.fp8_gemv_rotary_store), launched with PDL; x stays
   bf16.
 - CUDA, 2..16 rows (small decode batches), no bias: fp8_kernels.fp8_gemv's tensor-core variant, one launch that
@@ -180,7 +180,7 @@ class Fp8LinearMethod(LinearMethod):
                     if q is not None:
                         return q
                 if gemv.fp8_supports(x, weight, scale):
-                    y = gemv.gemv(x, weight, silu_mul=fused, weight_scale=scale)
+                    y = fp8_gemv(x.contiguous(), weight, scale, silu_mul=fused)
                 elif x.shape[0] > 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1:
                     y = fp8_gemv(x, weight, scale, silu_mul=fused)
                 if y is not None:
