@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from braid.runtime.layers.moe.experts import check_expert_inputs
+from braid.runtime.layers.moe.expert_inputs import check_expert_inputs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

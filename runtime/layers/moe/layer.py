@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from braid.runtime.distributed import parallel_state as ps
-from braid.runtime.layers.moe.experts import SUPPORTED_ACTIVATIONS, fused_experts
+from braid.runtime.layers.moe.expert_inputs import SUPPORTED_ACTIVATIONS
+from braid.runtime.layers.moe.experts import fused_experts
 from braid.runtime.layers.moe.router import check_routing_supported, norm_and_route, route_hidden
 from braid.runtime.layers.quantization.fp8_kernels import FP8_DTYPE, quantize_weight_per_channel
 from braid.runtime.loader.config_specs import MoESpec

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
-from braid.runtime.layers.moe.experts import check_expert_inputs
+from braid.runtime.layers.moe.expert_inputs import check_expert_inputs
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
 __all__ = ["SMALL_BATCH_MAX_TOKENS", "GemvConfig", "small_batch_moe"]
