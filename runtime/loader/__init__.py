@@ -150,7 +150,7 @@ def load_model(model_config: ModelConfig, server_args, device: torch.device, dty
         model = cls(model_config)
     kv_scales: dict = {}
     if quantization == "fp8":
-        from braid.runtime.layers.quantization.fp8 import use_fp8_linears
+        from braid.runtime.loader.fp8_layers import use_fp8_linears
 
         use_fp8_linears(model, model_config, device, dtype)
     if server_args.load_format == "dummy":
