@@ -40,6 +40,10 @@ _STAT_COUNTERS = {
     "num_cached_tokens_total": ("cached_prompt_tokens", "Prompt tokens served from the radix cache"),
     "num_computed_prompt_tokens_total": ("computed_prompt_tokens", "Prompt tokens run through the model"),
     "num_retractions": ("num_preemptions", "Requests taken out of the running batch when the KV cache ran out"),
+    # speculative decoding (only while --speculative-algorithm is set)
+    "spec_num_drafts_total": ("spec_decode_num_drafts", "Drafts verified (one per request with a draft per pass)"),
+    "spec_num_draft_tokens_total": ("spec_decode_num_draft_tokens", "Draft tokens verified"),
+    "spec_num_accepted_tokens_total": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
 }
 
 

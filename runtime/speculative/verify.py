@@ -45,19 +45,19 @@ class SpeculativeDecoder:
         self.proposer = NgramProposer(server_args.speculative_ngram_min_match_window_size,
                                       server_args.speculative_ngram_max_match_window_size, self.max_draft)
         self.num_verify_forward = 0
-        self.num_request_steps = 0  # request rows of verify passes (one per request per pass)
+        self.num_drafts = 0  # drafts verified (one per request with a draft per pass)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         logger.info("speculative decoding: NGRAM, up to %d draft tokens a request a step (match windows %d..%d)",
                     self.max_draft, self.proposer.min_match, self.proposer.max_match)
 
     def stats(self) -> dict:
-        steps = self.num_request_steps
-        return dict(spec_num_verify_forward=self.num_verify_forward, spec_num_request_steps_total=steps,
+        drafts = self.num_drafts
+        return dict(spec_num_verify_forward=self.num_verify_forward, spec_num_drafts_total=drafts,
                     spec_num_draft_tokens_total=self.num_draft_tokens,
                     spec_num_accepted_tokens_total=self.num_accepted_tokens,
-                    # tokens emitted per request per target pass (1.0: no gain)
-                    spec_accept_length_mean=(self.num_accepted_tokens + steps) / steps if steps else 0.0,
+                    # tokens a verified draft yields (its accepted tokens + the target's own; 1.0: no gain), as vLLM
+                    spec_accept_length_mean=1.0 + self.num_accepted_tokens / drafts if drafts else 0.0,
                     spec_acceptance_rate=(self.num_accepted_tokens / self.num_draft_tokens
                                           if self.num_draft_tokens else 0.0))
 
@@ -79,7 +79,7 @@ class SpeculativeDecoder:
             req.kv_committed_len += n
         emitted, logprobs = self._accept(reqs, drafts, row_start, logits, masks)
         self.num_verify_forward += 1
-        self.num_request_steps += len(reqs)
+        self.num_drafts += sum(1 for d in drafts if d)
         self.num_draft_tokens += total - len(reqs)
         self.num_accepted_tokens += sum(len(e) - 1 for e in emitted)
         sched.stats["num_tokens_through_model_total"] += total

@@ -72,7 +72,8 @@ def test_drafts_are_accepted_and_counted(runs):
     _, _, stats = runs
     assert stats["spec_num_verify_forward"] > 0
     assert 0 < stats["spec_num_accepted_tokens_total"] <= stats["spec_num_draft_tokens_total"]
-    assert stats["spec_accept_length_mean"] > 1.3  # copying prompts: well over one token per pass
+    assert stats["spec_num_drafts_total"] > 0
+    assert stats["spec_accept_length_mean"] > 1.5  # copying prompts: well over one token per draft
     assert stats["kv_used_tokens"] == 0
     assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_total_tokens"]
 
