@@ -99,6 +99,8 @@ class Req:
     retracted_count: int = 0
     grammar: Any = None  # constrained-decoding state (braid.runtime.constrained)
     jump_forward_tokens: int = 0  # completion tokens appended by jump-forward (not sampled)
+    spec_drafts: int = 0  # speculative decoding: this request's drafts verified (passes in which it had one)
+    spec_accepted_tokens: int = 0  # speculative decoding: their tokens accepted
 
     # ---- logprobs (filled by the scheduler) ----
     output_token_logprobs: list = field(default_factory=list)  # [(logprob, token_id)]
@@ -243,4 +245,6 @@ class ReqOutput:
     # timings, on the finished report only: wall-clock time of the first token, seconds waiting to be scheduled
     first_token_time: Optional[float] = None
     queue_time: Optional[float] = None
+    # on the finished report of a request that had drafts verified: tokens per verified draft (1 + accepted / drafts)
+    spec_accept_length: Optional[float] = None
     error_kind: Optional[ErrorKind] = None  # finished report only: the abort's FinishReason.kind

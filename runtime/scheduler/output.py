@@ -274,6 +274,8 @@ class OutputProcessor:
             out.error_kind = reason.kind
             if req.scheduled_time is not None:
                 out.queue_time = req.scheduled_time - req.created_time
+            if req.spec_drafts:
+                out.spec_accept_length = 1.0 + req.spec_accepted_tokens / req.spec_drafts
         req.sent_offset = n
         req.dirty_offset = None
         return out

@@ -124,6 +124,7 @@ class Output(msgspec.Struct, tag=True):
     first_token_time: Optional[float] = None  # finished output only: wall-clock time of the first token
     queue_time: Optional[float] = None  # finished output only: seconds the request waited to be scheduled
     error_kind: Optional[ErrorKind] = None  # finished output only: an abort the server answers as an error
+    spec_accept_length: Optional[float] = None  # finished output only, with speculative decoding
 
 
 class OutputBatch(msgspec.Struct, tag=True):
@@ -193,5 +194,5 @@ def output_from_req_output(o: Any) -> Output:
     return Output(o.rid, o.index, o.output_ids_offset, o.new_token_ids, o.finished, o.finish_reason, o.prompt_tokens,
                   o.completion_tokens, o.cached_tokens, o.completion_tokens_wo_jump_forward, o.output_token_logprobs,
                   o.output_top_logprobs, o.input_token_logprobs, o.input_top_logprobs, o.first_token_time,
-                  o.queue_time, o.error_kind)
+                  o.queue_time, o.error_kind, o.spec_accept_length)
 

@@ -73,6 +73,7 @@ class OutputAccumulator:
         # the scheduler's finished output); together they give meta_info's time_to_first_token
         self.arrival_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
+        self.spec_accept_length: Optional[float] = None  # from the finished output, when drafts were verified
 
     def add(self, out: Any) -> Optional[ChoiceUpdate]:
         """Apply one scheduler output (a `ReqOutput` or a wire `Output`); None once the choice has finished."""
@@ -95,6 +96,7 @@ class OutputAccumulator:
         self.cached_tokens = out.cached_tokens
         self.completion_tokens_wo_jump_forward = out.completion_tokens_wo_jump_forward
         self.first_token_time = getattr(out, "first_token_time", None) or self.first_token_time
+        self.spec_accept_length = getattr(out, "spec_accept_length", None) or self.spec_accept_length
         detok_ids = new_ids
         matched = (out.finish_reason or {}).get("matched")
         if (out.finished and isinstance(matched, int) and new_ids and new_ids[-1] == matched
@@ -131,6 +133,8 @@ class OutputAccumulator:
                 "finish_reason": self.finish_reason if update is None or update.finished else None}
         if self.arrival_time is not None and self.first_token_time is not None and (update is None or update.finished):
             meta["time_to_first_token"] = max(self.first_token_time - self.arrival_time, 0.0)
+        if self.spec_accept_length is not None and (update is None or update.finished):
+            meta["spec_accept_length"] = self.spec_accept_length
         if self.return_logprob:
             n = len(self.output_token_logprobs) if update is None else update.num_token_logprobs
             meta["input_token_logprobs"] = _entries(self.input_token_logprobs, token_text)

@@ -82,6 +82,10 @@ class SpeculativeDecoder:
         self.num_drafts += sum(1 for d in drafts if d)
         self.num_draft_tokens += total - len(reqs)
         self.num_accepted_tokens += sum(len(e) - 1 for e in emitted)
+        for req, draft, tokens in zip(reqs, drafts, emitted):
+            if draft:
+                req.spec_drafts += 1
+                req.spec_accepted_tokens += len(tokens) - 1
         sched.stats["num_tokens_through_model_total"] += total
         for i, req in enumerate(reqs):
             self._commit(sched, req, emitted[i], logprobs[i] if logprobs is not None else None)

@@ -52,6 +52,9 @@ def test_greedy_output_is_token_for_token_the_plain_output(runs):
         assert b["output_ids"] == a["output_ids"], (case, a["text"], b["text"])
         assert b["meta_info"]["finish_reason"] == a["meta_info"]["finish_reason"], case
         assert b["meta_info"]["completion_tokens"] == a["meta_info"]["completion_tokens"], case
+    # the copying prompt's own acceptance; the plain engine reports none
+    assert spec[-ALONE]["meta_info"]["spec_accept_length"] > 1.5
+    assert "spec_accept_length" not in plain[-ALONE]["meta_info"]
     assert spec[3]["meta_info"]["finish_reason"] == {"type": "stop", "matched": "single"}
     assert spec[4]["meta_info"]["completion_tokens"] == 3
     assert spec[6]["text"].startswith('{"quote":')

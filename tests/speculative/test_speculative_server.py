@@ -51,6 +51,7 @@ def test_greedy_completion_is_the_plain_one(server, client, plain_ids):
                                                                                 "max_new_tokens": MAX_TOKENS}})
     assert native.status_code == 200, native.text
     assert native.json()["output_ids"] == plain_ids
+    assert native.json()["meta_info"]["spec_accept_length"] > 1.0  # this request's own tokens per verified draft
     assert out.usage.completion_tokens == len(plain_ids)
     assert out.choices[0].text == native.json()["text"]
     assert len(out.choices[0].logprobs.tokens) == len(plain_ids)
