@@ -46,6 +46,10 @@ class GrammarBusyError(GrammarError):
     """Too many compiles are already waiting for a worker; the request may be retried later."""
 
 
+class GrammarShutDownError(GrammarError):
+    """The grammar backend stopped before the compile ran (not the grammar's fault)."""
+
+
 def check_regex_syntax(regex: str) -> None:
     """Fast pre-check (Python's parser). Escapes Python lacks (`\\p{L}`, `\\z`) are left to the real compiler."""
     if not isinstance(regex, str):
@@ -348,7 +352,7 @@ class CompilePool:
             worker.kill()
         for job in pending:
             if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(GrammarError("the grammar backend is shut down"))
+                job.future.set_exception(GrammarShutDownError("the grammar backend is shut down"))
         self._supervisor.join(timeout=5.0)
         for thread in threads:
             if thread is not None:
@@ -435,7 +439,7 @@ class CompilePool:
             job.future.set_result(self._run(worker, job.regex_bytes))
         except GrammarError as exc:
             if self._closed:
-                exc = GrammarError("the grammar backend is shut down")
+                exc = GrammarShutDownError("the grammar backend is shut down")
             self.stats["timeouts" if isinstance(exc, GrammarTimeoutError) else "errors"] += 1
             job.future.set_exception(exc)
         except Exception as exc:  # noqa: BLE001 - a broken worker must fail the request, not the thread

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from .fsm import WORKER_START_TIMEOUT_S, GrammarBusyError, GrammarError, GrammarTimeoutError
+from .fsm import WORKER_START_TIMEOUT_S, GrammarBusyError, GrammarError, GrammarShutDownError, GrammarTimeoutError
 from .json_schema import schema_to_json_text
 from .vocabulary import TokenVocabulary, build_token_vocabulary
 
@@ -212,7 +212,7 @@ class GrammarBackend:
             self._waiting.clear()
             self._num_waiting = 0
         for queued in waiting:
-            self._set_exception(queued.key, queued.future, GrammarError("the grammar backend is shut down"))
+            self._set_exception(queued.key, queued.future, GrammarShutDownError("the grammar backend is shut down"))
         self._primary.shutdown()
         if self._fallback is not None:
             self._fallback.shutdown()
@@ -276,7 +276,7 @@ class GrammarBackend:
         return kind, spec
 
     def _set_exception(self, key, outer: concurrent.futures.Future, exc: GrammarError) -> None:
-        if isinstance(exc, GrammarBusyError) or "shut down" in str(exc):
+        if isinstance(exc, (GrammarBusyError, GrammarShutDownError)):
             self._forget(key, outer)  # not the grammar's fault: the next request compiles it
         elif isinstance(exc, GrammarTimeoutError):
             with self._lock:  # retried after a while (the timeout may have come from load, not the grammar)

@@ -14,7 +14,7 @@ import threading
 import llguidance
 import torch
 
-from .fsm import GrammarError, GrammarTimeoutError, check_regex_syntax
+from .fsm import GrammarError, GrammarShutDownError, GrammarTimeoutError, check_regex_syntax
 from .jump_forward import JumpForward
 from .regex_classes import ascii_shorthand_classes
 from .schema_prepare import prepare_schema
@@ -268,7 +268,7 @@ class LLGuidanceEngine:
         timer.cancel()
         self._count("compiles")
         if done.cancelled():
-            exc = GrammarError("the grammar backend is shut down")
+            exc = GrammarShutDownError("the grammar backend is shut down")
         else:
             exc = done.exception()
         try:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .bitmask import ids_to_bitmask_row
-from .fsm import CompilePool, GrammarError, check_regex_syntax
+from .fsm import CompilePool, GrammarError, GrammarShutDownError, check_regex_syntax
 from .json_schema import json_schema_to_regex
 from .jump_forward import ForcedBytes, JumpForward, retokenize_candidates
 from .regex_classes import ascii_shorthand_classes
@@ -217,8 +217,8 @@ class OutlinesEngine:
         outer: concurrent.futures.Future = concurrent.futures.Future()
         try:
             inner = self.pool.submit(regex)
-        except RuntimeError as exc:
-            raise GrammarError(str(exc)) from None
+        except RuntimeError as exc:  # the compile pool has shut down
+            raise GrammarShutDownError(str(exc)) from None
         inner.add_done_callback(lambda done: self._finish(kind, spec, regex, outer, done))
         return outer
 
