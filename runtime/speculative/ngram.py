@@ -1,7 +1,7 @@
 """NGRAM proposer: prompt lookup. The request's last n tokens (n from the longest window down to the shortest) are
 looked up earlier in its own prompt and output; the tokens that followed the latest earlier occurrence are the
-draft. One numpy scan of the request's tokens per window size and step (an index kept across steps is left for
-long contexts)."""
+draft. Per step: one numpy pass over the request's tokens for the positions holding its last token, then up to
+max_match - 1 passes over those candidates (an index kept across steps is left for very long contexts)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,26 @@ class NgramProposer:
         if k < 1 or L < self.min_match + 1:
             return []
         arr = np.asarray(tokens, dtype=np.int64)
-        for n in range(min(self.max_match, L - 1), self.min_match - 1, -1):
-            pattern = arr[L - n:]
-            # windows [i, i + n) over tokens[:L - 1], so that a match has at least one token after it that is
-            # not part of the suffix itself: starts 0 .. L - 1 - n
-            windows = np.lib.stride_tricks.sliding_window_view(arr[:L - 1], n)
-            hits = np.flatnonzero((windows == pattern).all(axis=1))
-            if hits.size:
-                # the latest occurrence followed by a whole draft (the freshest context for a copy), else the latest
-                full = hits[hits + n + k <= L]
-                start = int(full[-1] if full.size else hits[-1]) + n
-                return arr[start:start + k].tolist()
-        return []
+        # candidates: earlier positions i holding the last token (an occurrence of the suffix ends there, with at
+        # least one token after it); one pass over the tokens, then at most max_match - 1 over the candidates
+        ends = np.flatnonzero(arr[:L - 1] == arr[L - 1])
+        if ends.size == 0:
+            return []
+        matched = np.ones(ends.size, dtype=np.int64)  # suffix tokens matched ending at each candidate
+        alive = np.ones(ends.size, dtype=bool)
+        for j in range(1, min(self.max_match, L - 1)):
+            before = ends - j
+            ok = alive & (before >= 0)
+            ok[ok] = arr[before[ok]] == arr[L - 1 - j]
+            matched += ok
+            alive = ok
+            if not alive.any():
+                break
+        best = int(matched.max())
+        if best < self.min_match:
+            return []
+        hits = ends[matched == best]
+        # the latest occurrence followed by a whole draft (the freshest context for a copy), else the latest
+        full = hits[hits + 1 + k <= L]
+        start = int(full[-1] if full.size else hits[-1]) + 1
+        return arr[start:start + k].tolist()

@@ -5,7 +5,7 @@ back to the pool.
 
 Speculative steps run synchronously (the scheduler turns the overlap schedule off while speculation is on): the
 next step's drafts depend on this step's accepted tokens. Requests that cannot speculate this step (penalties, which
-would change with each draft token; no n-gram match) ride in the same pass with their last token alone; a step
+would change with each draft token; images or video in the prompt; no n-gram match) ride in the same pass with their last token alone; a step
 where no request has a draft is a plain decode step (CUDA graphs, the batch-1 GEMV).
 """
 
@@ -99,8 +99,9 @@ class SpeculativeDecoder:
         for req in reqs:
             sp = req.sampling_params
             room = min(sp.max_new_tokens, self.context_len - len(req.input_ids)) - len(req.output_ids) - 1
+            # penalties change with every draft token; a prompt with media holds placeholder ids, not tokens
             speculates = (req.finished_reason is None and room > 0 and not sp.frequency_penalty
-                          and not sp.presence_penalty and sp.repetition_penalty == 1.0)
+                          and not sp.presence_penalty and sp.repetition_penalty == 1.0 and req.mm_inputs is None)
             draft = self.proposer.propose(req.fill_ids, room) if speculates else []
             mask = None
             if req.grammar is not None or len(req.output_ids) < sp.min_new_tokens:

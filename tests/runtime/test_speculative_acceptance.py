@@ -94,3 +94,27 @@ def test_ngram_proposer_prefers_long_latest_matches():
     assert prop.propose([1, 2, 3, 4, 5, 6, 2], 3) == []  # one-token matches are below min_match
     assert prop.propose([1, 2, 3], 3) == []
     assert NgramProposer(1, 4, 2).propose([1, 2, 3, 4, 5, 6, 2], 3) == [3, 4]
+
+
+def reference_propose(tokens: list[int], min_match: int, max_match: int, k: int) -> list[int]:
+    """The proposer's rule written plainly: the longest suffix (max_match down to min_match) that occurred earlier
+    with a token after it; of its occurrences the latest followed by k tokens, else the latest."""
+    L = len(tokens)
+    for n in range(min(max_match, L - 1), min_match - 1, -1):
+        starts = [i for i in range(0, L - n) if tokens[i:i + n] == tokens[L - n:]]
+        if starts:
+            full = [i for i in starts if i + n + k <= L]
+            start = (full or starts)[-1] + n
+            return tokens[start:start + k]
+    return []
+
+
+def test_ngram_proposer_agrees_with_the_plain_rule_on_random_sequences():
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(400):
+        L = int(torch.randint(1, 60, (1,), generator=gen))
+        tokens = torch.randint(0, 4 if trial % 2 else 12, (L,), generator=gen).tolist()
+        lo = int(torch.randint(1, 4, (1,), generator=gen))
+        hi = lo + int(torch.randint(0, 5, (1,), generator=gen))
+        k = int(torch.randint(1, 6, (1,), generator=gen))
+        assert NgramProposer(lo, hi, 8).propose(tokens, k) == reference_propose(tokens, lo, hi, k), (tokens, lo, hi, k)
