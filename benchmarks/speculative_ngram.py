@@ -2,7 +2,10 @@
 and on, in the same process, and the mean acceptance length, on tasks whose output copies the prompt (an edit of a
 paragraph, a JSON extraction under a schema) and one whose output does not (free text).
 
-    python benchmarks/speculative_ngram.py [--draft-tokens 5] [--max-new-tokens 96] [--rounds 2]
+    python benchmarks/speculative_ngram.py [--draft-tokens 5] [--max-new-tokens 96] [--rounds 2] [--dtype auto]
+
+On CUDA (benchmarks/gpu/speculative_ngram.sh) the plain decode steps run in CUDA graphs with the overlap schedule,
+the verify passes as extend passes (the extend graphs) without overlap.
 """
 
 from __future__ import annotations
@@ -28,10 +31,12 @@ TASKS = {
 }
 
 
-def run(draft_tokens, max_new_tokens: int, rounds: int) -> dict:
+def run(model: str, draft_tokens, max_new_tokens: int, rounds: int, dtype: str) -> dict:
     kw = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": draft_tokens} if draft_tokens else {}
     out = {}
-    with Engine("smollm2", max_total_tokens=4096, **kw) as engine:
+    # batch 1: decode graphs up to 8 rows, extend graphs up to 64 tokens (the verify passes) keep CUDA start-up short
+    with Engine(model, max_total_tokens=4096, dtype=dtype, cuda_graph_max_bs=8, cuda_graph_max_extend_tokens=64,
+                **kw) as engine:
         engine.generate("warm-up", {"max_new_tokens": 4})
         for name, (prompt, extra) in TASKS.items():
             before = engine.get_stats()
@@ -55,9 +60,11 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, default=5, help="--speculative-num-draft-tokens")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=2, help="runs of each task; the fastest counts")
+    ap.add_argument("--dtype", default="auto", help="--dtype of both engines")
+    ap.add_argument("--model-path", default="smollm2", help="SmolLM2 (or another model with its chat-free prompts)")
     args = ap.parse_args()
-    off = run(None, args.max_new_tokens, args.rounds)
-    on = run(args.draft_tokens, args.max_new_tokens, args.rounds)
+    off = run(args.model_path, None, args.max_new_tokens, args.rounds, args.dtype)
+    on = run(args.model_path, args.draft_tokens, args.max_new_tokens, args.rounds, args.dtype)
     print(f"{'task':6} {'tokens':>6} {'off ms/tok':>10} {'on ms/tok':>9} {'speedup':>7} {'accept len':>10} same")
     for name in TASKS:
         a, b = off[name], on[name]
