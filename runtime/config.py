@@ -199,8 +199,9 @@ class ServerArgs:
     speculative_algorithm: Optional[str] = _opt(
         None, "draft several tokens a step and verify them in one pass of the model: NGRAM drafts by prompt lookup "
         "(the request's last tokens matched earlier in its prompt and output); EAGLE and EAGLE3 (draft heads) are "
-        "refused until they are wired; greedy output is token for token the same, sampled output distributed the "
-        "same (rejection sampling). Speculative steps run synchronously (no overlap schedule)",
+        "refused until they are wired; greedy output is the target's argmax at every position (token for token the "
+        "plain output in fp32; bf16 may differ at near-ties), sampled output distributed the same (rejection "
+        "sampling). Speculative steps run synchronously (no overlap schedule)",
         ["NGRAM", "EAGLE", "EAGLE3"])
     speculative_draft_model_path: Optional[str] = _opt(None, "EAGLE / EAGLE3: the draft head's folder (config.json "
                                                              "and safetensors)")
