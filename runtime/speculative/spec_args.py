@@ -4,7 +4,6 @@ them, defaults, and the combinations refused (torch-free: ServerArgs.__post_init
 from __future__ import annotations
 
 import json
-from typing import Optional
 
 ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3")
 # vLLM's `method` values braid has an algorithm for
@@ -149,12 +148,3 @@ def _apply_vllm_config(out: dict, text: str) -> None:
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
-
-def describe(values: dict) -> Optional[str]:
-    """One line for the log: what speculation runs, or None when it is off."""
-    algo = values.get("speculative_algorithm")
-    if algo is None:
-        return None
-    return (f"speculative decoding: {algo}, {values['speculative_num_draft_tokens'] - 1} draft tokens a request a "
-            f"step (match windows {values['speculative_ngram_min_match_window_size']}.."
-            f"{values['speculative_ngram_max_match_window_size']})")
