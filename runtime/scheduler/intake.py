@@ -105,10 +105,15 @@ class RequestIntake:
         for req in reqs:
             sp = req.sampling_params
             grammar = sp.grammar()
-            if grammar is not None:
-                self.grammar_queue.append((req, self.grammar_backend.submit(*grammar, client=req.client)))
-            else:
+            if grammar is None:
                 ready.append(req)
+                continue
+            fut = self.grammar_backend.submit(*grammar, client=req.client)
+            if fut.done() and fut.exception() is None:  # compiled before: admissible at once, not a step later
+                req.grammar = fut.result().new_state()
+                ready.append(req)
+            else:
+                self.grammar_queue.append((req, fut))
         return ready
 
     def poll_grammars(self) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:

@@ -72,3 +72,27 @@ def test_caps_refuse_past_the_queue_limits(backend):
     assert backend.submit("json", _schema("d", 0), client="B").result(timeout=60) is not None
     assert all(f.exception(timeout=60) is None for f in futures if f not in refused)
     assert backend.stats()["rejected"] == 1
+
+
+def test_a_request_whose_grammar_is_compiled_is_admissible_at_once(backend):
+    """Intake: a grammar still compiling waits in the grammar queue; one already compiled gives a request ready in
+    the same call, with its own grammar state (no scheduler step spent in the queue)."""
+    from braid.runtime.core import Req
+    from braid.runtime.sampling_params import SamplingParams
+    from braid.runtime.scheduler.intake import RequestIntake
+
+    intake = RequestIntake.__new__(RequestIntake)  # only the grammar path of enqueue is used
+    intake.grammar_queue, intake._grammar_backend = [], backend
+
+    def req(rid):
+        return Req(rid=rid, input_ids=[1, 2], sampling_params=SamplingParams(json_schema=_schema("k", 0)))
+
+    first = req("a")
+    assert intake.enqueue([first]) == [] and len(intake.grammar_queue) == 1
+    backend.gate.set()
+    intake.grammar_queue[0][1].result(timeout=60)
+    second = req("b")
+    assert intake.enqueue([second]) == [second] and len(intake.grammar_queue) == 1
+    assert second.grammar is not None and first.grammar is None
+    ready, failed = intake.poll_grammars()
+    assert ready == [first] and failed == [] and first.grammar is not second.grammar
