@@ -40,6 +40,30 @@ DEFAULT_CUDA_MAX_CONTINUOUS_DECODE_STEPS = 8
 DEFAULT_CUDA_ADMISSION_MIN_EXTEND_TOKENS = 2048
 
 
+# the projections a LoRA adapter may target (runtime/lora/adapter.py maps them onto braid's fused linears)
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def parse_lora_paths(entries) -> dict[str, str]:
+    """--lora-paths entries 'name=path' (or a bare path, named by its folder) -> {name: path}."""
+    out: dict[str, str] = {}
+    for entry in entries or ():
+        name, sep, path = entry.partition("=")
+        if not sep:
+            path = entry
+            name = path.rstrip("/").rsplit("/", 1)[-1]
+        if not name or not path:
+            raise ValueError(f"--lora-paths entry {entry!r} is not name=path")
+        if ":" in name:
+            raise ValueError(f"--lora-paths name {name!r} may not contain ':' (OpenAI 'model' names adapters as "
+                             "'base:name')")
+        if name in out:
+            raise ValueError(f"--lora-paths names adapter {name!r} twice")
+        out[name] = path
+    return out
+
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     # ---- model ----
@@ -220,6 +244,19 @@ class ServerArgs:
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 8}' (method ngram, eagle or eagle3; model, "
         "prompt_lookup_min)")
 
+    # ---- LoRA adapters (docs/api.md, "LoRA adapters") ----
+    enable_lora: bool = _opt(False, "serve LoRA adapters on the base model: a request picks one by native "
+                                    "/generate 'lora_path' or OpenAI model 'adapter' / 'base:adapter'; batches mix "
+                                    "adapters and the base model")
+    lora_paths: Optional[tuple[str, ...]] = _opt(None, "PEFT adapter folders loaded at start, as name=path (or a "
+                                                       "path, named by its folder); implies --enable-lora")
+    max_loras_per_batch: int = _opt(8, "most adapters one batch may use; every --lora-paths adapter stays "
+                                       "resident, so at most this many may be given (no paging yet)")
+    max_lora_rank: Optional[int] = _opt(None, "largest adapter rank accepted (None: the largest of --lora-paths)")
+    lora_target_modules: Optional[tuple[str, ...]] = _opt(
+        None, "projections adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all "
+        "(None: those the --lora-paths adapters target)")
+
     # ---- server ----
     host: str = _opt("127.0.0.1", "HTTP host")
     port: int = _opt(30000, "HTTP port")
@@ -346,6 +383,7 @@ class ServerArgs:
                              f"{self.kv_cache_dtype!r} (give --kv-cache-dtype fp8_e4m3, or drop the flag)")
         if self.api_key is not None and self.api_key_file is not None:
             raise ValueError("give the API key once: --api-key or --api-key-file")
+        self._check_lora()
         from braid.runtime.speculative import spec_args
 
         resolved = spec_args.resolve({name: getattr(self, name) for name in (*spec_args.FIELDS, "speculative_config")},
@@ -355,6 +393,55 @@ class ServerArgs:
         if self.attention_backend == "torch" and not self.disable_cuda_graph:
             # the torch backend runs attention with host-side loops over requests, which a graph cannot replay
             object.__setattr__(self, "disable_cuda_graph", True)
+
+    def _check_lora(self) -> None:
+        if self.lora_paths is not None:
+            object.__setattr__(self, "lora_paths", tuple(self.lora_paths))
+            object.__setattr__(self, "enable_lora", True)
+        if self.lora_target_modules is not None:
+            object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
+        if self.max_loras_per_batch < 1:
+            raise ValueError("max_loras_per_batch must be >= 1")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank must be >= 1")
+        self.lora_target_module_set  # checks the names
+        if not self.enable_lora:
+            return
+        count = len(self.lora_adapters)
+        if count > self.max_loras_per_batch:
+            raise ValueError(f"--lora-paths gives {count} adapters, more than --max-loras-per-batch "
+                             f"{self.max_loras_per_batch}: adapters are all resident (paging them in and out is not "
+                             "built yet); raise --max-loras-per-batch")
+        if self.tp_size > 1 or self.dp_size > 1:
+            raise ValueError("--enable-lora with tp_size or dp_size > 1 is not supported yet")
+        if self.speculative_algorithm or self.speculative_config:
+            raise ValueError("--enable-lora with --speculative-algorithm is not supported yet")
+        if self.quantization is not None:
+            raise ValueError(f"--enable-lora with --quantization {self.quantization} is not supported yet")
+        if self.enable_torch_compile:
+            raise ValueError("--enable-lora with --enable-torch-compile is not supported yet")
+        if self.resolved_device == "cuda" and not self.disable_cuda_graph:
+            raise ValueError("--enable-lora on CUDA needs --disable-cuda-graph for now (graphs that select "
+                             "adapters by index are not built yet)")
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """--lora-paths as {name: folder}, in the order given (adapter i takes slot i)."""
+        return parse_lora_paths(self.lora_paths)
+
+    @property
+    def lora_target_module_set(self) -> Optional[frozenset]:
+        """--lora-target-modules as a set of HF projection names (None: unrestricted)."""
+        if self.lora_target_modules is None:
+            return None
+        names = set(self.lora_target_modules)
+        if "all" in names:
+            return frozenset(LORA_TARGET_MODULES)
+        unknown = sorted(names - set(LORA_TARGET_MODULES))
+        if unknown:
+            raise ValueError(f"--lora-target-modules {unknown} not supported; choose from "
+                             f"{', '.join(LORA_TARGET_MODULES)} or all")
+        return frozenset(names)
 
     # ---- derived ----
     @property
@@ -395,6 +482,10 @@ class ServerArgs:
                 parser.add_argument(*flags, dest=f.name, action="store_true", default=f.default, help=help_text)
                 continue
             base = typing.get_args(typ)[0] if typing.get_origin(typ) is typing.Union else typ
+            if typing.get_origin(base) is tuple:  # a list flag: --lora-paths a=x b=y
+                parser.add_argument(*flags, dest=f.name, type=typing.get_args(base)[0], nargs="+",
+                                    default=f.default, help=help_text)
+                continue
             if f.name in VALUE_ALIASES:
                 base = functools.partial(lambda aliases, text: aliases.get(text, text), VALUE_ALIASES[f.name])
                 base.__name__ = "str"  # argparse names the type in its errors

@@ -24,6 +24,12 @@ __all__ = ["SamplingParams", "ForwardMode", "FinishReason", "Req", "ReqOutput", 
            "host_to_device", "RequestError"]
 
 
+def batch_lora_paths(reqs) -> Optional[list]:
+    """ForwardBatch.lora_paths for these requests: each one's adapter name, or None when none has one."""
+    names = [r.lora_path for r in reqs]
+    return names if any(n is not None for n in names) else None
+
+
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`; to CUDA through pinned memory with a copy that does not wait for the GPU."""
     host = torch.tensor(values, dtype=dtype)
@@ -82,6 +88,7 @@ class Req:
     is_internal: bool = False  # the shared-prompt prefill of an n > 1 request: never reported
     # images/videos: pixels, placeholder ranges in input_ids, content hashes (runtime/multimodal/inputs.py)
     mm_inputs: Any = None
+    lora_path: Optional[str] = None  # the LoRA adapter's name (--lora-paths); None: the base model. Set by prepare
     client: str = ""  # the HTTP client's address (per-client grammar compile cap); "" in process
 
     # ---- filled by the scheduler ----
@@ -165,6 +172,7 @@ class ForwardBatch:
     defer_sampling: bool = False
     # EXTEND only: per request its MultimodalInputs or None ([B]); models that take media read what they need
     mm_inputs: Optional[list] = None
+    lora_paths: Optional[list] = None  # [B] adapter name or None per request; None when no request has one
     # attention-backend-specific metadata
     attn_metadata: Any = None
 

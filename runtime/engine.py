@@ -155,9 +155,11 @@ class Engine:
     # ---- API ----
     def generate(self, prompt: Union[None, str, list[str]] = None, sampling_params: Union[None, dict, list, SamplingParams] = None,
                  input_ids=None, return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                 stream: bool = False, rid: Optional[str] = None, image_data=None, video_data=None):
+                 stream: bool = False, rid: Optional[str] = None, image_data=None, video_data=None,
+                 lora_path: Union[None, str, list] = None):
         """What POST /generate answers: a result dict (a list for a batch or n > 1), or with stream=True an
-        iterator of chunks (text cumulative, plus `delta` and `index`). Bad input raises ValueError."""
+        iterator of chunks (text cumulative, plus `delta` and `index`). lora_path: a --lora-paths adapter name for
+        every prompt, or a list with one name (or None: the base model) per prompt. Bad input raises ValueError."""
         batch = isinstance(prompt, list) or (input_ids is not None and len(input_ids) > 0 and isinstance(input_ids[0], list))
         prompts = prompt if isinstance(prompt, list) else [prompt] if prompt is not None else None
         ids_list = input_ids if (input_ids is not None and batch) else [input_ids] if input_ids is not None else None
@@ -172,6 +174,9 @@ class Engine:
         videos = video_data if batch and isinstance(video_data, list) and len(video_data) == count else [video_data] * count
         if stream and count != 1:
             raise ValueError("stream=True takes a single prompt")
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * count
+        if len(loras) != count:
+            raise ValueError(f"lora_path list has {len(loras)} entries for {count} prompts")
         model = self.served_model()
         rids = [rid if (rid and count == 1) else f"{rid or uuid.uuid4().hex}-{next(self._counter)}"
                 for _ in range(count)]
@@ -180,7 +185,7 @@ class Engine:
             return prepare_request(model, prompts[i] if prompts is not None else ids_list[i], sps[i], rid=rids[i],
                                    return_logprob=return_logprob, logprob_start_len=logprob_start_len,
                                    top_logprobs_num=top_logprobs_num, stream=stream, image_data=images[i],
-                                   video_data=videos[i])
+                                   video_data=videos[i], lora_path=loras[i])
 
         # every prompt is checked before any is submitted; media decoding and resizing (PIL, which releases the
         # GIL) run on a few threads when a batch carries images or video
@@ -212,7 +217,8 @@ class Engine:
         return ServedModel(model_path=self.server_args.model_path, name=self.server_args.model_name,
                            tokenizer=self.tokenizer, context_len=sched.context_len, vocab_size=sched.vocab_size,
                            kv_total_tokens=sched.kv_pool.size, is_multimodal=sched.model_config.is_multimodal,
-                           multimodal=self._multimodal_preparer(sched.model_config))
+                           multimodal=self._multimodal_preparer(sched.model_config),
+                           lora_names=tuple(self.server_args.lora_adapters))
 
     def _multimodal_preparer(self, model_config):
         if not model_config.is_multimodal:

@@ -26,6 +26,7 @@ class Linear(nn.Module):
         self.linear_method = linear_method if linear_method is not None else get_linear_method()
         self.linear_method.create_weights(self, in_features, self.output_sizes)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.lora = None  # a LoraLayer (runtime/lora/manager.py) when adapters are served
 
     def prepack_weights(self) -> None:
         """After loading: the method's post-load step (dense: a oneDNN-packed copy for CPU matmuls)."""
@@ -33,6 +34,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, act: Optional[nn.Module] = None) -> torch.Tensor:
         """act(x @ W^T + b); act (e.g. SiluAndMul over a [gate; up] weight) may be fused into the matmul."""
+        if self.lora is not None and self.lora.active:
+            # the adapter's delta joins before the activation, so act is not fused into the matmul here
+            y = self.lora.add_delta(x, self.linear_method.apply(self, x, self.bias))
+            return y if act is None else act(y)
         return self.linear_method.apply(self, x, self.bias, act)
 
 
@@ -99,7 +104,10 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor, act: Optional[nn.Module] = None) -> torch.Tensor:
         # the bias and act come after the all-reduce of the partial sums
-        out = ps.all_reduce(self.linear_method.apply(self, x))  # a no-op without a distributed world
+        out = self.linear_method.apply(self, x)
+        if self.lora is not None and self.lora.active:  # tp 1 only (ServerArgs refuses LoRA with tp > 1)
+            out = self.lora.add_delta(x, out)
+        out = ps.all_reduce(out)  # a no-op without a distributed world
         if self.bias is not None:
             out = out + self.bias
         return out if act is None else act(out)

@@ -115,8 +115,9 @@ class PrefixCache(ABC):
         return len(req.prefix_indices) if req.prefix_indices is not None else 0
 
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, Any]:
-        """Longest cached prefix of `key`: (its int64 KV slots, the node covering exactly it).
+    def match_prefix(self, key: list[int], namespace: Optional[str] = None) -> tuple[torch.Tensor, Any]:
+        """Longest cached prefix of `key` within `namespace` (a LoRA adapter's name; None: the base model): (its
+        int64 KV slots, the node covering exactly it).
 
         Refreshes the LRU time of the matched path. The caller that keeps the slots must lock the node
         (inc_lock_ref) before anything can be evicted. To leave a token to compute logits from, pass

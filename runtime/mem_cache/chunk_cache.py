@@ -3,7 +3,7 @@ request's own earlier chunks are its prefix while its prompt is prefilled chunk 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -15,7 +15,7 @@ __all__ = ["ChunkCache"]
 class ChunkCache(PrefixCache):
     disabled = True
 
-    def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, None]:
+    def match_prefix(self, key: Sequence[int], namespace: Optional[str] = None) -> tuple[torch.Tensor, None]:
         return self._empty_slots(), None
 
     def cache_finished_req(self, req) -> None:

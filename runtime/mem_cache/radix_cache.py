@@ -69,8 +69,14 @@ def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
     return i
 
 
-def _as_list(key: Sequence[int]) -> list[int]:
-    return key if isinstance(key, list) else list(key)
+def _as_list(key: Sequence[int], namespace: Optional[str] = None) -> list:
+    """The tree's key for token ids: with a namespace (a LoRA adapter's name) the first token becomes
+    (namespace, token), so the namespace's paths leave the root on edges of their own and a prefix computed under
+    one adapter never matches under another or the base model (None)."""
+    key = key if isinstance(key, list) else list(key)
+    if namespace is None or not key:
+        return key
+    return [(namespace, key[0]), *key[1:]]
 
 
 class RadixCache(PrefixCache):
@@ -173,8 +179,8 @@ class RadixCache(PrefixCache):
             node = child
         return pos, values, node
 
-    def match_prefix(self, key: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
-        key = _as_list(key)
+    def match_prefix(self, key: Sequence[int], namespace: Optional[str] = None) -> tuple[torch.Tensor, TreeNode]:
+        key = _as_list(key, namespace)
         matched, values, node = self._walk(key, self._tick())
         if self.window_pool is not None:
             usable = self._window_usable_len(node, matched)
@@ -203,17 +209,17 @@ class RadixCache(PrefixCache):
                 break
         return max(usable, 0)
 
-    def insert(self, key: Sequence[int], value: torch.Tensor,
-               window_from: int = 0) -> tuple[int, torch.Tensor, TreeNode]:
+    def insert(self, key: Sequence[int], value: torch.Tensor, window_from: int = 0,
+               namespace: Optional[str] = None) -> tuple[int, torch.Tensor, TreeNode]:
         """Cache key -> value (int64 slots, len(key) of them); with a hybrid pool, value's first window_from slots
         hold no window-layer KV.
 
         Returns (prefix_len, slots, node). The first prefix_len tokens were cached already and keep the
         tree's slots: value[:prefix_len], where it differs from slots, is the caller's to free. The rest
         adopt value's slots (the tree keeps slices of value: do not write to it afterwards). slots are
-        the tree's slots for the whole key; node covers exactly key.
+        the tree's slots for the whole key; node covers exactly key. namespace: see _as_list.
         """
-        key = _as_list(key)
+        key = _as_list(key, namespace)
         if len(key) != value.numel():
             raise ValueError(f"insert: {len(key)} tokens but {value.numel()} slots")
         prefix_len, values, node = self._walk(key, self._tick())
@@ -293,7 +299,8 @@ class RadixCache(PrefixCache):
         own_lo = self._cache_owned_len(req)
         # hybrid pool: the request's own slots hold window KV from here on
         own_window_from = max(req.window_kv_from, own_lo) if self.window_pool is not None else 0
-        prefix_len, slots, node = self.insert(req.fill_ids[:length], own, window_from=own_window_from)
+        prefix_len, slots, node = self.insert(req.fill_ids[:length], own, window_from=own_window_from,
+                                              namespace=req.lora_path)
         if self.window_pool is not None and prefix_len > own_lo:
             self._merge_duplicate_window(node, prefix_len, length, own, own_lo, own_window_from)
             self.window_pool.free(own[own_lo:prefix_len], window_released=True)

@@ -63,6 +63,11 @@ class ModelRunner:
         self.dtype = model_dtype(server_args.dtype, self.device.type)
         torch.manual_seed(server_args.random_seed)
         self.model = load_model(self.model_config, server_args, self.device, self.dtype)
+        self.lora_manager = None
+        if server_args.enable_lora:
+            from braid.runtime.lora.manager import LoraManager
+
+            self.lora_manager = LoraManager(self.model, server_args, self.device, self.dtype)
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self.model_config.context_len
         self._init_pools()
@@ -266,6 +271,10 @@ class ModelRunner:
         if self.extend_graph_runner is not None and self.extend_graph_runner.can_run(fb):
             return self.extend_graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare(fb)
+        elif fb.lora_paths is not None:
+            raise ValueError("a request names a LoRA adapter but the server runs without --enable-lora")
         return self.model(fb)
 
     @torch.inference_mode()

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from braid.runtime.core import ForwardBatch, ForwardMode, ForwardOutput, Req, host_to_device
+from braid.runtime.core import ForwardBatch, ForwardMode, ForwardOutput, Req, batch_lora_paths, host_to_device
 from braid.runtime.layers.sampler import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class DecodeRunner:
             forward_mode=ForwardMode.DECODE, batch_size=B, input_ids=input_ids, positions=positions,
             req_pool_indices=req_idx, seq_lens=host_to_device(seq_lens_cpu, torch.int32, dev),
             out_cache_loc=out_loc, seq_lens_cpu=seq_lens_cpu, sampling_info=info, defer_sampling=defer_sampling,
+            lora_paths=batch_lora_paths(reqs),
         )
         self.num_forward += 1
         out = self.timing.forward(self.runner, fb)

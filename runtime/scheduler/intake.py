@@ -45,13 +45,14 @@ def fan_out(req: Req, share_prefill: bool) -> tuple[Optional[Req], list[Req]]:
     children = [Req(rid=req.rid, index=i, input_ids=list(req.input_ids),
                     sampling_params=sp.merged(n=1, seed=None if sp.seed is None else sp.seed + i),
                     return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-                    top_logprobs_num=req.top_logprobs_num, stream=req.stream, mm_inputs=req.mm_inputs)
+                    top_logprobs_num=req.top_logprobs_num, stream=req.stream, mm_inputs=req.mm_inputs,
+                    lora_path=req.lora_path)
                 for i in range(sp.n)]
     if not share_prefill:
         return None, children
     prefill_only = dataclasses.replace(sp, n=1, max_new_tokens=0, min_new_tokens=0, **dict.fromkeys(GRAMMAR_FIELDS))
     parent = Req(rid=req.rid, index=-1, input_ids=list(req.input_ids), sampling_params=prefill_only, is_internal=True,
-                 mm_inputs=req.mm_inputs)
+                 mm_inputs=req.mm_inputs, lora_path=req.lora_path)
     return parent, children
 
 

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from braid.runtime.core import ForwardBatch, ForwardMode, Req, host_to_device
+from braid.runtime.core import ForwardBatch, ForwardMode, Req, batch_lora_paths, host_to_device
 from braid.runtime.multimodal.inputs import item_aligned_chunk_len, item_aligned_prefix_len
 from braid.runtime.scheduler.queue_order import RandomOrder, dfs_weight_order
 
@@ -42,7 +42,8 @@ def wants_prompt_logprobs(req: Req) -> bool:
 
 def match_prefix(req: Req, tree_cache) -> None:
     req.fill_ids = req.input_ids + req.output_ids
-    req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[: max_prefix_len(req)])
+    req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[: max_prefix_len(req)],
+                                                                namespace=req.lora_path)
     if req.mm_inputs is not None:  # an image or video is computed whole or taken whole from the cache
         req.prefix_indices = req.prefix_indices[:item_aligned_prefix_len(req.mm_inputs, len(req.prefix_indices))]
 
@@ -201,6 +202,7 @@ class PrefillPlanner:
             logits_indices=host_to_device(logit_rows, torch.int64, dev) if logit_rows else None,
             logits_targets=host_to_device(targets, torch.int64, dev) if logit_rows else None,
             mm_inputs=mm_inputs if any(m is not None for m in mm_inputs) else None,
+            lora_paths=batch_lora_paths(batch),
         )
         return fb, slices
 

@@ -125,6 +125,7 @@ async def prepare_generate(tm: TokenizerManager, req: GenerateRequest) -> list[R
     return [await tm.prepare(prompt, sp, param_names=param_names, rid=req.rids[i] if req.rids else None,
                              return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
                              top_logprobs_num=req.top_logprobs_num, stream=req.stream,
+                             lora_path=req.lora_paths[i] if req.lora_paths else None,
                              **({media_param: req.image_data[i]} if req.is_video else
                                 {"image_data": req.image_data[i], "video_data": req.video_data[i]}))
             for i, (prompt, sp) in enumerate(zip(req.prompts, req.sampling_params))]

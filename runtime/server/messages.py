@@ -42,6 +42,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     stream: bool = False
     media: Optional[list[MediaItem]] = None
     client: str = ""
+    lora_path: Optional[str] = None
 
 
 def generate_req(req: Any) -> GenerateReq:
@@ -49,7 +50,7 @@ def generate_req(req: Any) -> GenerateReq:
     return GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling_params=req.sampling_params.to_dict(),
                        return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
                        top_logprobs_num=req.top_logprobs_num, stream=req.stream, media=_media_items(req.mm_inputs),
-                       client=req.client)
+                       client=req.client, lora_path=req.lora_path)
 
 
 def req_from_message(msg):
@@ -59,7 +60,8 @@ def req_from_message(msg):
 
     req = Req(rid=msg.rid, input_ids=list(msg.input_ids), sampling_params=SamplingParams.from_dict(msg.sampling_params),
               return_logprob=msg.return_logprob, logprob_start_len=msg.logprob_start_len,
-              top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, client=msg.client)
+              top_logprobs_num=msg.top_logprobs_num, stream=msg.stream, client=msg.client,
+              lora_path=msg.lora_path)
     if msg.media is not None:
         from braid.runtime.multimodal.inputs import inputs_from_wire
 

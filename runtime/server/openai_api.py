@@ -92,16 +92,26 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.tm.server_args.model_name
 
-    def check_model(self, model: Optional[str]) -> str:
+    def check_model(self, model: Optional[str]) -> tuple[str, Optional[str]]:
+        """model -> (the name answers carry, the LoRA adapter it selects or None). An adapter is named alone
+        ("sql") or after the base model ("base:sql"), as in vLLM and SGLang; answers then carry the name given."""
         names = {self.model_name, self.tm.server_args.model_path, "default"}  # "default": SGLang's any-model name
-        if model is not None and model not in names:
-            raise model_not_found(model)
-        return self.model_name
+        if model is None or model in names:
+            return self.model_name, None
+        adapters = self.tm.server_args.lora_adapters
+        base, sep, adapter = model.rpartition(":")
+        if model in adapters:
+            return model, model
+        if sep and base in names and adapter in adapters:
+            return model, adapter
+        raise model_not_found(model)
 
     def models(self) -> dict:
+        adapters = [{"id": name, "object": "model", "created": int(self._started), "owned_by": "braid", "root": path,
+                     "parent": self.model_name} for name, path in self.tm.server_args.lora_adapters.items()]
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(self._started),
                                             "owned_by": "braid", "root": self.tm.server_args.model_path,
-                                            "max_model_len": self.tm.context_len}]}
+                                            "max_model_len": self.tm.context_len}, *adapters]}
 
     # ---- helpers -------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
@@ -193,7 +203,7 @@ class OpenAIServing:
     # ---- chat ---------------------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request, body: Any) -> web.StreamResponse:
         req = parse_openai(ChatCompletionRequest, body)
-        model = self.check_model(req.model)
+        model, lora_path = self.check_model(req.model)
         output_lp, top_n = chat_logprob_options(req)
         plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
         messages, media = template_messages(req.messages)
@@ -222,7 +232,8 @@ class OpenAIServing:
         prepared = await self.tm.prepare(prompt, overrides, param_names=names, rid=req.rid,
                                          prompt_chars_checked=True, stream=req.stream,
                                          add_special_tokens=bool(req.add_special_tokens),
-                                         max_new_tokens_fills_context=True, **lps.prepare_options(), **media)
+                                         max_new_tokens_fills_context=True, lora_path=lora_path,
+                                         **lps.prepare_options(), **media)
         handle = await self.tm.submit(prepared, returned_n=n, client=request.remote)
         try:
             rid = f"chatcmpl-{handle.rid}"
@@ -352,8 +363,8 @@ class OpenAIServing:
         return resp
 
     # ---- completions ---------------------------------------------------------------------------------
-    async def _completion_prompts(self, req: CompletionRequest, lps: LogprobPlan,
-                                  overrides: dict) -> list[tuple[Req, str]]:
+    async def _completion_prompts(self, req: CompletionRequest, lps: LogprobPlan, overrides: dict,
+                                  lora_path: Optional[str]) -> list[tuple[Req, str]]:
         """[(prepared request, prompt text)] for each prompt of the request."""
         prompt = req.prompt
         if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt)):
@@ -372,18 +383,18 @@ class OpenAIServing:
             prepared = await self.tm.prepare(p, overrides, param_names=_param_names(req, "prompt"),
                                              rid=rids[i] if rids else None, stream=req.stream,
                                              add_special_tokens=add_special, max_new_tokens_fills_context=True,
-                                             **lps.prepare_options())
+                                             lora_path=lora_path, **lps.prepare_options())
             out.append((prepared, p if isinstance(p, str) else await self.tm.detokenize(p)))
         return out
 
     async def completions(self, request: web.Request, body: Any) -> web.StreamResponse:
         req = parse_openai(CompletionRequest, body)
-        model = self.check_model(req.model)
+        model, lora_path = self.check_model(req.model)
         output_lp, top_n = completion_logprob_options(req)
         overrides = openai_sampling_overrides(req, self.grammar_serving)
         n = requested_n(req)
         lps = LogprobPlan(output_lp, top_n, req.prompt_logprobs, rank=(req.best_of or n) > n, echo=req.echo)
-        prompts = await self._completion_prompts(req, lps, overrides)
+        prompts = await self._completion_prompts(req, lps, overrides, lora_path)
         handles: list[RequestHandle] = []
         try:
             for prepared, _ in prompts:

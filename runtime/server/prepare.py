@@ -30,6 +30,7 @@ class ServedModel:
     is_multimodal: bool = False  # has a vision tower: takes images and video
     is_generation: bool = True
     multimodal: Any = None  # runtime/multimodal/prompt.MultimodalPreparer when is_multimodal
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters served (--lora-paths names)
 
     @classmethod
     def from_model_info(cls, model_path: str, name: str, tokenizer: Any, context_len: int, vocab_size: int,
@@ -63,7 +64,8 @@ def prepare_request(model: ServedModel, prompt: Union[str, list[int]],
                     sampling_params: Union[None, dict, SamplingParams] = None, *, rid: str,
                     return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
                     stream: bool = False, image_data: Any = None, video_data: Any = None, audio_data: Any = None,
-                    add_special_tokens: bool = True, max_new_tokens_fills_context: bool = False) -> Req:
+                    add_special_tokens: bool = True, max_new_tokens_fills_context: bool = False,
+                    lora_path: Optional[str] = None) -> Req:
     """Tokenize `prompt` (text, or token ids taken as they are), check the request against the model and
     build its Req.
 
@@ -71,8 +73,9 @@ def prepare_request(model: ServedModel, prompt: Union[str, list[int]],
     `max_new_tokens_fills_context` a dict without max_new_tokens may generate the rest of the context
     (the OpenAI routes), otherwise SamplingParams' default applies. Param names in errors: prompt,
     max_new_tokens, logprob_start_len, top_logprobs_num, image_data, video_data, audio_data, or the
-    sampling field at fault.
+    sampling field at fault. lora_path: a served adapter's name (None: the base model); others are refused.
     """
+    check_lora_path(model, lora_path)
     mm_inputs = None
     if _check_media(model, image_data, video_data, audio_data) or model.multimodal is not None:
         # a vision model's prompt goes through its preparer even without media: an <image>/<video> mark
@@ -88,7 +91,18 @@ def prepare_request(model: ServedModel, prompt: Union[str, list[int]],
                   logprob_start_len, top_logprobs_num)
     return Req(rid=rid, input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
                logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream,
-               mm_inputs=mm_inputs)
+               mm_inputs=mm_inputs, lora_path=lora_path)
+
+
+def check_lora_path(model: ServedModel, lora_path: Optional[str]) -> None:
+    if lora_path is None:
+        return
+    if not isinstance(lora_path, str):
+        raise RequestError(f"lora_path must be an adapter name (a string), got {type(lora_path).__name__}",
+                           param="lora_path")
+    if lora_path not in model.lora_names:
+        served = ", ".join(model.lora_names) if model.lora_names else "none (start with --lora-paths name=path)"
+        raise RequestError(f"unknown LoRA adapter {lora_path!r}; adapters served: {served}", param="lora_path")
 
 
 def _has_media(data: Any) -> bool:

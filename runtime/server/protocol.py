@@ -626,10 +626,12 @@ class GenerateRequest:
     image_data: list[Any] = field(default_factory=list)  # one entry per prompt
     is_video: bool = False  # modalities says image_data holds video frames
     video_data: list[Any] = field(default_factory=list)  # one entry per prompt: a video (frames) or a list of them
+    lora_paths: list[Optional[str]] = field(default_factory=list)  # one LoRA adapter name (or None) per prompt
 
 
 _GENERATE_KEYS = {"text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-                  "top_logprobs_num", "rid", "image_data", "return_text_in_logprobs", "modalities", "video_data"}
+                  "top_logprobs_num", "rid", "image_data", "return_text_in_logprobs", "modalities", "video_data",
+                  "lora_path"}
 
 
 def _is_id_list(x: Any) -> bool:
@@ -695,7 +697,19 @@ def parse_generate(body: Any) -> GenerateRequest:
                            logprob_start_len=_or_default(body.get("logprob_start_len"), -1),
                            top_logprobs_num=_or_default(body.get("top_logprobs_num"), 0),
                            return_text_in_logprobs=bool(body.get("return_text_in_logprobs")), rids=rids,
-                           image_data=images, is_video="video" in (modalities or ()), video_data=videos)
+                           image_data=images, is_video="video" in (modalities or ()), video_data=videos,
+                           lora_paths=_lora_paths(body.get("lora_path"), len(prompts)))
+
+
+def _lora_paths(value: Any, count: int) -> list[Optional[str]]:
+    """/generate's lora_path (SGLang's name): one adapter name for every prompt, or a list with one (or null) per
+    prompt. Whether the name is served is prepare_request's check."""
+    if value is None or isinstance(value, str):
+        return [value] * count
+    if isinstance(value, list) and len(value) == count and all(v is None or isinstance(v, str) for v in value):
+        return list(value)
+    raise bad_request(f"lora_path must be an adapter name or a list of {count} names (or nulls), one per prompt",
+                      param="lora_path")
 
 
 # /generate's options that only shape the logprobs return_logprob asks for -> their value that asks for nothing

@@ -159,6 +159,7 @@ class TokenizerManager:
         self.served_model = ServedModel.from_model_info(self.server_args.model_path, self.server_args.model_name,
                                                         self.tokenizer, self.context_len, self.vocab_size,
                                                         self.model_info)
+        self.served_model = dataclasses.replace(self.served_model, lora_names=tuple(self.server_args.lora_adapters))
         if self.served_model.is_multimodal:
             from braid.runtime.multimodal.prompt import MultimodalPreparer
 

@@ -19,7 +19,7 @@ class PrefixTable:
         self.cached = cached
         self.matches = 0
 
-    def match_prefix(self, key):
+    def match_prefix(self, key, namespace=None):
         self.matches += 1
         n = min(self.cached.get(key[0], 0), len(key)) if key else 0
         return torch.zeros(n, dtype=torch.int64), None

@@ -23,6 +23,7 @@ class FakeReq:
     kv_committed_len: int = 0
     last_node: Any = None
     prefix_indices: Optional[torch.Tensor] = None
+    lora_path: Optional[str] = None  # the request's prefix namespace (its LoRA adapter)
     # the reference model's view: how many leading row slots the cache owns (== locked prefix length)
     ref_locked_len: int = 0
 
@@ -82,6 +83,21 @@ def test_match_after_insert_and_split(cache):
     assert got.numel() == 0 and node is cache.root_node
     got, node = cache.match_prefix([])
     assert got.numel() == 0 and node is cache.root_node
+
+
+def test_namespaces_keep_prefixes_apart(cache):
+    """A LoRA adapter's prefixes (namespace = its name) match only under that adapter, never under another or the
+    base model (None), even for the same token ids; each namespace's tokens take their own slots."""
+    base = _insert(cache, [1, 2, 3, 4])
+    value = cache.token_to_kv_pool.alloc(4)
+    prefix_len, sql, _ = cache.insert([1, 2, 3, 4], value, namespace="sql")
+    assert prefix_len == 0 and sql.tolist() == value.tolist()
+    assert cache.total_size() == 8
+    assert cache.match_prefix([1, 2, 3, 9])[0].tolist() == base[:3].tolist()
+    assert cache.match_prefix([1, 2, 3, 9], namespace="sql")[0].tolist() == sql[:3].tolist()
+    got, node = cache.match_prefix([1, 2, 3, 4], namespace="router")
+    assert got.numel() == 0 and node is cache.root_node
+    assert cache.evict(8) == 8 and cache.total_size() == 0
 
 
 def test_insert_shares_prefix_and_returns_tree_slots(cache):
