@@ -1,4 +1,4 @@
-"""A tiny random Llama (save_pretrained, byte tokenizer) and random PEFT LoRA adapters written by peft itself, for the
+"""A tiny random Llama or Qwen2 (save_pretrained, byte tokenizer) and random PEFT LoRA adapters written by peft itself, for the
 LoRA tests: adapters of different ranks and target modules, one with rslora scaling."""
 
 import torch
@@ -14,17 +14,22 @@ ADAPTERS = {
 }
 
 
-def write_base(folder):
+FAMILIES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+
+
+def write_base(folder, family: str = "llama"):
+    """A random model of `family` (qwen2: q/k/v biases, which the adapters' deltas join)."""
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                   tie_word_embeddings=False)
+    cfg_cls, model_cls = FAMILIES[family]
+    cfg = getattr(transformers, cfg_cls)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                         tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = getattr(transformers, model_cls)(cfg).eval()
     with torch.no_grad():  # larger than HF's init so the logits are far from uniform
-        for p in model.parameters():
-            if p.dim() > 1:
+        for name, p in model.named_parameters():
+            if p.dim() > 1 or name.endswith(".bias"):
                 p.normal_(0, 0.2)
     model.save_pretrained(folder, safe_serialization=True)
     byte_tokenizer().save_pretrained(folder)
@@ -36,7 +41,7 @@ def write_adapter(base_folder, folder, seed: int, **lora_fields) -> None:
     import peft
     import transformers
 
-    base = transformers.LlamaForCausalLM.from_pretrained(base_folder)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_folder)
     model = peft.get_peft_model(base, peft.LoraConfig(lora_dropout=0.0, **lora_fields))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -46,10 +51,10 @@ def write_adapter(base_folder, folder, seed: int, **lora_fields) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def write_all(root) -> dict[str, str]:
+def write_all(root, family: str = "llama") -> dict[str, str]:
     """root/base and root/<adapter> for every ADAPTERS entry -> {"base": path, name: path, ...}."""
     paths = {"base": str(root / "base")}
-    write_base(paths["base"])
+    write_base(paths["base"], family)
     for seed, (name, fields) in enumerate(ADAPTERS.items(), start=1):
         paths[name] = str(root / name)
         write_adapter(paths["base"], paths[name], seed, **fields)

@@ -20,6 +20,11 @@ def paths(tmp_path_factory):
     return write_all(tmp_path_factory.mktemp("lora"))
 
 
+@pytest.fixture(scope="module")
+def qwen2_paths(tmp_path_factory):
+    return write_all(tmp_path_factory.mktemp("lora_qwen2"), "qwen2")
+
+
 @pytest.fixture(autouse=True)
 def two_threads(request):
     # greedy on random tiny weights meets near-ties: both sides' reductions split as with 2 threads
@@ -38,7 +43,7 @@ def _peft_reference(paths, prompts, adapters):
     import peft
     import transformers
 
-    base = transformers.LlamaForCausalLM.from_pretrained(paths["base"]).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(paths["base"]).eval()
     names = list(ADAPTERS)
     model = peft.PeftModel.from_pretrained(base, paths[names[0]], adapter_name=names[0])
     for name in names[1:]:
@@ -63,7 +68,9 @@ def _peft_reference(paths, prompts, adapters):
     return out
 
 
-def test_mixed_batch_matches_peft(paths):
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_mixed_batch_matches_peft(family, request):
+    paths = request.getfixturevalue("paths" if family == "llama" else "qwen2_paths")
     gen = torch.Generator().manual_seed(3)
     lengths = (7, 30, 19, 12, 25, 9)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
@@ -155,3 +162,16 @@ def test_bad_adapters_are_refused(paths, tmp_path):
     with pytest.raises(ValueError, match="--max-lora-rank"):
         Engine(model_path=paths["base"], lora_paths=[f"router={paths['router']}"], max_lora_rank=4,
                log_level="warning")
+
+
+def test_n_and_chunked_prefill_keep_the_adapter(paths):
+    """n > 1 (the fan-out and its shared prefill) and a prompt prefilled in chunks run on the request's adapter."""
+    prompt = torch.randint(0, VOCAB, (45,), generator=torch.Generator().manual_seed(7)).tolist()
+    with _engine(paths) as engine:
+        want = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="router")["output_ids"]
+        fanned = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "n": 2}, lora_path="router")
+    assert [r["output_ids"] for r in fanned] == [want, want]
+    with _engine(paths, chunked_prefill_size=16, disable_radix_cache=True) as engine:
+        chunked = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="router")["output_ids"]
+        base = engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+    assert chunked == want and base != want
