@@ -164,14 +164,19 @@ def test_bad_adapters_are_refused(paths, tmp_path):
                log_level="warning")
 
 
-def test_n_and_chunked_prefill_keep_the_adapter(paths):
-    """n > 1 (the fan-out and its shared prefill) and a prompt prefilled in chunks run on the request's adapter."""
-    prompt = torch.randint(0, VOCAB, (45,), generator=torch.Generator().manual_seed(7)).tolist()
+def test_n_chunked_and_mixed_batches_keep_the_adapter(paths):
+    """n > 1 (the fan-out and its shared prefill), prompts prefilled in chunks, and decode rows riding in those
+    chunks' passes (--enable-mixed-chunk) all run on their request's adapter."""
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (45, 38, 41)]
+    adapters = ["router", None, "sql"]
     with _engine(paths) as engine:
-        want = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="router")["output_ids"]
-        fanned = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "n": 2}, lora_path="router")
-    assert [r["output_ids"] for r in fanned] == [want, want]
-    with _engine(paths, chunked_prefill_size=16, disable_radix_cache=True) as engine:
-        chunked = engine.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="router")["output_ids"]
-        base = engine.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
-    assert chunked == want and base != want
+        want = [engine.generate(input_ids=p, sampling_params=GREEDY, lora_path=a)["output_ids"]
+                for p, a in zip(prompts, adapters)]
+        fanned = engine.generate(input_ids=prompts[0], sampling_params={**GREEDY, "n": 2}, lora_path="router")
+    assert [r["output_ids"] for r in fanned] == [want[0], want[0]]
+    with _engine(paths, chunked_prefill_size=16, enable_mixed_chunk=True, disable_radix_cache=True) as engine:
+        got = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=adapters)
+        mixed = engine.scheduler.stats["num_decode_tokens_mixed"]
+    assert [r["output_ids"] for r in got] == want
+    assert mixed > 0  # some decode rows did share a pass with another request's chunk
