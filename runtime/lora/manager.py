@@ -1,6 +1,6 @@
 """LoraManager: the adapters of --lora-paths resident in stacked per-layer buffers, and the per-batch selection.
 
-Every slot-holding linear (qkv_proj, o_proj, gate_up_proj, down_proj of the shared blocks) gets a `LoraLayer` as
+Each linear an adapter targets (qkv_proj, o_proj, gate_up_proj, down_proj of the shared blocks) gets a `LoraLayer` as
 `Linear.lora`; `Linear.forward` adds its delta when the current batch has adapter rows. Slots are fixed at start:
 adapter i of --lora-paths is slot i, for the whole run (no paging yet, so all of them must fit one batch)."""
 
@@ -63,35 +63,41 @@ class LoraLayer:
 
 class LoraManager:
     def __init__(self, model: nn.Module, server_args, device, dtype):
-        from braid.runtime.layers.linear import Linear
-
         paths = server_args.lora_adapters
         allowed = server_args.lora_target_module_set
         self.adapters: list[LoraAdapter] = [load_adapter(name, path, server_args.max_lora_rank, allowed)
                                             for name, path in paths.items()]
         self.slots = {a.name: i for i, a in enumerate(self.adapters)}
-        rank = server_args.max_lora_rank or max((a.rank for a in self.adapters), default=1)
-        targets = allowed if allowed is not None else frozenset().union(*(a.target_modules for a in self.adapters))
-        n = max(len(self.adapters), 1)
+        self.rank = server_args.max_lora_rank or max((a.rank for a in self.adapters), default=1)
+        self.num_slots = max(len(self.adapters), 1)
+        self.device, self.dtype = device, dtype
         self.batch = LoraBatch(torch.tensor([a.scaling for a in self.adapters] or [0.0], device=device, dtype=dtype))
-        self.layers: dict[str, LoraLayer] = {}
-        for mod_name, mod in model.named_modules():
-            leaf = mod_name.rsplit(".", 1)[-1]
-            stack = _STACKS.get(leaf)
-            if (isinstance(mod, Linear) and stack is not None and len(mod.output_sizes) == len(stack)
-                    and targets & set(stack)):
-                mod.lora = self.layers[mod_name] = LoraLayer(self.batch, n, rank, mod.in_features, mod.output_sizes,
-                                                             device, dtype)
+        self.modules = dict(model.named_modules())
+        self.layers: dict[str, LoraLayer] = {}  # only the linears some adapter targets pay for the delta
         for slot, adapter in enumerate(self.adapters):
             self._place(slot, adapter)
         logger.info("LoRA: %d adapter(s) (%s), rank up to %d, on %d linears", len(self.adapters),
-                    ", ".join(self.slots) or "none", rank, len(self.layers))
+                    ", ".join(self.slots) or "none", self.rank, len(self.layers))
+
+    def _layer(self, name: str) -> Optional[LoraLayer]:
+        """The LoraLayer of braid module `name`, attached on first use; None where no linear of that shape is."""
+        from braid.runtime.layers.linear import Linear
+
+        if name in self.layers:
+            return self.layers[name]
+        mod = self.modules.get(name)
+        stack = _STACKS[name.rsplit(".", 1)[-1]]
+        if not isinstance(mod, Linear) or len(mod.output_sizes) != len(stack):
+            return None
+        mod.lora = self.layers[name] = LoraLayer(self.batch, self.num_slots, self.rank, mod.in_features,
+                                                 mod.output_sizes, self.device, self.dtype)
+        return mod.lora
 
     def _place(self, slot: int, adapter: LoraAdapter) -> None:
         for hf_module, (a, b) in adapter.weights.items():
             parent, proj = hf_module.rsplit(".", 1)
             fused, sub = SUPPORTED_TARGETS[proj]
-            layer = self.layers.get(f"{parent}.{fused}")
+            layer = self._layer(f"{parent}.{fused}")
             if layer is None:
                 raise ValueError(f"LoRA adapter {adapter.name!r} ({adapter.path}): the model has no {proj} at "
                                  f"{hf_module} that takes an adapter")

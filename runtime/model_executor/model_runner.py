@@ -67,6 +67,8 @@ class ModelRunner:
         if server_args.enable_lora:
             from braid.runtime.lora.manager import LoraManager
 
+            if self.model_config.is_multimodal:
+                raise ValueError("--enable-lora on a vision model is not supported yet")
             self.lora_manager = LoraManager(self.model, server_args, self.device, self.dtype)
         self.vocab_size = self.model_config.vocab_size
         self.context_len = self.model_config.context_len

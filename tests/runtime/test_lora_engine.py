@@ -180,3 +180,15 @@ def test_n_chunked_and_mixed_batches_keep_the_adapter(paths):
         mixed = engine.scheduler.stats["num_decode_tokens_mixed"]
     assert [r["output_ids"] for r in got] == want
     assert mixed > 0  # some decode rows did share a pass with another request's chunk
+
+
+def test_only_targeted_linears_carry_adapters(paths):
+    """With only the attention adapter, the MLP's linears carry no LoRA (and pay nothing for it)."""
+    with Engine(model_path=paths["base"], lora_paths=[f"sql={paths['sql']}"], log_level="warning") as engine:
+        manager = engine.scheduler.runner.lora_manager
+        model = engine.scheduler.runner.model
+        assert sorted(manager.layers) == [f"model.layers.{i}.self_attn.{p}" for i in (0, 1)
+                                          for p in ("o_proj", "qkv_proj")]
+        assert all(layer.mlp.gate_up_proj.lora is None and layer.mlp.down_proj.lora is None
+                   for layer in model.model.layers)
+        assert manager.layers["model.layers.0.self_attn.qkv_proj"].a.shape == (1, 3 * 4, 64)
