@@ -175,7 +175,7 @@ def test_n_chunked_and_mixed_batches_keep_the_adapter(paths):
                 for p, a in zip(prompts, adapters)]
         fanned = engine.generate(input_ids=prompts[0], sampling_params={**GREEDY, "n": 2}, lora_path="router")
     assert [r["output_ids"] for r in fanned] == [want[0], want[0]]
-    with _engine(paths, chunked_prefill_size=16, enable_mixed_chunk=True, disable_radix_cache=True) as engine:
+    with _engine(paths, chunked_prefill_size=16, enable_mixed_chunk=True) as engine:
         got = engine.generate(input_ids=prompts, sampling_params=GREEDY, lora_path=adapters)
         mixed = engine.scheduler.stats["num_decode_tokens_mixed"]
     assert [r["output_ids"] for r in got] == want
