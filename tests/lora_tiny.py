@@ -6,6 +6,8 @@ import torch
 from byte_tokenizer import byte_tokenizer
 
 VOCAB = 320
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 # name -> peft LoraConfig fields: "sql" the attention projections (q/k/v land in braid's fused qkv_proj),
 # "router" v and the whole MLP (gate/up land in gate_up_proj) at a larger rank with rslora
 ADAPTERS = {
@@ -32,7 +34,9 @@ def write_base(folder, family: str = "llama"):
             if p.dim() > 1 or name.endswith(".bias"):
                 p.normal_(0, 0.2)
     model.save_pretrained(folder, safe_serialization=True)
-    byte_tokenizer().save_pretrained(folder)
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(folder)
     return model
 
 

@@ -75,6 +75,30 @@ def test_openai_model_name_selects_the_adapter(client, engine_outputs):
     assert got["router"] == got["base:router"]
 
 
+def test_streamed_chat_on_an_adapter(client, paths):
+    """A streamed chat completion on "base:sql" equals the Engine's greedy answer under sql for the templated
+    prompt."""
+    from braid.runtime import Engine
+
+    messages = [{"role": "user", "content": "Write a query."}]
+    stream = client.chat.completions.create(model="base:sql", messages=messages, max_tokens=MAX_TOKENS,
+                                            temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert all(c.model == "base:sql" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    prompt = "user: Write a query.\nassistant:"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with Engine(model_path=paths["base"], lora_paths=[f"sql={paths['sql']}"], log_level="warning") as engine:
+            want = engine.generate(prompt, {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True},
+                                   lora_path="sql")
+            base = engine.generate(prompt, {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True})
+    finally:
+        torch.set_num_threads(threads)
+    assert text and text == want["text"] and want["output_ids"] != base["output_ids"]
+
+
 def test_native_generate_lora_path(server, engine_outputs):
     for adapter in (None, *ADAPTERS):
         body = {"text": PROMPT, "lora_path": adapter,
