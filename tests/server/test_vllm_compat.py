@@ -155,7 +155,7 @@ def test_bad_guided_inputs_are_400s(client, extra, param):
 
 
 def test_logprobs_zero_returns_the_sampled_tokens_entry(client):
-    r = complete(client, logprobs=0, temperature=1.0, seed=3)
+    r = complete(client, logprobs=0, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == 4 and all(t is not None for t in lp.top_logprobs)
     for tok, tok_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
