@@ -51,8 +51,14 @@ class SheddingServer:
                     shed = outer.shed_count < outer.shed and outer.only(json.loads(raw or b"{}"))
                     outer.shed_count += shed
                 if not shed:
-                    self.rfile = io.BytesIO(raw)
-                    return super().do_POST()
+                    # the fake reads the body again; the connection's own stream is put back after, or the next
+                    # request on this keep-alive connection would read an empty stream and the server close it
+                    # under the client
+                    connection_stream, self.rfile = self.rfile, io.BytesIO(raw)
+                    try:
+                        return super().do_POST()
+                    finally:
+                        self.rfile = connection_stream
                 if outer.break_stream:
                     return self._broken_stream()
                 data = json.dumps({"error": {"message": outer.message, "type": "rate_limit_error", "param": None,
