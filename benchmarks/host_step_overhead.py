@@ -18,7 +18,7 @@ from braid.runtime.config import ServerArgs
 from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.scheduler.scheduler import Scheduler
-from braid.runtime.server import messages as M
+from braid.runtime.ipc import messages as M
 
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,

@@ -19,8 +19,8 @@ from braid.runtime.core import Req
 from braid.runtime.error_kind import exception_for
 from braid.runtime.host_memory import return_freed_memory
 from braid.runtime.sampling_params import SamplingParams
-from braid.runtime.server.output_accumulator import OutputAccumulator
-from braid.runtime.server.prepare import ServedModel, prepare_request
+from braid.runtime.request_io.output_accumulator import OutputAccumulator
+from braid.runtime.request_io.prepare import ServedModel, prepare_request
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class Engine:
         self._error: Optional[BaseException] = None
         self._counter = itertools.count()
         self._preparer = None  # the MultimodalPreparer of a vision model, built on first use
-        self._ranks = None  # tensor parallelism: the follower rank processes (runtime/distributed/tensor_parallel.py)
+        self._ranks = None  # tensor parallelism: the follower rank processes (runtime/processes/tensor_parallel.py)
         # The scheduler (model load included) is built on the thread that runs it: every torch op then runs on
         # one thread. On CPU this matters: each thread that runs parallel ops gets its own OpenMP team, and
         # with more team threads than cores OpenMP stops spinning between parallel regions, so every small op
@@ -82,8 +82,8 @@ class Engine:
             if self.server_args.dp_size > 1:
                 raise ValueError("dp_size > 1 is a server feature (python -m braid.launch_server --dp-size N); the "
                                  "in-process Engine runs one scheduler group")
-            from braid.runtime.distributed.tensor_parallel import init_rank, uses_distributed
-            from braid.runtime.scheduler.process import EngineRanks
+            from braid.runtime.processes.tensor_parallel import init_rank, uses_distributed
+            from braid.runtime.processes.scheduler_process import EngineRanks
 
             if uses_distributed(self.server_args):
                 self._ranks = EngineRanks(self.server_args)

@@ -1,6 +1,6 @@
 """The one check of a request against the model and the KV pool.
 
-It runs where a request is prepared (runtime/server/prepare.py, in the server process or the Engine) and again where
+It runs where a request is prepared (runtime/request_io/prepare.py, in the server process or the Engine) and again where
 the scheduler admits it (runtime/scheduler/intake.py): the scheduler trusts no other process, and only it knows its
 KV pool's size for sure. Both run this function, so a request refused on either side reads the same. A user's mistake
 raises `RequestError` or `SamplingParamsError` (ValueErrors naming the parameter, HTTP 400).

@@ -14,7 +14,7 @@ import time
 import torch
 
 from braid.runtime import Engine
-from braid.runtime.distributed.tensor_parallel import free_loopback_addr
+from braid.runtime.processes.tensor_parallel import free_loopback_addr
 
 MODEL = dict(model_path="llama3-8b-dummy", load_format="dummy", model_config="benchmarks/configs/llama3-8b.json",
              tokenizer_path=".gpu/tok", dtype="bfloat16", max_total_tokens=65536, cuda_graph_max_bs=32,

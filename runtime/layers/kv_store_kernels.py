@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from braid.runtime.layers.dtypes import FP8_DTYPES
+from braid.runtime.dtypes import FP8_DTYPES
 from braid.runtime.layers.kernel_inputs import token_rows_stride
 
 __all__ = ["store_kv"]

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from braid.runtime.layers.dtypes import model_dtype
+from braid.runtime.dtypes import model_dtype
 from braid.runtime.loader.config_specs import (AttentionKind, HIDDEN_ACTS, LayerSpec, MLASpec, MoESpec,
                                                QuantizationSpec, RopeSpec, VisionConfig, yarn_mscale)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import importlib.util
 import os
 
@@ -33,25 +32,6 @@ def resolve_model_path(model_path: str) -> str:
         raise FileNotFoundError(f"model path not found: {model_path} (braid downloads nothing; give a local HF "
                                 "folder, a .gguf file, or an embedded model: 'smollm2', 'gemma3-270m')")
     return model_path
-
-
-def check_model_source(server_args) -> None:
-    """Fail in one line before any process starts: a missing model path, or a config.json whose architecture
-    braid does not implement (the scheduler would find out only after starting up)."""
-    from braid.runtime.models.registry import check_architecture
-
-    overrides = server_args.model_config_overrides() or {}
-    if server_args.load_format == "dummy" and overrides:
-        architectures = overrides.get("architectures")
-    else:
-        path = resolve_model_path(server_args.model_path)
-        architectures = overrides.get("architectures")
-        config_file = os.path.join(path, "config.json")
-        if architectures is None and os.path.isfile(config_file):
-            with open(config_file) as f:
-                architectures = json.load(f).get("architectures")
-    if architectures:
-        check_architecture(architectures[0])
 
 
 def is_gguf(path: str) -> bool:

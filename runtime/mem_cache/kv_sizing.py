@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 import torch
 
-from braid.runtime.layers.dtypes import kv_cache_dtype
+from braid.runtime.dtypes import kv_cache_dtype
 
 __all__ = ["mha_kv_bytes_per_token", "mla_kv_bytes_per_token", "kv_cache_bytes_per_token", "max_tokens_for_budget",
            "window_tokens_for", "hybrid_tokens_for_budget", "KVPoolTooLarge", "check_kv_pool_fits"]

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from braid.runtime.layers import dtypes
+import braid.runtime.dtypes as dtypes
 
 __all__ = [
     "ReqToTokenPool",

@@ -11,11 +11,12 @@ from braid.runtime.core import ForwardBatch, ForwardOutput
 from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.argmax_kernels import argmax_last_dim
 from braid.runtime.layers.attention.registry import check_backend_device, default_backend, get_backend_class
-from braid.runtime.layers.dtypes import kv_cache_dtype, model_dtype
+from braid.runtime.dtypes import kv_cache_dtype, model_dtype
 from braid.runtime.layers.kernel_switches import apply_kernel_switches
 from braid.runtime.layers.logits import compute_logits, last_token_rows, token_logprobs
 from braid.runtime.layers.sampler import Sampler, apply_penalties
-from braid.runtime.loader import load_model, load_model_config
+from braid.runtime.loader import load_model_config
+from braid.runtime.model_executor.model_loader import load_model
 from braid.runtime.mem_cache.kv_sizing import (check_kv_pool_fits, hybrid_tokens_for_budget, max_tokens_for_budget,
                                                mha_kv_bytes_per_token, mla_kv_bytes_per_token, window_tokens_for)
 from braid.runtime.mem_cache.window_pool import HybridKVPool, window_layer_split

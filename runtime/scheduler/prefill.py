@@ -68,7 +68,7 @@ class PrefillPlanner:
         self.tree_cache = tree_cache
         self.req_to_token_pool = req_to_token_pool
         self.device = device
-        self.clock = time.time  # under TP every rank reads rank 0's clock here (distributed/tensor_parallel.py)
+        self.clock = time.time  # under TP every rank reads rank 0's clock here (processes/tensor_parallel.py)
         chunk = server_args.chunked_prefill_size
         self.token_budget = min(server_args.max_prefill_tokens, (1 << 30) if chunk == -1 else chunk)
         self.random_order = RandomOrder(server_args.random_seed) if server_args.schedule_policy == "random" else None

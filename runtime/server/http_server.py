@@ -417,7 +417,7 @@ class StartRefused(Exception):
 def check_before_start(server_args) -> None:
     """Refuse in one line, before the scheduler process starts, what this process can already see is wrong."""
     from braid.runtime.layers.attention.registry import check_backend_device
-    from braid.runtime.loader.model_path import check_model_source
+    from braid.runtime.models.registry import check_model_source
     from braid.runtime.server.tokenizer_manager import load_chat_template
 
     if server_args.trust_remote_code:
@@ -504,7 +504,7 @@ def launch_server(server_args) -> int:
     logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
                         format="[server %(asctime)s] %(levelname)s %(message)s")
     if server_args.node_rank > 0:  # multi-node TP: this host runs its ranks; node 0 serves HTTP
-        from braid.runtime.scheduler.process import run_node_ranks
+        from braid.runtime.processes.scheduler_process import run_node_ranks
 
         return run_node_ranks(server_args)
     return asyncio.run(serve(server_args))

@@ -12,7 +12,7 @@ from braid.runtime.core import Req
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
 from braid.runtime.server.chat_content import count_placeholders, template_messages
 from braid.runtime.server.errors import APIError, bad_request, model_not_found
-from braid.runtime.server.output_accumulator import OutputAccumulator
+from braid.runtime.request_io.output_accumulator import OutputAccumulator
 from braid.runtime.server.protocol import (
     SSE_DONE,
     ChatCompletionRequest,

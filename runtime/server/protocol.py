@@ -1,7 +1,7 @@
 """Request schemas of the native and OpenAI APIs: their shape, and the sampling-field dicts they carry.
 
 Sampling fields are never listed here: whatever body key is a SamplingParams field name is handed to
-`prepare_request` (runtime/server/prepare.py), which builds and checks the SamplingParams; only the
+`prepare_request` (runtime/request_io/prepare.py), which builds and checks the SamplingParams; only the
 OpenAI and vLLM names that differ (max_tokens, min_tokens, response_format, best_of, guided_*,
 structured_outputs, include_stop_str_in_output) are translated. A top-level OpenAI parameter that is none of these is a 400
 (`_check_parameter_names`); docs/api.md lists what is accepted and what is refused.

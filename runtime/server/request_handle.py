@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Callable, Optional
 from braid.runtime.core import Req
 from braid.runtime.error_kind import GRAMMAR_KINDS
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
-from braid.runtime.server import messages as M
+from braid.runtime.ipc import messages as M
 from braid.runtime.server.errors import APIError, for_kind
 from braid.runtime.server.metrics import ServerMetrics
-from braid.runtime.server.output_accumulator import ChoiceUpdate, OutputAccumulator
+from braid.runtime.request_io.output_accumulator import ChoiceUpdate, OutputAccumulator
 
 if TYPE_CHECKING:
     from braid.runtime.sampling_params import SamplingParams

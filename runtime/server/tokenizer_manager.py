@@ -29,12 +29,12 @@ import zmq.asyncio
 
 from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
-from braid.runtime.server import messages as M
-from braid.runtime.scheduler import process as scheduler_process
+from braid.runtime.ipc import messages as M
+from braid.runtime.processes import scheduler_process
 from braid.runtime.server.chat_content import content_text, in_content_format, resolve_content_format
 from braid.runtime.server.errors import APIError, bad_request, for_kind, internal, too_many_requests, unavailable
 from braid.runtime.server.metrics import ServerMetrics
-from braid.runtime.server.prepare import RequestError, ServedModel, prepare_request
+from braid.runtime.request_io.prepare import RequestError, ServedModel, prepare_request
 from braid.runtime.server.request_handle import DEADLINE_GRACE_S, RequestHandle
 
 logger = logging.getLogger("braid.server")

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
-from braid.runtime.distributed.data_parallel import merge_stats
+from braid.runtime.processes.data_parallel import merge_stats
 from real_server import start_server
 
 
@@ -40,8 +40,8 @@ def test_two_groups_serve_64_concurrent_requests_each_answered_once():
 
         # a group that dies takes the server to its error state
         controller = next(c for c in psutil.Process(srv.proc.pid).children()
-                          if "braid.runtime.distributed.data_parallel" in " ".join(c.cmdline()))
-        groups = [c for c in controller.children() if "braid.runtime.scheduler.process" in " ".join(c.cmdline())]
+                          if "braid.runtime.processes.data_parallel" in " ".join(c.cmdline()))
+        groups = [c for c in controller.children() if "braid.runtime.processes.scheduler_process" in " ".join(c.cmdline())]
         assert len(groups) == 2
         groups[1].kill()
         assert srv.proc.wait(20) != 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from braid.runtime import Engine
-from braid.runtime.distributed.tensor_parallel import free_loopback_addr
+from braid.runtime.processes.tensor_parallel import free_loopback_addr
 
 pytestmark = pytest.mark.gpu
 

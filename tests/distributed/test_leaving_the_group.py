@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from braid.runtime.distributed.tensor_parallel import free_loopback_addr
+from braid.runtime.processes.tensor_parallel import free_loopback_addr
 
 RANK_PROGRAM = """
 import sys, torch

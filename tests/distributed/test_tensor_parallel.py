@@ -141,7 +141,7 @@ def test_unsupported_family_and_uneven_split_are_refused(tmp_path):
 
 def _rank_pids(server_pid: int) -> list[int]:
     children = psutil.Process(server_pid).children()
-    return sorted(c.pid for c in children if "braid.runtime.scheduler.process" in " ".join(c.cmdline()))
+    return sorted(c.pid for c in children if "braid.runtime.processes.scheduler_process" in " ".join(c.cmdline()))
 
 
 def test_smollm2_server_tp2_equals_tp1_and_a_dead_rank_fails_fast(smollm2_tp1):
@@ -189,7 +189,7 @@ def test_one_rank_through_the_distributed_path_equals_the_plain_path(tmp_path):
     is the NCCL path: benchmarks/gpu/tp1_distributed_path.sh)."""
     import transformers
 
-    from braid.runtime.distributed.tensor_parallel import free_loopback_addr
+    from braid.runtime.processes.tensor_parallel import free_loopback_addr
 
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
@@ -252,7 +252,8 @@ def test_the_sharded_loader_reads_only_the_ranks_slices(tmp_path, monkeypatch):
 
     from braid.runtime.config import ServerArgs
     from braid.runtime.distributed import parallel_state as ps
-    from braid.runtime.loader import iter_weights, load_model_config
+    from braid.runtime.loader import load_model_config
+    from braid.runtime.model_executor.model_loader import iter_weights
     from braid.runtime.models.registry import get_model_class
 
     cfg = transformers.DeepseekV2Config(

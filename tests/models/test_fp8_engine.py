@@ -277,7 +277,7 @@ def test_fp8_layers_are_built_on_meta_like_the_model(dense_folder):
     """use_fp8_linears re-creates the linear weights before loading: on meta, so the loader materializes them on the
     target device (a weight made on the CPU would stay there when the model loads onto a GPU)."""
     from braid.runtime.layers.linear import Linear
-    from braid.runtime.loader.fp8_layers import use_fp8_linears
+    from braid.runtime.model_executor.fp8_layers import use_fp8_linears
     from braid.runtime.loader.hf import hf_config
     from braid.runtime.loader.model_config import ModelConfig
     from braid.runtime.models.registry import get_model_class

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from braid.runtime.layers.dtypes import kv_cache_dtype, model_dtype
+from braid.runtime.dtypes import kv_cache_dtype, model_dtype
 from braid.runtime.loader.model_config import LayerSpec, ModelConfig, RopeSpec
 
 TINY = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

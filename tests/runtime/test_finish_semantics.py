@@ -11,7 +11,7 @@ import pytest
 from braid.runtime.core import ReqOutput
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.scheduler.output import OutputProcessor
-from braid.runtime.server.output_accumulator import OutputAccumulator
+from braid.runtime.request_io.output_accumulator import OutputAccumulator
 from test_stop_strings import REPLACEMENT, ByteTokenizer, random_stops, smollm2_tokenizer  # noqa: F401
 
 NEWLINE = 198  # SmolLM2's "\n"

@@ -12,7 +12,7 @@ from braid.runtime.core import Req
 from braid.runtime.error_kind import BusyError, ErrorKind, exception_for
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.scheduler.intake import RequestIntake, error_kind_of
-from braid.runtime.server import messages as M
+from braid.runtime.ipc import messages as M
 from braid.runtime.server.errors import for_kind
 from braid.runtime.server.request_handle import _error_failure
 

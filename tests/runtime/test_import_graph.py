@@ -1,6 +1,6 @@
-"""The import graph of `runtime/` (issue 47): no two files import each other, directly or through others, and the
-bottom modules of the layering (error kinds, sampling params, the vocabulary, parallel state, the request check)
-import nothing above them.
+"""The import graph of `runtime/` (issue 47): no two files import each other, directly or through others; packages
+stand in layers, each importing only layers below it; and the bottom modules of the layering (error kinds, sampling
+params, the vocabulary, parallel state, the request check) import nothing above them.
 
 Every import counts, at module level or inside a function, except those under `if TYPE_CHECKING:` (they never run).
 A function-local import still runs whenever its caller does, so a loop through one is a loop a reader has to hold in
@@ -126,8 +126,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_every_kind_of_import():
     graph = import_graph()
     # module level, function-local (SchedulerLoop.run imports the loop), relative (constrained's engines)
-    assert "braid.runtime.server.messages" in graph["braid.runtime.scheduler.process"]
-    assert "braid.runtime.scheduler.scheduler" in graph["braid.runtime.scheduler.process"]
+    assert "braid.runtime.ipc.messages" in graph["braid.runtime.processes.scheduler_process"]
+    assert "braid.runtime.scheduler.scheduler" in graph["braid.runtime.processes.scheduler_process"]
     assert "braid.runtime.constrained.schema_prepare" in graph["braid.runtime.constrained.llguidance_engine"]
     # TYPE_CHECKING-only: core names the attention backend for annotations
     assert "braid.runtime.layers.attention.base" not in graph["braid.runtime.core"]
@@ -144,8 +144,7 @@ def test_no_import_loop_between_runtime_files():
         " <-> ".join(m.removeprefix(PREFIX + ".") for m in loop) for loop in loops)
 
 
-# the bottom of the layering (DESIGN.md, "Packages in layers"): what every package may import, importing back only
-# each other. Packages still form one loop above them (issue 47); this keeps the floor from joining it.
+# the bottom of the layering: what every package may import, importing back only each other
 FLOOR = {"error_kind": set(), "sampling_params": set(), "distributed.parallel_state": set(),
          "core": {"error_kind", "sampling_params"}, "request_checks": {"core", "error_kind", "sampling_params"}}
 
@@ -154,3 +153,47 @@ FLOOR = {"error_kind": set(), "sampling_params": set(), "distributed.parallel_st
 def test_the_floor_imports_only_the_floor(module):
     imported = {m.removeprefix(PREFIX + ".") for m in import_graph()[f"{PREFIX}.{module}"]}
     assert imported <= FLOOR[module], f"{module} imports {sorted(imported - FLOOR[module])}"
+
+
+# runtime's packages (and top-level modules) from the bottom up; a package imports only packages of lower layers
+LAYERS = [
+    {"error_kind", "sampling_params", "dtypes", "host_memory", "sglang_flags", "distributed"},
+    {"core"},
+    {"request_checks", "loader"},
+    {"layers", "multimodal", "request_io"},
+    {"constrained", "lora", "models", "ipc"},
+    {"speculative", "mem_cache"},
+    {"config"},
+    {"model_executor"},
+    {"scheduler"},
+    {"processes"},
+    {"server", "engine"},
+    {"launch", "bench", ""},  # "": runtime/__init__.py
+]
+
+
+def _package(module: str) -> str:
+    rest = module.removeprefix(PREFIX).removeprefix(".")
+    return rest.split(".")[0]
+
+
+def package_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for module, edges in import_graph().items():
+        mine = _package(module)
+        graph.setdefault(mine, set()).update(p for p in map(_package, edges) if p != mine)
+    return graph
+
+
+def test_every_package_has_a_layer():
+    placed = set().union(*LAYERS)
+    assert set(package_graph()) <= placed, f"packages with no layer in LAYERS: {sorted(set(package_graph()) - placed)}"
+
+
+def test_packages_import_only_lower_layers():
+    level = {p: i for i, layer in enumerate(LAYERS) for p in layer}
+    graph = package_graph()
+    upward = sorted(f"{p or 'runtime/__init__'} -> {q or 'runtime/__init__'}" for p, edges in graph.items()
+                    for q in edges if level.get(q, len(LAYERS)) >= level.get(p, len(LAYERS)))
+    assert upward == [], "imports that go sideways or up the layering: " + "; ".join(upward)
+    assert cycles(graph) == []

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from braid.runtime.layers.dtypes import kv_cache_dtype
+from braid.runtime.dtypes import kv_cache_dtype
 from braid.runtime.mem_cache.kv_sizing import (
     kv_cache_bytes_per_token,
     max_tokens_for_budget,

@@ -10,7 +10,7 @@ from braid.runtime.core import Req, RequestError
 from braid.runtime.request_checks import RequestLimits
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.scheduler.intake import RequestIntake
-from braid.runtime.server.prepare import ServedModel, prepare_request
+from braid.runtime.request_io.prepare import ServedModel, prepare_request
 
 VOCAB, CONTEXT, KV = 100, 64, 48
 

@@ -10,7 +10,7 @@ import pytest
 from braid.runtime.sampling_params import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams,
                                            SamplingParamsError)
 from braid.runtime.scheduler.output import OutputProcessor
-from braid.runtime.server.detokenizer import IncrementalDetokenizer
+from braid.runtime.request_io.detokenizer import IncrementalDetokenizer
 
 REPLACEMENT = "\ufffd"
 

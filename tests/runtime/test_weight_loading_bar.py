@@ -8,7 +8,8 @@ import sys
 import torch
 
 from braid.runtime.config import ServerArgs
-from braid.runtime.loader import load_model, load_model_config
+from braid.runtime.loader import load_model_config
+from braid.runtime.model_executor.model_loader import load_model
 
 
 class Stream(io.StringIO):

@@ -11,7 +11,7 @@ import pytest
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams
-from braid.runtime.server import messages as M
+from braid.runtime.ipc import messages as M
 from braid.runtime.server import tokenizer_manager as tm_module
 from braid.runtime.server.tokenizer_manager import TokenizerManager
 from server_helpers import wait_idle

@@ -15,8 +15,8 @@ import zmq
 from braid.runtime.core import ReqOutput
 from braid.runtime.error_kind import ErrorKind
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
-from braid.runtime.server import messages as M
-from braid.runtime.scheduler.process import SchedulerLoop
+from braid.runtime.ipc import messages as M
+from braid.runtime.processes.scheduler_process import SchedulerLoop
 
 
 def test_messages_round_trip_with_their_type():
@@ -157,7 +157,7 @@ def test_scheduler_process_dies_with_its_parent(tmp_path):
     parent = textwrap.dedent(f"""
         import sys, time
         from braid.runtime.config import ServerArgs
-        from braid.runtime.scheduler import process as scheduler_process
+        from braid.runtime.processes import scheduler_process
         p = scheduler_process.spawn(ServerArgs(), "ipc://{tmp_path}/a", "ipc://{tmp_path}/b")
         print(p.pid, flush=True)
         time.sleep(60)

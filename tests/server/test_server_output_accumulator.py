@@ -3,7 +3,7 @@ several tokens (stream_interval > 1), jump-forward rewrites, stop tokens and str
 
 from braid.runtime.core import ReqOutput
 from braid.runtime.sampling_params import SamplingParams
-from braid.runtime.server.output_accumulator import OutputAccumulator
+from braid.runtime.request_io.output_accumulator import OutputAccumulator
 
 EOS = 0
 

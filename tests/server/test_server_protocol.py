@@ -11,7 +11,7 @@ from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.server.errors import APIError, from_exception
 from braid.runtime.server.http_server import prepare_generate
 from braid.runtime.server.openai_api import _param_names
-from braid.runtime.server.prepare import ServedModel
+from braid.runtime.request_io.prepare import ServedModel
 from braid.runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -54,7 +54,7 @@ except Exception as e:  # an import that fails for any reason (missing package, 
 from braid.runtime.layers import pdl
 from braid.runtime.layers.attention.base import AttentionBackend
 from braid.runtime.layers.attention.triton_ops.kv_indices import build_kv_indices, csr_indptr, window_kv_spans
-from braid.runtime.layers.dtypes import FP8_DTYPES, kv_cache_dtype
+from braid.runtime.dtypes import FP8_DTYPES, kv_cache_dtype
 
 if TYPE_CHECKING:
     from braid.runtime.core import ForwardBatch

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import pdl
-from braid.runtime.layers.dtypes import FP8_DTYPES
+from braid.runtime.dtypes import FP8_DTYPES
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 from braid.runtime.layers.attention.triton_ops.extend_attention import (
     _attend_tile,

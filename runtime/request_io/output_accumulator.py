@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from braid.runtime.sampling_params import SamplingParams
-from braid.runtime.server.detokenizer import IncrementalDetokenizer
+from braid.runtime.request_io.detokenizer import IncrementalDetokenizer
 
 ABORTED = {"type": "abort", "matched": None}
 

@@ -31,7 +31,7 @@ class MediaItem(msgspec.Struct):
 
 
 class GenerateReq(msgspec.Struct, tag=True):
-    """A prepared `Req` (runtime/server/prepare.py) on the wire; the scheduler process rebuilds the Req."""
+    """A prepared `Req` (runtime/request_io/prepare.py) on the wire; the scheduler process rebuilds the Req."""
 
     rid: str
     input_ids: list[int]

@@ -119,7 +119,7 @@ class LeaderScheduler:
         return getattr(self._scheduler, name)
 
     def add_request(self, req) -> None:
-        from braid.runtime.server import messages as M
+        from braid.runtime.ipc import messages as M
 
         command = Command(M.encode(M.generate_req(req)), req.created_time)
         self._commands.append(command)
@@ -130,13 +130,13 @@ class LeaderScheduler:
             raise
 
     def abort_request(self, rid: str) -> None:
-        from braid.runtime.server import messages as M
+        from braid.runtime.ipc import messages as M
 
         self._commands.append(Command(M.encode(M.AbortReq(rid))))
         self._scheduler.abort_request(rid)
 
     def flush_cache(self) -> bool:
-        from braid.runtime.server import messages as M
+        from braid.runtime.ipc import messages as M
 
         self._commands.append(Command(M.encode(M.FlushCacheReq(0))))
         return self._scheduler.flush_cache()
@@ -171,7 +171,7 @@ class LeaderIO:
 
 def follow(scheduler) -> None:
     """A follower rank's loop: apply rank 0's commands, run the same step, until rank 0 says stop."""
-    from braid.runtime.server import messages as M
+    from braid.runtime.ipc import messages as M
 
     gate = GrammarGate(scheduler.intake)
     clock = StepClock(scheduler.prefill)
@@ -197,7 +197,7 @@ def follow(scheduler) -> None:
 def add_like_rank_0(scheduler, msg, command: Command) -> None:
     """Add a request rank 0 received; its outcome (taken or refused: rank 0 told the client) must be rank 0's.
     Refusals that depend on this rank's timing (a full grammar queue) are the only way the outcomes can differ."""
-    from braid.runtime.server import messages as M
+    from braid.runtime.ipc import messages as M
 
     req = M.req_from_message(msg)
     req.created_time = command.created_time

@@ -1,6 +1,6 @@
 """The scheduler process: owns a Scheduler, talks to the HTTP server over two ZMQ PUSH/PULL sockets.
 
-Started as `python -m braid.runtime.scheduler.process` with a JSON config on stdin (server args and
+Started as `python -m braid.runtime.processes.scheduler_process` with a JSON config on stdin (server args and
 socket addresses), so nothing is pickled, not even at start-up. It sends `Ready` once the model is
 loaded, then runs the scheduler loop (scheduler.py) with `SchedulerLoop` as its I/O: incoming
 messages are drained between steps, the socket is waited on when idle. It exits on `ShutdownReq`,
@@ -26,7 +26,7 @@ import zmq
 from braid.runtime.error_kind import GRAMMAR_KINDS, ErrorKind
 from braid.runtime.sampling_params import GRAMMAR_FIELDS
 from braid.runtime.scheduler.stats_log import ServingStatsLog
-from braid.runtime.server import messages as M
+from braid.runtime.ipc import messages as M
 
 logger = logging.getLogger("braid.scheduler")
 
@@ -36,13 +36,13 @@ _ZERO_COPY_MIN_BYTES = 1 << 16
 
 def spawn(server_args, to_scheduler_addr: str, from_scheduler_addr: str):
     """Start the scheduler process(es); rank 0 connects to the two addresses the caller has bound. Under data
-    parallelism one controller process stands for the groups (runtime/distributed/data_parallel.py); under tensor
+    parallelism one controller process stands for the groups (runtime/processes/data_parallel.py); under tensor
     parallelism the result stands for all of this host's ranks (RankProcesses)."""
     if server_args.dp_size > 1:
         config = {"server_args": dataclasses.asdict(server_args), "to_scheduler_addr": to_scheduler_addr,
                   "from_scheduler_addr": from_scheduler_addr, "parent_pid": os.getpid()}
-        return _start([sys.executable, "-m", "braid.runtime.distributed.data_parallel"], config)
-    from braid.runtime.distributed.tensor_parallel import group_init_addr, local_ranks
+        return _start([sys.executable, "-m", "braid.runtime.processes.data_parallel"], config)
+    from braid.runtime.processes.tensor_parallel import group_init_addr, local_ranks
 
     init_addr = group_init_addr(server_args)
     procs = [spawn_rank(server_args, rank, init_addr, os.getpid(), to_scheduler_addr, from_scheduler_addr)
@@ -57,7 +57,7 @@ def spawn_rank(server_args, rank: int, init_addr: str, parent_pid: int, to_sched
               "parent_pid": parent_pid}
     if rank == 0:
         config.update(to_scheduler_addr=to_scheduler_addr, from_scheduler_addr=from_scheduler_addr)
-    return _start([sys.executable, "-m", "braid.runtime.scheduler.process"], config)
+    return _start([sys.executable, "-m", "braid.runtime.processes.scheduler_process"], config)
 
 
 def _start(argv: list[str], config: dict) -> subprocess.Popen:
@@ -128,7 +128,7 @@ class EngineRanks:
         if server_args.nnodes > 1:
             raise ValueError("nnodes > 1 is a server feature (python -m braid.launch_server on every host); the "
                              "in-process Engine runs all its ranks on this host")
-        from braid.runtime.distributed.tensor_parallel import group_init_addr
+        from braid.runtime.processes.tensor_parallel import group_init_addr
 
         self.server_args = server_args
         self.init_addr = group_init_addr(server_args)
@@ -136,7 +136,7 @@ class EngineRanks:
         self.leader = None  # rank 0's tensor_parallel.LeaderScheduler once built
 
     def build_scheduler(self):
-        from braid.runtime.distributed.tensor_parallel import LeaderScheduler, init_rank
+        from braid.runtime.processes.tensor_parallel import LeaderScheduler, init_rank
         from braid.runtime.scheduler.scheduler import Scheduler
 
         try:
@@ -160,7 +160,7 @@ class EngineRanks:
 def run_node_ranks(server_args) -> int:
     """--node-rank > 0: run this host's TP ranks (followers of rank 0 on node 0) until they exit; one rank failing
     stops the others. SIGTERM/SIGINT stop them too."""
-    from braid.runtime.distributed.tensor_parallel import group_init_addr, local_ranks
+    from braid.runtime.processes.tensor_parallel import group_init_addr, local_ranks
 
     procs = spawn_followers(server_args, group_init_addr(server_args), local_ranks(server_args), os.getpid())
     stopping = []
@@ -303,7 +303,7 @@ def _model_info(scheduler, server_args) -> dict:
 
 def run_follower(server_args, rank: int, init_addr: str) -> int:
     """A TP rank other than 0: no sockets; it applies rank 0's broadcast commands and runs the same steps."""
-    from braid.runtime.distributed import tensor_parallel as tp
+    from braid.runtime.processes import tensor_parallel as tp
 
     try:
         from braid.runtime.scheduler.scheduler import Scheduler
@@ -338,7 +338,7 @@ def run(config: dict) -> int:
     recv_sock.setsockopt(zmq.LINGER, 0)
     recv_sock.connect(config["to_scheduler_addr"])
     try:
-        from braid.runtime.distributed import tensor_parallel as tp
+        from braid.runtime.processes import tensor_parallel as tp
         from braid.runtime.scheduler.scheduler import Scheduler, run_scheduler_loop
 
         t0 = time.time()

@@ -1,13 +1,13 @@
 """Data parallelism: --dp-size N independent scheduler groups (each --tp-size ranks) behind one server.
 
 This controller process sits where the scheduler process would: the server talks to it over the same two ZMQ
-sockets and the same typed messages. It starts the groups (runtime/scheduler/process.py `spawn`, each with its own
+sockets and the same typed messages. It starts the groups (runtime/processes/scheduler_process.py `spawn`, each with its own
 sockets and its own torch.distributed rendezvous), routes each request to the group with the fewest requests in
 flight, sends aborts to the request's group, and answers queries for all of them: a flush succeeds when every
 group flushed; stats are the groups' totals plus `dp_groups`, each group's own. A group that dies takes the
 controller down with a Fatal, so the server goes to its error state.
 
-Started as `python -m braid.runtime.distributed.data_parallel` with a JSON config on stdin (no pickle).
+Started as `python -m braid.runtime.processes.data_parallel` with a JSON config on stdin (no pickle).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Optional
 
 import zmq
 
-from braid.runtime.server import messages as M
+from braid.runtime.ipc import messages as M
 
 logger = logging.getLogger("braid.data_parallel")
 
@@ -54,8 +54,8 @@ class Group:
 class DataParallelController:
     def __init__(self, config: dict):
         from braid.runtime.config import ServerArgs
-        from braid.runtime.distributed.tensor_parallel import group_init_addr, uses_distributed
-        from braid.runtime.scheduler import process
+        from braid.runtime.processes.tensor_parallel import group_init_addr, uses_distributed
+        from braid.runtime.processes import scheduler_process as process
 
         self.server_args = ServerArgs(**config["server_args"])
         self.parent_pid = config.get("parent_pid")
@@ -250,7 +250,7 @@ def run(config: dict) -> int:
 
 
 def main() -> None:
-    from braid.runtime.scheduler.process import child_process_config
+    from braid.runtime.processes.scheduler_process import child_process_config
 
     sys.exit(run(child_process_config()))
 

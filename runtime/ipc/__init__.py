@@ -1,0 +1,1 @@
+"""What crosses process boundaries: the typed request / output messages with their encode and decode."""
