@@ -1,15 +1,18 @@
-"""The LoRA delta as two SGMV-shaped ops, torch reference on any device: y += scale * (x @ A^T) @ B^T per row, each
-row on its own adapter. `idx` holds one adapter slot per row (-1: the base model, no delta). A Triton SGMV kernel
-(one launch over segments of rows sharing an adapter) is meant to replace these bodies behind the same signatures.
+"""The LoRA delta as two SGMV-shaped ops: y += scale * (x @ A^T) @ B^T per row, each row on its own adapter. `idx`
+holds one adapter slot per row (-1: the base model, no delta). CUDA tensors take the Triton kernels of
+sgmv_kernels.py (one launch per op, adapters gathered by `idx` on the device, `groups` unused); other devices the
+torch reference below.
 
 `groups` is the host's list of (slot, row indices) for the batch, computed once per forward pass by the manager so
-that each layer's call needs no device-to-host sync; without it the ops derive it from `idx`."""
+that each layer's call of the torch path needs no device-to-host sync; without it the ops derive it from `idx`."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
+
+from braid.runtime.lora.sgmv_kernels import row_order, sgmv_expand, sgmv_shrink
 
 Groups = Sequence[tuple[int, torch.Tensor]]
 
@@ -26,11 +29,11 @@ def adapter_groups(idx: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, idx: torch.Tensor,
                 groups: Optional[Groups] = None) -> torch.Tensor:
     """x: [T, in], a_stack: [N, R, in] (slot n's A, rank padded to R with zero rows), idx: [T] -> h [T, R],
-    h[t] = A[idx[t]] @ x[t] (zeros on base rows)."""
-    h = x.new_zeros(x.shape[0], a_stack.shape[1])
-    for slot, rows in (groups if groups is not None else adapter_groups(idx)):
-        h[rows] = x[rows] @ a_stack[slot].t()
-    return h
+    h[t] = A[idx[t]] @ x[t] (zeros on base rows). On CUDA h comes as the kernel's fp32 partial sums [P, T, R]
+    (h = their sum over dim 0), which lora_expand takes as they are."""
+    if x.is_cuda:
+        return sgmv_shrink(x, a_stack, idx, row_order(idx))
+    return shrink_reference(x, a_stack, idx, groups)
 
 
 def lora_expand(y: torch.Tensor, h: torch.Tensor, b_stacks: Sequence[torch.Tensor], scale: torch.Tensor,
@@ -38,7 +41,27 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b_stacks: Sequence[torch.Tenso
     """Adds the delta into y in place and returns it. y: [T, sum(out_s)], the outputs of S stacked sub-matrices
     (qkv, gate_up; S = 1 for a plain linear); h: [T, S * R] from lora_shrink over A stacked [N, S * R, in];
     b_stacks: S tensors [N, out_s, R]; scale: [N] (lora_alpha / r, or / sqrt(r) with rslora).
-    Sub-matrix s: y[:, off_s : off_s + out_s] += scale[idx] * h[:, s*R : (s+1)*R] @ B_s[idx]^T."""
+    Sub-matrix s: y[:, off_s : off_s + out_s] += scale[idx] * h[:, s*R : (s+1)*R] @ B_s[idx]^T.
+    h may also be lora_shrink's CUDA partial sums [P, T, S * R]."""
+    if y.is_cuda and len(b_stacks) <= 3:
+        return sgmv_expand(y, h, b_stacks, scale, idx, row_order(idx))
+    if h.dim() == 3:
+        h = h.sum(0).to(y.dtype)
+    return expand_reference(y, h, b_stacks, scale, idx, groups)
+
+
+def shrink_reference(x: torch.Tensor, a_stack: torch.Tensor, idx: torch.Tensor,
+                     groups: Optional[Groups] = None) -> torch.Tensor:
+    """lora_shrink in torch, one matmul per adapter present (any device): h [T, R] in x's dtype."""
+    h = x.new_zeros(x.shape[0], a_stack.shape[1])
+    for slot, rows in (groups if groups is not None else adapter_groups(idx)):
+        h[rows] = x[rows] @ a_stack[slot].t()
+    return h
+
+
+def expand_reference(y: torch.Tensor, h: torch.Tensor, b_stacks: Sequence[torch.Tensor], scale: torch.Tensor,
+                     idx: torch.Tensor, groups: Optional[Groups] = None) -> torch.Tensor:
+    """lora_expand in torch, S matmuls per adapter present (any device), h [T, S * R]."""
     rank = h.shape[1] // len(b_stacks)
     for slot, rows in (groups if groups is not None else adapter_groups(idx)):
         hs = h[rows] * scale[slot]

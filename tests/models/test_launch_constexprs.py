@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "gemma2_decode_launches.py"
-LAYERS = Path(__file__).resolve().parents[2] / "runtime" / "layers"
+RUNTIME = Path(__file__).resolve().parents[2] / "runtime"
+KERNEL_PACKAGES = ("layers", "lora")  # runtime's packages that define Triton kernels
 
 TINY = {"max_position_embeddings": 512, "vocab_size": 512, "tie_word_embeddings": False, "bos_token_id": 1,
         "eos_token_id": 2, "torch_dtype": "bfloat16", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
@@ -80,14 +81,15 @@ def test_decode_launches_pass_every_kernel_parameter(family, batch, monkeypatch)
 
 
 def test_no_triton_kernel_of_the_layers_declares_a_default():
-    """The launches the decode steps above do not reach (fp8, extend, sampling kernels) are held to the same rule by
-    their signatures: a parameter without a default cannot be left out at any launch site."""
+    """The launches the decode steps above do not reach (fp8, extend, sampling, LoRA kernels) are held to the same
+    rule by their signatures: a parameter without a default cannot be left out at any launch site."""
     from triton.runtime.jit import KernelInterface
 
-    import braid.runtime.layers as layers
-
     found, defaults = {}, {}
-    for info in pkgutil.walk_packages(layers.__path__, "braid.runtime.layers."):
+    infos = [info for package in KERNEL_PACKAGES
+             for info in pkgutil.walk_packages(importlib.import_module(f"braid.runtime.{package}").__path__,
+                                               f"braid.runtime.{package}.")]
+    for info in infos:
         if info.name.endswith(".flashinfer_backend") and importlib.util.find_spec("flashinfer") is None:
             continue  # launches flashinfer's kernels, defines none
         module = importlib.import_module(info.name)
@@ -101,8 +103,10 @@ def test_no_triton_kernel_of_the_layers_declares_a_default():
             declared = [p.name for p in inspect.signature(fn).parameters.values() if p.default is not p.empty]
             if declared:
                 defaults[f"{info.name}.{fn.__name__}"] = declared
-    defining = {"braid.runtime.layers." + ".".join(path.relative_to(LAYERS).with_suffix("").parts)
-                for path in LAYERS.rglob("*.py") if "@triton.jit" in path.read_text()}
+    defining = {"braid.runtime." + ".".join(path.relative_to(RUNTIME).with_suffix("").parts)
+                for package in KERNEL_PACKAGES for path in (RUNTIME / package).rglob("*.py")
+                if "@triton.jit" in path.read_text()}
     assert defining and defining <= set(found), sorted(defining - set(found))
     assert "_gemv_kernel" in found["braid.runtime.layers.gemv"]
+    assert "_sgmv_expand_kernel" in found["braid.runtime.lora.sgmv_kernels"]
     assert defaults == {}

@@ -1,0 +1,142 @@
+"""LoRA delta at decode shapes on one GPU: Triton SGMV kernels vs the torch reference vs the base matmul.
+
+The Triton kernels (runtime/lora/sgmv_kernels.py; shrink + expand as lora_shrink / lora_expand launch them) against
+the torch reference (one matmul per adapter present, host groups precomputed as the manager does), and both against
+torch.matmul of the base linear of the same shape.
+
+  python benchmarks/lora_sgmv.py [--rows 1 4 16 64 256] [--adapters 8 64] [--rank 16] [--linears qkv gate_up down]
+
+Llama-3-8B linears, bf16: qkv (in 4096, out 4096 + 1024 + 1024), gate_up (in 4096, out 2 x 14336), down (in 14336,
+out 4096). Every row is on an adapter drawn at random from --adapters. Each op runs over several copies of its
+weights (one per "layer", enough that L2 holds none between uses) inside one CUDA graph, so times are per layer
+without launch overhead; the sort of idx (once per forward pass) is outside them. GB/s counts the unique bytes a
+layer must move: the A and B of the adapters present, x read, y read and written (the base: W, x, y written). The
+last column is the LoRA delta's time over the base matmul's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+LINEARS = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336]), "down": (14336, [4096])}
+L2_BYTES = 50 * 2**20
+
+
+def _graph_time_us(fn, layers: int, iters: int) -> float:
+    """Per-call time of fn(layer) for layer in range(layers), all captured in one CUDA graph."""
+    import torch
+
+    for layer in range(layers):  # compile and warm up outside the capture
+        fn(layer)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            fn(layer)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (iters * layers)
+
+
+def _layers_for(bytes_per_layer: int) -> int:
+    return max(2, min(32, math.ceil(4 * L2_BYTES / max(bytes_per_layer, 1))))
+
+
+def _lora_times(name: str, rows: int, adapters: int, rank: int, iters: int, gen) -> tuple[float, float, int]:
+    """-> (sgmv us, torch reference us, adapters present) per layer."""
+    import torch
+
+    from braid.runtime.lora.ops import (adapter_groups, expand_reference, lora_expand, lora_shrink,
+                                        shrink_reference)
+
+    d_in, outs = LINEARS[name]
+    dev, dt = "cuda", torch.bfloat16
+    idx = torch.randint(0, adapters, (rows,), device=dev, generator=gen)
+    groups = adapter_groups(idx)  # the host's groups, once per batch (a sync, outside the timed region)
+    layers = _layers_for(adapters * rank * 2 * (len(outs) * d_in + sum(outs)))
+    a = [torch.randn(adapters, len(outs) * rank, d_in, device=dev, dtype=dt, generator=gen) * 0.02
+         for _ in range(layers)]
+    b = [[torch.randn(adapters, o, rank, device=dev, dtype=dt, generator=gen) * 0.02 for o in outs]
+         for _ in range(layers)]
+    scale = torch.full((adapters,), 2.0, device=dev, dtype=dt)
+    x = torch.randn(rows, d_in, device=dev, dtype=dt, generator=gen)
+    y = torch.randn(rows, sum(outs), device=dev, dtype=dt, generator=gen)
+
+    want = expand_reference(y.clone(), shrink_reference(x, a[0], idx, groups), b[0], scale, idx, groups)
+    got = lora_expand(y.clone(), lora_shrink(x, a[0], idx), b[0], scale, idx)
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+
+    sgmv_us = _graph_time_us(lambda l: lora_expand(y, lora_shrink(x, a[l], idx), b[l], scale, idx), layers, iters)
+    torch_us = _graph_time_us(lambda l: expand_reference(y, shrink_reference(x, a[l], idx, groups), b[l], scale, idx,
+                                                         groups), layers, iters)
+    return sgmv_us, torch_us, len(groups)
+
+
+def _base_time(name: str, rows: int, iters: int, gen) -> float:
+    import torch
+
+    d_in, outs = LINEARS[name]
+    x = torch.randn(rows, d_in, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = [torch.randn(sum(outs), d_in, device="cuda", dtype=torch.bfloat16, generator=gen)
+         for _ in range(_layers_for(sum(outs) * d_in * 2))]
+    return _graph_time_us(lambda l: torch.matmul(x, w[l].t()), len(w), iters)
+
+
+def bench_case(name: str, rows: int, adapters: int, rank: int, iters: int) -> dict:
+    import torch
+
+    d_in, outs = LINEARS[name]
+    d_out, esize = sum(outs), 2
+    gen = torch.Generator(device="cuda").manual_seed(rows * 1000 + adapters)
+    sgmv_us, torch_us, present = _lora_times(name, rows, adapters, rank, iters, gen)
+    base_us = _base_time(name, rows, iters, gen)
+    torch.cuda.empty_cache()
+    moved = present * rank * esize * (len(outs) * d_in + d_out) + rows * esize * (d_in + 2 * d_out)
+    base_moved = esize * (d_out * d_in + rows * (d_in + d_out))
+    return dict(linear=name, rows=rows, adapters=adapters, present=present, sgmv_us=sgmv_us, torch_us=torch_us,
+                sgmv_gbs=moved / sgmv_us / 1e3, base_us=base_us, base_gbs=base_moved / base_us / 1e3)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256], help="decode batch sizes T")
+    p.add_argument("--adapters", type=int, nargs="+", default=[8, 64], help="adapters rows draw from")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--linears", nargs="+", default=list(LINEARS), choices=list(LINEARS))
+    p.add_argument("--iters", type=int, default=50, help="graph replays per timing")
+    args = p.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("lora_sgmv: needs a CUDA device", file=sys.stderr)
+        return 1
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, rank {args.rank}, bf16", flush=True)
+    results = []
+    for name in args.linears:
+        for adapters in args.adapters:
+            for rows in args.rows:
+                r = bench_case(name, rows, adapters, args.rank, args.iters)
+                results.append(r)
+                print(f"  {name} T={rows} adapters={adapters}: sgmv {r['sgmv_us']:.1f} us, torch {r['torch_us']:.1f}"
+                      f" us, base {r['base_us']:.1f} us", flush=True)
+    head = (f"{'linear':<8} {'T':>4} {'adap':>4} {'used':>4} {'sgmv us':>8} {'torch us':>9} {'torch/sgmv':>10} "
+            f"{'sgmv GB/s':>9} {'base us':>8} {'base GB/s':>9} {'sgmv/base':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(f"{r['linear']:<8} {r['rows']:>4} {r['adapters']:>4} {r['present']:>4} {r['sgmv_us']:>8.1f} "
+              f"{r['torch_us']:>9.1f} {r['torch_us'] / r['sgmv_us']:>10.2f} {r['sgmv_gbs']:>9.0f} "
+              f"{r['base_us']:>8.1f} {r['base_gbs']:>9.0f} {r['sgmv_us'] / r['base_us']:>9.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
