@@ -29,16 +29,17 @@ from braid.runtime.distributed import parallel_state as ps
 logger = logging.getLogger(__name__)
 
 
-class Command(msgspec.Struct):
-    message: bytes  # messages.encode(GenerateReq | AbortReq | FlushCacheReq)
-    created_time: float = 0.0  # a GenerateReq's Req.created_time on rank 0
-    accepted: bool = True  # whether rank 0's add_request took it (a follower must agree)
-
-
 class GrammarDecision(msgspec.Struct):
     rid: str
     index: int
     ok: bool
+
+
+class Command(msgspec.Struct):
+    message: bytes  # messages.encode(GenerateReq | AbortReq | FlushCacheReq)
+    created_time: float = 0.0  # a GenerateReq's Req.created_time on rank 0
+    accepted: bool = True  # whether rank 0's add_request took it (a follower must agree)
+    grammars_at_once: list[GrammarDecision] = []  # its choices whose grammar rank 0 found compiled when it came
 
 
 class LeaderStep(msgspec.Struct):
@@ -64,14 +65,34 @@ _decoder = msgspec.msgpack.Decoder(LeaderStep)
 
 
 class GrammarGate:
-    """Makes Scheduler.step()'s grammar poll admit exactly the grammars rank 0 found compiled (on a follower,
-    waiting for them), instead of whatever happens to have finished on this rank."""
+    """Makes the intake admit exactly the grammars rank 0 found compiled (on a follower, waiting for them), instead
+    of whatever happens to have finished on this rank: at a request's arrival (`compiled_now`: a grammar compiled
+    before skips the queue) and at each step's poll."""
 
-    def __init__(self, intake):
+    def __init__(self, intake, leader: bool):
         self.intake = intake
+        self.leader = leader
         self.poll_all = intake.poll_grammars
         intake.poll_grammars = self.poll
+        self.compiled_before = intake.compiled_now
+        intake.compiled_now = self.compiled_now
         self.decided: dict[tuple[str, int], bool] = {}
+        # while a command's request is added: its choices whose grammar rank 0 admitted at once (rank 0 appends)
+        self.at_once: Optional[list[GrammarDecision]] = None
+
+    def compiled_now(self, req, fut) -> bool:
+        if self.at_once is None:
+            return False  # enqueued by a step (samples after a shared prefill): the step polls decide, on every rank
+        if self.leader:
+            now = self.compiled_before(req, fut)
+            if now:
+                self.at_once.append(GrammarDecision(req.rid, req.index, True))
+            return now
+        if all((d.rid, d.index) != (req.rid, req.index) for d in self.at_once):
+            return False  # queued on rank 0: admitted when rank 0's poll decides it
+        if fut.exception() is not None:  # waits for this rank's compile
+            raise RuntimeError("a grammar compiled on rank 0 failed on this rank; the ranks' schedules would diverge")
+        return True
 
     def decide(self) -> list[GrammarDecision]:
         """Rank 0: the grammars compiled by now, with whether they compiled."""
@@ -112,7 +133,7 @@ class LeaderScheduler:
     def __init__(self, scheduler):
         self._scheduler = scheduler
         self._commands: list[Command] = []
-        self._gate = GrammarGate(scheduler.intake)
+        self._gate = GrammarGate(scheduler.intake, leader=True)
         self._clock = StepClock(scheduler.prefill)
 
     def __getattr__(self, name):
@@ -123,11 +144,14 @@ class LeaderScheduler:
 
         command = Command(M.encode(M.generate_req(req)), req.created_time)
         self._commands.append(command)
+        self._gate.at_once = command.grammars_at_once
         try:
             self._scheduler.add_request(req)
         except Exception:
             command.accepted = False
             raise
+        finally:
+            self._gate.at_once = None
 
     def abort_request(self, rid: str) -> None:
         from braid.runtime.ipc import messages as M
@@ -173,7 +197,7 @@ def follow(scheduler) -> None:
     """A follower rank's loop: apply rank 0's commands, run the same step, until rank 0 says stop."""
     from braid.runtime.ipc import messages as M
 
-    gate = GrammarGate(scheduler.intake)
+    gate = GrammarGate(scheduler.intake, leader=False)
     clock = StepClock(scheduler.prefill)
     while True:
         step = _decoder.decode(ps.broadcast_bytes(None))
@@ -181,7 +205,9 @@ def follow(scheduler) -> None:
         for command in step.commands:
             msg = M.decode_to_scheduler(command.message)
             if isinstance(msg, M.GenerateReq):
+                gate.at_once = command.grammars_at_once
                 add_like_rank_0(scheduler, msg, command)
+                gate.at_once = None
             elif isinstance(msg, M.AbortReq):
                 scheduler.abort_request(msg.rid)
             elif isinstance(msg, M.FlushCacheReq):

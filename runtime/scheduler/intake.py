@@ -110,12 +110,17 @@ class RequestIntake:
                 ready.append(req)
                 continue
             fut = self.grammar_backend.submit(*grammar, client=req.client)
-            if fut.done() and fut.exception() is None:  # compiled before: admissible at once, not a step later
+            if self.compiled_now(req, fut):  # compiled before: admissible at once, not a step later
                 req.grammar = fut.result().new_state()
                 ready.append(req)
             else:
                 self.grammar_queue.append((req, fut))
         return ready
+
+    def compiled_now(self, req: Req, fut) -> bool:
+        """Whether `req` skips the grammar queue: its grammar is compiled already. (Under tensor parallelism rank 0
+        decides this for every rank: processes/tensor_parallel.GrammarGate replaces it.)"""
+        return fut.done() and fut.exception() is None
 
     def poll_grammars(self) -> tuple[list[Req], list[tuple[Req, FinishReason]]]:
         """(requests whose grammar is ready, requests whose grammar failed with their abort reason)."""

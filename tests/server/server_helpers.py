@@ -52,3 +52,12 @@ def wait_idle(server, timeout_s: float = 30) -> dict:
             return info
         assert time.time() < deadline, f"requests still running or KV still held: {info}"
         time.sleep(0.2)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

@@ -1,11 +1,20 @@
-"""SIGTERM drains in-flight requests, refuses new ones, then the server and its scheduler process exit.
-Runs last: it stops the session's server."""
+"""SIGTERM drains in-flight requests, refuses new ones, then the server and its scheduler process exit. The test
+stops a server of its own, so it may run in any order beside the folder's shared one."""
 
 import signal
 import threading
 import time
 
-from server_helpers import sse_events
+import pytest
+from real_server import start_server
+from server_helpers import API_KEY, SERVER_FLAGS, process_alive, sse_events
+
+
+@pytest.fixture
+def own_server():
+    srv = start_server(SERVER_FLAGS, API_KEY, "braid-shutdown-")
+    yield srv
+    srv.stop()
 
 
 def _children(pid: int) -> list[int]:
@@ -13,15 +22,9 @@ def _children(pid: int) -> list[int]:
         return [int(x) for x in f.read().split()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
-
-def test_sigterm_drains_then_exits(server):
+def test_sigterm_drains_then_exits(own_server):
+    server = own_server
     children = _children(server.proc.pid)
     assert len(children) == 1
     first_chunk, events, errors = threading.Event(), [], []
@@ -48,9 +51,9 @@ def test_sigterm_drains_then_exits(server):
     assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 24  # drained, not cut
     assert server.proc.wait(60) == 0
     deadline = time.time() + 10
-    while _alive(children[0]) and time.time() < deadline:
+    while process_alive(children[0]) and time.time() < deadline:
         time.sleep(0.1)
-    assert not _alive(children[0])
+    assert not process_alive(children[0])
 
 
 class _Tap:
