@@ -25,8 +25,8 @@ from braid.errors import ProgramError
 from braid.run_trace import LOGPROB_KEYS, TOP_LOGPROBS, TraceRecorder, meta_fields, sampling_fields
 from braid.runtime.sampling_params import SamplingParams
 from braid.sampling import convert_dtype, merge
-from braid.speculation import (SPEC_CHAT_TRIES, BlockGen, BlockItem, Speculation, is_speculable, speculative_params,
-                               split_reply, stop_list)
+from braid.speculation import is_speculable
+from braid.speculative_run import SpeculativeRun
 
 _END = object()
 _SETTLE = object()  # a waiting thread asks the worker to settle a speculative gen
@@ -50,9 +50,7 @@ class StreamExecutor:
 
         # API speculative execution (braid.speculation); None: off
         self.num_api_spec_tokens = num_api_spec_tokens
-        self._speculation: Optional[Speculation] = None
-        self._waiting_gen: Optional[tuple[ir.Gen, SamplingParams]] = None  # a gen cut by the next literal
-        self._spec_block: Optional[list[BlockItem]] = None  # chat models: the open assistant block's items
+        self._spec = SpeculativeRun(self) if num_api_spec_tokens is not None else None
 
         # program state: written by the worker, read by others under _cond
         self.text_ = ""
@@ -105,7 +103,7 @@ class StreamExecutor:
         until this returns."""
         with self._cond:
             self._cond.wait_for(lambda: self._pending == 0)
-            unsettled = self._waiting_gen is not None or self._spec_block is not None
+            unsettled = self._spec is not None and self._spec.unsettled
             if not unsettled or self._error is not None or self._ended:
                 return
             self._pending += 1
@@ -220,7 +218,8 @@ class StreamExecutor:
             try:
                 if self._error is None:
                     if node is _END or node is _SETTLE:
-                        self._settle()
+                        if self._spec is not None:
+                            self._spec.settle()
                     else:
                         self.visit(node)
             except BaseException as e:  # noqa: BLE001 - stored and re-raised to the program's waiter
@@ -238,8 +237,8 @@ class StreamExecutor:
     def visit(self, node: ir.Node) -> None:
         if self.recorded is not None and not isinstance(node, ir.Concat):
             self.recorded.append(node)
-        if self.num_api_spec_tokens is not None and not isinstance(node, _SPECULATION_AWARE):
-            self._leave_speculation(node)
+        if self._spec is not None and not isinstance(node, _SPECULATION_AWARE):
+            self._spec.leave(node)
         _DISPATCH[type(node)](self, node)
 
     # ---- text bookkeeping (worker) --------------------------------------------------------------
@@ -248,8 +247,8 @@ class StreamExecutor:
         wrote (not `generated` by the model) is checked against a speculation first."""
         if not text:
             return
-        if not generated:
-            self._literal(text)
+        if not generated and self._spec is not None:
+            self._spec.literal(text)
         with self._cond:
             self.text_ += text
             if self.role is not None:
@@ -265,7 +264,8 @@ class StreamExecutor:
 
     def _append_markup(self, text: str) -> None:
         """Template markup (role markers): in the prompt text, never in a message's content."""
-        self._literal(text)
+        if self._spec is not None:
+            self._spec.literal(text)
         with self._cond:
             self.text_ += text
             if self.stream and text:
@@ -296,11 +296,7 @@ class StreamExecutor:
 
     # ---- visit methods: one per node type -------------------------------------------------------
     def visit_text(self, node: ir.Text) -> None:
-        if self._spec_block is not None:
-            if self._spec_block and isinstance(self._spec_block[-1], str):
-                self._spec_block[-1] += node.value
-            elif node.value:
-                self._spec_block.append(node.value)
+        if self._spec is not None and self._spec.collect_text(node.value):
             return
         self._append(node.value)
 
@@ -322,15 +318,15 @@ class StreamExecutor:
         self._append_markup(template.role_prefix(node.role))
         self.role = node.role
         self._role_parts = []
-        if node.role == "assistant" and self.num_api_spec_tokens is not None and self.backend.is_chat_model:
-            self._spec_block = []
+        if node.role == "assistant" and self._spec is not None and self.backend.is_chat_model:
+            self._spec.open_block()
 
     def visit_role_end(self, node: ir.RoleEnd) -> None:
         if self.role != node.role:
             opened = f"the open block is {self.role}()" if self.role else "no block is open"
             raise ProgramError(f"{node.role}_end() does not match: {opened}")
-        if self._spec_block is not None:
-            self._run_spec_block()
+        if self._spec is not None:
+            self._spec.close_block()
         self._close_role(node.role)
 
     def _close_role(self, role: str) -> None:
@@ -371,11 +367,11 @@ class StreamExecutor:
         )
         if logprobs.return_logprob:
             backend.require(CAP_LOGPROBS, f"{what} with return_logprob")
-        if self.num_api_spec_tokens is not None:
+        if self._spec is not None:
             if is_speculable(node, sp, logprobs.return_logprob):
-                self._speculative_gen(node, sp)
+                self._spec.gen(node, sp)
                 return
-            self._leave_speculation(node)
+            self._spec.leave(node)
         self._plain_gen(node, sp, logprobs)
 
     def _plain_gen(self, node: ir.Gen, sp: SamplingParams, logprobs: LogprobRequest = LogprobRequest()) -> None:
@@ -456,31 +452,6 @@ class StreamExecutor:
             value = convert_dtype(node.dtype, text) if node.dtype is not None else text
             self.set_var(node.name, value, meta)
 
-    # ---- API speculative execution (see braid.speculation) ---------------------------------------
-    def _speculative_gen(self, node: ir.Gen, sp: SamplingParams) -> None:
-        if self._spec_block is not None:
-            self._spec_block.append(BlockGen(node, sp))
-            return
-        self._settle_waiting_gen()
-        if not self._speculation or not self._speculation.text:
-            out = self.backend.generate(self.snapshot(), speculative_params(sp, self.num_api_spec_tokens))
-            self._speculation = Speculation.from_output(out.text, out.meta_info)
-        spec = self._speculation
-        stops = stop_list(sp)
-        if not stops:
-            self._waiting_gen = (node, sp)
-            return
-        cut = spec.cut_at_stop(stops)
-        if cut is not None:
-            self._gen_from_speculation(node, cut[0], spec.meta("stop", cut[1]))
-            return
-        rest = spec.take_rest(sp.max_new_tokens)
-        if rest is not None:
-            self._gen_from_speculation(node, rest, spec.meta("stop"))
-            return
-        self._speculation = None
-        self._plain_gen(node, sp)
-
     def _gen_from_speculation(self, node: ir.Gen, text: str, meta: dict) -> None:
         call = self._trace_call("gen", node.name, None) if self.recorder is not None else None
         self._append(text, var=node.name, generated=True)
@@ -488,95 +459,6 @@ class StreamExecutor:
             call["speculated"] = True
             self._trace_done(call, text, meta)
         self._finish_gen(node, text, meta)
-
-    def _literal(self, text: str) -> None:
-        """The program is about to append literal text (its own or template markup): cut a waiting gen before
-        it, or check it against the speculation."""
-        spec = self._speculation
-        if spec is None or not text:
-            return
-        if self._waiting_gen is not None:
-            node, _ = self._waiting_gen
-            value = spec.cut_before(text)
-            if value is None:
-                self._settle_waiting_gen()
-                self._speculation = None
-                return
-            self._waiting_gen = None
-            self._gen_from_speculation(node, value, spec.meta("stop", text))
-            return
-        spec.consume_literal(text)
-
-    def _settle(self) -> None:
-        """Someone waits on the state (or the program ended): decide what speculation still holds back. A chat
-        model's assistant block collected so far is generated now; the block's later items then continue it."""
-        if self._spec_block is not None:
-            self._run_spec_block()
-        self._settle_waiting_gen()
-
-    def _settle_waiting_gen(self) -> None:
-        """Decide a waiting gen without a following literal: the whole speculation when the model ended it
-        within the gen's budget, otherwise the gen's normal call."""
-        if self._waiting_gen is None:
-            return
-        node, sp = self._waiting_gen
-        self._waiting_gen = None
-        spec = self._speculation
-        rest = spec.take_rest(sp.max_new_tokens) if spec is not None else None
-        if rest is not None:
-            self._gen_from_speculation(node, rest, spec.meta("stop"))
-        else:
-            self._speculation = None
-            self._plain_gen(node, sp)
-
-    def _leave_speculation(self, node: ir.Node) -> None:
-        """`node` cannot take part in speculation: settle what waits and drop the speculation."""
-        if self._spec_block is not None:
-            if isinstance(node, ir.SetVar):
-                return
-            if any(isinstance(item, BlockGen) for item in self._spec_block):
-                raise ProgramError(f"{type(node).__name__} cannot follow a speculative gen in the same assistant() "
-                                   "block (only text and gens without a grammar, dtype or logprobs can)")
-            texts, self._spec_block = self._spec_block, None
-            for text in texts:
-                self._append(text)
-            return
-        self._settle_waiting_gen()
-        self._speculation = None
-
-    def _run_spec_block(self) -> None:
-        """A chat model's speculative assistant block: one call for the whole turn, split at the block's text."""
-        items, self._spec_block = self._spec_block, None
-        gens = [item for item in items if isinstance(item, BlockGen)]
-        if not gens:
-            for text in items:
-                self._append(text)
-            return
-        params = speculative_params(gens[0].sp, self.num_api_spec_tokens)
-        prompt = self.snapshot()
-        can_fall_back = isinstance(items[0], BlockGen) and len(gens) == 1  # the gen's normal call needs no prefill
-        replies = []
-        for _ in range(1 if can_fall_back else SPEC_CHAT_TRIES):
-            out = self.backend.generate(prompt, params)
-            replies.append(out.text)
-            values = split_reply(out.text, items)
-            if values is not None:
-                break
-        else:
-            if can_fall_back:
-                self._plain_gen(items[0].node, items[0].sp)
-                for text in items[1:]:
-                    self._append(text)
-                return
-            pattern = "".join(item if isinstance(item, str) else "{" + str(item.node.name) + "}" for item in items)
-            raise ProgramError(f"speculative execution: {SPEC_CHAT_TRIES} replies of {self.backend.name} did not "
-                               f"follow the assistant block's text {pattern!r}; last reply: {replies[-1]!r}")
-        spec = Speculation.from_output(out.text, out.meta_info)
-        for item, value in zip(items, values):
-            if isinstance(item, str):
-                self._append(value)
-            else:
-                self._gen_from_speculation(item.node, value, spec.meta("stop"))
 
     def visit_select(self, node: ir.Select) -> None:
         backend = self.backend
