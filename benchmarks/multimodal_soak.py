@@ -7,7 +7,7 @@ file or loopback URL the server must refuse, an image over --max-image-pixels: e
 
     python -m braid.launch_server --model-path <llava-ov folder> --max-total-tokens 1536 --max-image-pixels 40000 &
     python benchmarks/multimodal_soak.py --base-url http://127.0.0.1:30000 --num-requests 500
-(tests/llava_tiny.py writes a tiny random LLaVA-OneVision: `python -c "import sys; sys.path.insert(0, 'tests');
+(tests/helpers/llava_tiny.py writes a tiny random LLaVA-OneVision: `python -c "import sys; sys.path.insert(0, 'tests/helpers');
 from llava_tiny import make_tiny_llava; make_tiny_llava('/tmp/llava-tiny')"`, served with --tokenizer-path smollm2.)
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))
 from llava_tiny import test_image  # noqa: E402  (the multimodal tests' images: gradients plus noise)
 
 KINDS = ("chat", "stream", "disconnect", "abort", "bad_media", "n2", "regex", "generate", "repeat")

@@ -30,7 +30,7 @@ import requests
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "helpers"))
 from byte_tokenizer import byte_tokenizer  # noqa: E402
 from host_step_overhead import TINY_LLAMA  # noqa: E402
 

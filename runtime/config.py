@@ -222,16 +222,18 @@ class ServerArgs:
     # ---- speculative decoding (docs/api.md, "Speculative decoding") ----
     speculative_algorithm: Optional[str] = _opt(
         None, "draft several tokens a step and verify them in one pass of the model: NGRAM drafts by prompt lookup "
-        "(the request's last tokens matched earlier in its prompt and output); EAGLE and EAGLE3 (draft heads) are "
-        "refused until they are wired; greedy output is the target's argmax at every position (token for token the "
-        "plain output in fp32; bf16 may differ at near-ties), sampled output distributed the same (rejection "
-        "sampling). Speculative steps run synchronously (no overlap schedule)",
+        "(the request's last tokens matched earlier in its prompt and output); EAGLE and EAGLE3 draft greedy chains "
+        "with a draft head (--speculative-draft-model-path) fed with the target's hidden states (tree drafts, "
+        "--speculative-eagle-topk > 1, are refused); greedy output is the target's argmax at every position (token "
+        "for token the plain output in fp32; bf16 may differ at near-ties), sampled output distributed the same "
+        "(rejection sampling). Speculative steps run synchronously (no overlap schedule)",
         ["NGRAM", "EAGLE", "EAGLE3"])
     speculative_draft_model_path: Optional[str] = _opt(None, "EAGLE / EAGLE3: the draft head's folder (config.json "
                                                              "and safetensors)")
-    speculative_num_steps: Optional[int] = _opt(None, "draft depth (NGRAM: the draft tokens a request a step, "
-                                                      "--speculative-num-draft-tokens - 1)")
-    speculative_eagle_topk: Optional[int] = _opt(None, "draft branches per step (1: a chain; NGRAM takes only 1)")
+    speculative_num_steps: Optional[int] = _opt(None, "draft depth: the draft tokens a request a step, "
+                                                      "--speculative-num-draft-tokens - 1 (EAGLE default 3)")
+    speculative_eagle_topk: Optional[int] = _opt(None, "draft branches per step (1: a chain, the only form braid "
+                                                       "runs yet)")
     speculative_num_draft_tokens: Optional[int] = _opt(None, "tokens one verify pass takes per request, its last "
                                                              "token included (NGRAM default 5: 4 draft tokens)")
     speculative_ngram_min_match_window_size: Optional[int] = _opt(
@@ -248,14 +250,21 @@ class ServerArgs:
     enable_lora: bool = _opt(False, "serve LoRA adapters on the base model: a request picks one by native "
                                     "/generate 'lora_path' or OpenAI model 'adapter' / 'base:adapter'; batches mix "
                                     "adapters and the base model")
-    lora_paths: Optional[tuple[str, ...]] = _opt(None, "PEFT adapter folders loaded at start, as name=path (or a "
-                                                       "path, named by its folder); implies --enable-lora")
-    max_loras_per_batch: int = _opt(8, "most adapters one batch may use; every --lora-paths adapter stays "
-                                       "resident, so at most this many may be given (no paging yet)")
-    max_lora_rank: Optional[int] = _opt(None, "largest adapter rank accepted (None: the largest of --lora-paths)")
+    lora_paths: Optional[tuple[str, ...]] = _opt(None, "PEFT adapter folders registered at start, as name=path (or "
+                                                       "a path, named by its folder); implies --enable-lora. More "
+                                                       "load and unload while serving (/load_lora_adapter)")
+    max_loras_per_batch: int = _opt(8, "most distinct adapters one forward batch may use; a request on another "
+                                       "adapter waits until one drains (vLLM: --max-loras)", aliases=("--max-loras",))
+    max_loaded_loras: Optional[int] = _opt(None, "device slots for adapters (None: --max-loras-per-batch); any number "
+                                                 "stay registered in host memory and are copied into a slot when a "
+                                                 "request needs them, evicting the least recently used adapter no "
+                                                 "running request uses")
+    max_lora_rank: Optional[int] = _opt(None, "largest adapter rank accepted, the rank the adapter buffers are sized "
+                                              "for (None: the largest of --lora-paths, or 16 without them)")
     lora_target_modules: Optional[tuple[str, ...]] = _opt(
         None, "projections adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all "
-        "(None: those the --lora-paths adapters target)")
+        "(None: those the --lora-paths adapters target, or all without them); only their linears carry adapter "
+        "buffers")
 
     # ---- server ----
     host: str = _opt("127.0.0.1", "HTTP host")
@@ -401,19 +410,24 @@ class ServerArgs:
         if self.lora_target_modules is not None:
             object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
         if self.max_loras_per_batch < 1:
-            raise ValueError("max_loras_per_batch must be >= 1")
+            raise ValueError("--max-loras-per-batch must be >= 1")
+        if self.max_loaded_loras is None:
+            object.__setattr__(self, "max_loaded_loras", self.max_loras_per_batch)
+        if self.max_loaded_loras < 1:
+            raise ValueError("--max-loaded-loras must be >= 1")
+        if self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"--max-loaded-loras {self.max_loaded_loras} is below --max-loras-per-batch "
+                             f"{self.max_loras_per_batch}: every adapter of a batch must be in a device slot; raise "
+                             "--max-loaded-loras or lower --max-loras-per-batch")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
-            raise ValueError("max_lora_rank must be >= 1")
+            raise ValueError("--max-lora-rank must be >= 1")
         self.lora_target_module_set  # checks the names
         if not self.enable_lora:
             return
-        count = len(self.lora_adapters)
-        if count > self.max_loras_per_batch:
-            raise ValueError(f"--lora-paths gives {count} adapters, more than --max-loras-per-batch "
-                             f"{self.max_loras_per_batch}: adapters are all resident (paging them in and out is not "
-                             "built yet); raise --max-loras-per-batch")
+        self.lora_adapters  # checks the entries
         if self.tp_size > 1 or self.dp_size > 1:
-            raise ValueError("--enable-lora with tp_size or dp_size > 1 is not supported yet")
+            raise ValueError("--enable-lora with --tp-size or --dp-size > 1 is not supported yet (adapter weights are "
+                             "not sharded over ranks); serve adapters with --tp-size 1 --dp-size 1")
         if self.speculative_algorithm or self.speculative_config:
             raise ValueError("--enable-lora with --speculative-algorithm is not supported yet")
         if self.quantization is not None:

@@ -108,6 +108,7 @@ class Req:
     jump_forward_tokens: int = 0  # completion tokens appended by jump-forward (not sampled)
     spec_drafts: int = 0  # speculative decoding: this request's drafts verified (passes in which it had one)
     spec_accepted_tokens: int = 0  # speculative decoding: their tokens accepted
+    spec_state: Any = None  # EAGLE: the draft head's per-request state (runtime/speculative/eagle.py)
 
     # ---- logprobs (filled by the scheduler) ----
     output_token_logprobs: list = field(default_factory=list)  # [(logprob, token_id)]
@@ -159,7 +160,7 @@ class ForwardBatch:
     extend_seq_lens_cpu: Optional[list[int]] = None
     # filled by ModelRunner
     req_to_token_pool: Optional["ReqToTokenPool"] = None
-    token_to_kv_pool: Optional["KVPool"] = None
+    kv_pool: Optional["KVPool"] = None
     attn_backend: Optional["AttentionBackend"] = None
     # prompt logprobs: rows of the hidden states whose logits score the next prompt token ([N] int64 into T),
     # and those tokens ([N] int64); None when no request asks for prompt logprobs
@@ -173,6 +174,12 @@ class ForwardBatch:
     # EXTEND only: per request its MultimodalInputs or None ([B]); models that take media read what they need
     mm_inputs: Optional[list] = None
     lora_paths: Optional[list] = None  # [B] adapter name or None per request; None when no request has one
+    # EAGLE drafting: ModelRunner.forward returns the final hidden states of every row (ForwardOutput.hidden_states)
+    capture_hidden: bool = False
+    # EAGLE-3: the decoder layers whose input residual stream (hidden + residual) the model concatenates into
+    # aux_hidden [T, len * hidden]; such a pass runs eagerly (graphs do not capture it)
+    aux_hidden_layers: Optional[tuple[int, ...]] = None
+    aux_hidden: Optional[torch.Tensor] = None
     # attention-backend-specific metadata
     attn_metadata: Any = None
 
@@ -192,6 +199,10 @@ class ForwardOutput:
     input_top_logprobs: Optional[torch.Tensor] = None  # [N, k]
     input_top_ids: Optional[torch.Tensor] = None  # [N, k]
     pending_logits: Optional[torch.Tensor] = None  # [B, V] fp32 of a pass run with ForwardBatch.defer_sampling
+    # ForwardBatch.capture_hidden: [T, hidden] final hidden states of every row, and the aux_hidden the batch asked
+    # for ([T, k * hidden]); on the device, valid until the next pass (a graph's static buffer)
+    hidden_states: Optional[torch.Tensor] = None
+    aux_hidden_states: Optional[torch.Tensor] = None
     _host: Optional[dict] = None
     _ready: Any = None  # torch.cuda.Event recorded after the copies
 

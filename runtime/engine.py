@@ -52,6 +52,7 @@ class Engine:
         self._counter = itertools.count()
         self._preparer = None  # the MultimodalPreparer of a vision model, built on first use
         self._ranks = None  # tensor parallelism: the follower rank processes (runtime/processes/tensor_parallel.py)
+        self._lora_names = tuple(self.server_args.lora_adapters)  # adapters requests may name (load/unload change it)
         # The scheduler (model load included) is built on the thread that runs it: every torch op then runs on
         # one thread. On CPU this matters: each thread that runs parallel ops gets its own OpenMP team, and
         # with more team threads than cores OpenMP stops spinning between parallel regions, so every small op
@@ -218,7 +219,7 @@ class Engine:
                            tokenizer=self.tokenizer, context_len=sched.context_len, vocab_size=sched.vocab_size,
                            kv_total_tokens=sched.kv_pool.size, is_multimodal=sched.model_config.is_multimodal,
                            multimodal=self._multimodal_preparer(sched.model_config),
-                           lora_names=tuple(self.server_args.lora_adapters))
+                           lora_names=self._lora_names)
 
     def _multimodal_preparer(self, model_config):
         if not model_config.is_multimodal:
@@ -283,6 +284,36 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self._call(self._live_scheduler().flush_cache)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Register the PEFT adapter folder `path` as `name` while serving (what POST /load_lora_adapter does); it
+        goes into a device slot when a request names it. Raises ValueError (LoraError) naming what is wrong: a bad
+        folder, weights that do not fit the model, a rank over --max-lora-rank, a target module without adapter
+        buffers, a name already loaded."""
+        sched = self._live_scheduler()
+        self._call(lambda: sched.load_lora_adapter(name, path))
+        with self._lock:
+            if name not in self._lora_names:
+                self._lora_names = (*self._lora_names, name)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload `name` (what POST /unload_lora_adapter does): requests naming it are refused from now on, the ones
+        already submitted finish as usual, and this returns once they have and the adapter is gone. Raises
+        ValueError (LoraError) for an adapter that is not loaded."""
+        sched = self._live_scheduler()
+        gone: "queue.Queue" = queue.Queue()
+        # refused here at once (a refused unload leaves nothing to restore: the adapter was unknown or on its way out)
+        with self._lock:
+            self._lora_names = tuple(n for n in self._lora_names if n != name)
+        self._call(lambda: sched.unload_lora_adapter(name, lambda: gone.put(True)))
+        while True:
+            try:
+                gone.get(timeout=1.0)
+                return
+            except queue.Empty:
+                if self._error is not None or not self._thread.is_alive():
+                    raise RuntimeError("the engine's scheduler stopped before the adapter was "
+                                       "unloaded") from self._error
 
     def get_stats(self) -> dict:
         return self._call(self._live_scheduler().get_stats)

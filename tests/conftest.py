@@ -11,6 +11,11 @@ living through every later folder.
 import gc
 import os
 import shutil
+import sys
+from pathlib import Path
+
+# the tests' shared helpers (servers, tiny checkpoints, the shared programs) import by their module names
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")

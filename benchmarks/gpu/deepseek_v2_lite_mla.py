@@ -30,7 +30,7 @@ def main() -> int:
     started = time.perf_counter()
     runner = ModelRunner(server_args)
     startup = time.perf_counter() - started
-    pool = runner.token_to_kv_pool
+    pool = runner.kv_pool
     form = "expanded (--disable-mla)" if server_args.disable_mla else "mla (absorbed, latent cache)"
     out = {"kind": "setup", "form": form, "attention_arch": runner.model_config.attention_arch,
            "kv_cache_dtype": str(pool.cache_dtype).removeprefix("torch."), "kv_pool_tokens": runner.max_total_tokens,

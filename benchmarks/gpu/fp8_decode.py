@@ -48,7 +48,7 @@ def _fill_kv(runner, batch: int, context: int):
     """batch requests with `context` cached tokens each (random KV written through the pool) -> their rows."""
     import torch
 
-    pool, table = runner.token_to_kv_pool, runner.req_to_token_pool
+    pool, table = runner.kv_pool, runner.req_to_token_pool
     rows = [table.alloc() for _ in range(batch)]
     loc = pool.alloc(batch * context)
     table.req_to_token[torch.tensor(rows, device=loc.device)] = torch.nn.functional.pad(
@@ -87,7 +87,7 @@ def kv_decode(out_path: str, weights: str, kv_dtypes) -> None:
             events = []
             with torch.no_grad():
                 for step in range(KV_STEPS):
-                    new = runner.token_to_kv_pool.alloc(batch)
+                    new = runner.kv_pool.alloc(batch)
                     allocated.append(new)
                     positions = torch.full((batch,), KV_CONTEXT + step, dtype=torch.int64, device=device)
                     runner.req_to_token_pool.req_to_token[req, positions] = new.to(torch.int32)
@@ -112,9 +112,9 @@ def kv_decode(out_path: str, weights: str, kv_dtypes) -> None:
             graphs = runner.cuda_graph_runner.num_replays if runner.cuda_graph_runner is not None else 0
             append_row(out_path, {"weights": weights, "kv_cache_dtype": kv_dtype, "batch_size": batch, "context": KV_CONTEXT,
                                "median_step_ms": step_ms, "decode_tok_s": batch / step_ms * 1e3,
-                               "graph_replays": graphs, "kv_pool_gib": runner.token_to_kv_pool.mem_usage_bytes() / 2**30,
+                               "graph_replays": graphs, "kv_pool_gib": runner.kv_pool.mem_usage_bytes() / 2**30,
                                "setup_s": setup_s})
-            runner.token_to_kv_pool.free(torch.cat(allocated))
+            runner.kv_pool.free(torch.cat(allocated))
             for r in rows:
                 runner.req_to_token_pool.free(r)
         del runner

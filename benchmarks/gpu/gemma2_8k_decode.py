@@ -125,7 +125,7 @@ def measure(args) -> list[dict]:
     t0 = time.time()
     runner = build_runner(args)
     sb = StaticBatchRunner(runner)
-    pool = runner.token_to_kv_pool
+    pool = runner.kv_pool
     setup = {"backend": runner.attn_backend_name, "dtype": str(runner.dtype).removeprefix("torch."),
              "cuda_graph": runner.cuda_graph_runner is not None, "kv_pool": type(pool).__name__,
              "card": torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu",

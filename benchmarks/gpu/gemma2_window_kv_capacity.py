@@ -88,7 +88,7 @@ def main() -> None:
                     context_length=CONTEXT, log_level="warning")
     try:
         stats = engine.get_stats()
-        pool = engine.scheduler.runner.token_to_kv_pool
+        pool = engine.scheduler.runner.kv_pool
         full = stats["kv_total_tokens"]
         window = stats.get("window_kv_total_tokens", full)
         bound = engine.scheduler.runner._extend_tokens_bound() if args.mode == "trimmed" else 0

@@ -165,7 +165,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 def judge(grammar, token_ids: list[int], bitmask, mask_times: list[float] | None) -> tuple[bool, int]:
     """(every token allowed and the end accepting, tokens where the mask and accept_token disagreed)."""
-    from braid.runtime.constrained.fsm import GrammarError
+    from braid.runtime.constrained.grammar_errors import GrammarError
 
     state = grammar.new_state()
     disagreements = 0
@@ -189,7 +189,7 @@ def run_engine(engine: str, tokenizer, vocab_size: int, entries: list[dict], *, 
     from tqdm import tqdm
 
     from braid.runtime.constrained.bitmask import allocate_bitmask
-    from braid.runtime.constrained.fsm import GrammarError, GrammarTimeoutError
+    from braid.runtime.constrained.grammar_errors import GrammarError, GrammarTimeoutError
     from braid.runtime.constrained.grammar import GrammarBackend
 
     backend = GrammarBackend(tokenizer, vocab_size, engine=engine, timeout_s=timeout_s, json_strict=json_strict,

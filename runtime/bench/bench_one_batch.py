@@ -87,7 +87,7 @@ class StaticBatchRunner:
         self.runner = runner
         self.device = runner.device
         self.req_pool = runner.req_to_token_pool
-        self.kv_pool = runner.token_to_kv_pool
+        self.kv_pool = runner.kv_pool
 
     def _check(self, prompts: list[list[int]], output_len: int) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):

@@ -1,13 +1,13 @@
 """Constrained decoding: regex, JSON schema, Lark / GBNF grammars and structural tags -> packed token bitmasks, on
 llguidance or outlines-core, with jump-forward.
 
-Names load lazily: the compile worker process imports `fsm` and must not pull in torch.
+Names load lazily: the compile worker process imports `compile_pool` (and its errors and regex index) and must not pull in torch.
 """
 
 _EXPORTS = {
-    "GrammarError": "fsm",
-    "GrammarTimeoutError": "fsm",
-    "GrammarBusyError": "fsm",
+    "GrammarError": "grammar_errors",
+    "GrammarTimeoutError": "grammar_errors",
+    "GrammarBusyError": "grammar_errors",
     "GrammarBackend": "grammar",
     "fill_bitmasks": "grammar",
     "accept_tokens": "grammar",

@@ -18,7 +18,8 @@ from collections import OrderedDict
 
 import torch
 
-from .fsm import WORKER_START_TIMEOUT_S, GrammarBusyError, GrammarError, GrammarShutDownError, GrammarTimeoutError
+from .compile_pool import WORKER_START_TIMEOUT_S
+from .grammar_errors import GrammarBusyError, GrammarError, GrammarShutDownError, GrammarTimeoutError
 from .json_schema import schema_to_json_text
 from .vocabulary import TokenVocabulary, build_token_vocabulary
 

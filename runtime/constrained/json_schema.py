@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .fsm import GrammarError
+from .grammar_errors import GrammarError
 from .schema_keywords import PLACEHOLDER_PREFIX, checked_schema
 
 # outlines-core emits unbounded digit runs for integers, fractions and exponents; a sampled model at temperature 1

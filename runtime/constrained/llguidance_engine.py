@@ -14,7 +14,8 @@ import threading
 import llguidance
 import torch
 
-from .fsm import GrammarError, GrammarShutDownError, GrammarTimeoutError, check_regex_syntax
+from .grammar_errors import GrammarError, GrammarShutDownError, GrammarTimeoutError
+from .regex_index import check_regex_syntax
 from .jump_forward import JumpForward
 from .regex_classes import ascii_shorthand_classes
 from .schema_prepare import prepare_schema

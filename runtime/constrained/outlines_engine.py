@@ -1,5 +1,5 @@
 """The outlines-core engine: a regex (or a JSON schema turned into one) compiled into a token-level automaton in
-worker processes (fsm.CompilePool); masks are per-state rows cached on the grammar."""
+worker processes (compile_pool.CompilePool); masks are per-state rows cached on the grammar."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import NamedTuple
 import torch
 
 from .bitmask import ids_to_bitmask_row
-from .fsm import CompilePool, GrammarError, GrammarShutDownError, check_regex_syntax
+from .compile_pool import CompilePool
+from .grammar_errors import GrammarError, GrammarShutDownError
+from .regex_index import check_regex_syntax
 from .json_schema import json_schema_to_regex
 from .jump_forward import ForcedBytes, JumpForward, retokenize_candidates
 from .regex_classes import ascii_shorthand_classes

@@ -15,7 +15,7 @@ import math
 import re
 import warnings
 
-from .fsm import GrammarError
+from .grammar_errors import GrammarError
 from .numeric_range import integer_range_regex, number_range_regex
 
 with warnings.catch_warnings():  # the parser behind `re` measures and inspects `pattern`s

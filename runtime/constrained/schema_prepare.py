@@ -28,7 +28,7 @@ import json
 import math
 import re
 
-from .fsm import GrammarError
+from .grammar_errors import GrammarError
 
 # formats llguidance 1.9 implements (any other makes it refuse the schema)
 ENGINE_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",

@@ -45,7 +45,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     lora_path: Optional[str] = None
 
 
-def generate_req(req: Any) -> GenerateReq:
+def message_from_req(req: Any) -> GenerateReq:
     """The wire form of a prepared `Req`."""
     return GenerateReq(rid=req.rid, input_ids=req.input_ids, sampling_params=req.sampling_params.to_dict(),
                        return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
@@ -54,7 +54,8 @@ def generate_req(req: Any) -> GenerateReq:
 
 
 def req_from_message(msg):
-    """The Req a GenerateReq carries (the scheduler process's and the TP followers' intake); `generate_req`'s inverse."""
+    """The Req a GenerateReq carries (the scheduler process's and the TP followers' intake); `message_from_req`'s
+    inverse."""
     from braid.runtime.core import Req
     from braid.runtime.sampling_params import SamplingParams
 
@@ -94,7 +95,22 @@ class ShutdownReq(msgspec.Struct, tag=True):
     pass
 
 
-ToScheduler = Union[GenerateReq, AbortReq, FlushCacheReq, GetStatsReq, ShutdownReq]
+class LoadLoraReq(msgspec.Struct, tag=True):
+    """Register the PEFT adapter folder lora_path as lora_name (answered by a LoraResult)."""
+
+    req_id: int
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraReq(msgspec.Struct, tag=True):
+    """Unload lora_name once the requests on it have finished (answered by a LoraResult then)."""
+
+    req_id: int
+    lora_name: str
+
+
+ToScheduler = Union[GenerateReq, AbortReq, FlushCacheReq, GetStatsReq, ShutdownReq, LoadLoraReq, UnloadLoraReq]
 
 # ---- scheduler -> server ----------------------------------------------------------------------
 
@@ -152,13 +168,25 @@ class Stats(msgspec.Struct, tag=True):
     stats: dict
 
 
+class LoraResult(msgspec.Struct, tag=True):
+    """A LoadLoraReq's or UnloadLoraReq's answer: ok, or the refusal (runtime/lora/adapter.LoraError): its message,
+    code (lora_invalid, lora_not_found, lora_exists, lora_unloading, lora_disabled; internal_error for a bug) and the
+    body field at fault (lora_name or lora_path)."""
+
+    req_id: int
+    ok: bool
+    message: str = ""
+    code: Optional[str] = None
+    param: Optional[str] = None
+
+
 class Fatal(msgspec.Struct, tag=True):
     """The scheduler loop crashed; the process exits after sending this."""
 
     message: str
 
 
-FromScheduler = Union[Ready, OutputBatch, ReqError, FlushCacheResult, Stats, Fatal]
+FromScheduler = Union[Ready, OutputBatch, ReqError, FlushCacheResult, Stats, LoraResult, Fatal]
 
 
 def _enc_hook(obj: Any) -> Any:

@@ -30,7 +30,7 @@ class RadixAttention(nn.Module):
         elsewhere (extend; inside torch.compile, where attention stays outside the graph)."""
         if torch.compiler.is_compiling() or not fb.forward_mode.is_decode():
             return None
-        pool, layer_id, loc = fb.token_to_kv_pool, self.layer_id, fb.out_cache_loc
+        pool, layer_id, loc = fb.kv_pool, self.layer_id, fb.out_cache_loc
         return RotaryKVStore(
             self.num_heads, self.num_kv_heads, self.head_dim, self.v_head_dim, positions, rotary,
             target=lambda: pool.rotary_store_target(layer_id, loc),
@@ -51,7 +51,7 @@ def _attend(layer: RadixAttention, q, k, v, fb, save_kv_cache: bool, rotary, pos
     if rotary is not None:
         # decode only: there every backend reads the keys from the pool (extend kernels take the new ones from k)
         if save_kv_cache and fb.forward_mode.is_decode():
-            q = fb.token_to_kv_pool.rotate_and_set_kv(layer.layer_id, fb.out_cache_loc, positions, q, k, v, rotary)
+            q = fb.kv_pool.rotate_and_set_kv(layer.layer_id, fb.out_cache_loc, positions, q, k, v, rotary)
             save_kv_cache = False
         else:
             q, k = rotary(positions, q, k)

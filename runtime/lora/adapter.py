@@ -24,6 +24,17 @@ SUPPORTED_TARGETS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_pr
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<which>lora_A|lora_B)(?:\.[^.]+)?\.weight$")
 
 
+class LoraError(ValueError):
+    """A refused adapter operation, naming what is wrong. code: lora_invalid (the folder: its files, config, shapes,
+    rank or target modules), lora_not_found, lora_exists, lora_unloading, lora_disabled; param: the field of a
+    load / unload body at fault (lora_path or lora_name)."""
+
+    def __init__(self, message: str, code: str = "lora_invalid", param: str = "lora_path"):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
 @dataclass
 class LoraAdapter:
     name: str
@@ -35,19 +46,25 @@ class LoraAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def _refuse(name: str, path: str, what: str) -> ValueError:
-    return ValueError(f"LoRA adapter {name!r} ({path}): {what}")
+def _refuse(name: str, path: str, what: str) -> LoraError:
+    return LoraError(f"LoRA adapter {name!r} ({path}): {what}")
 
 
 def read_adapter_config(name: str, path: str) -> dict:
+    if not os.path.isdir(path):
+        raise _refuse(name, path, "no such folder (expected a PEFT adapter folder)")
     cfg_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(cfg_file):
         raise _refuse(name, path, "no adapter_config.json (expected a PEFT adapter folder)")
-    with open(cfg_file) as f:
-        try:
+    try:
+        with open(cfg_file) as f:
             cfg = json.load(f)
-        except json.JSONDecodeError as e:
-            raise _refuse(name, path, f"adapter_config.json is not JSON: {e}") from None
+    except json.JSONDecodeError as e:
+        raise _refuse(name, path, f"adapter_config.json is not JSON: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise _refuse(name, path, f"adapter_config.json cannot be read: {e}") from None
+    if not isinstance(cfg, dict):
+        raise _refuse(name, path, "adapter_config.json is not a JSON object")
     peft_type = str(cfg.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise _refuse(name, path, f"peft_type {peft_type!r} is not supported (LORA only)")
@@ -87,11 +104,15 @@ def load_adapter(name: str, path: str, max_rank: int | None = None,
         raise _refuse(name, path, f"rank {rank} exceeds --max-lora-rank {max_rank}")
     listed = cfg.get("target_modules")
     if isinstance(listed, list):  # a regex string is checked below, module by module
+        if not all(isinstance(t, str) for t in listed):
+            raise _refuse(name, path, f"target_modules must be module names, got {listed!r}")
         for target in sorted(set(listed)):
             if target not in SUPPORTED_TARGETS:
                 raise _refuse(name, path, f"target module {target!r} is not supported; braid applies LoRA to "
                                           f"{', '.join(SUPPORTED_TARGETS)}")
     alpha = cfg.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise _refuse(name, path, f"lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     st_file = os.path.join(path, "adapter_model.safetensors")
     if not os.path.isfile(st_file):
@@ -99,7 +120,10 @@ def load_adapter(name: str, path: str, max_rank: int | None = None,
             raise _refuse(name, path, "adapter_model.bin is a pickle, which braid does not load; save the adapter "
                                       "with safe_serialization=True (adapter_model.safetensors)")
         raise _refuse(name, path, "no adapter_model.safetensors")
-    tensors = load_file(st_file)
+    try:
+        tensors = load_file(st_file)
+    except Exception as e:  # safetensors' own error type for a truncated or corrupt file, OSError for the rest
+        raise _refuse(name, path, f"adapter_model.safetensors cannot be read: {e}") from None
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)

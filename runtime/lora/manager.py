@@ -1,18 +1,25 @@
-"""LoraManager: the adapters of --lora-paths resident in stacked per-layer buffers, and the per-batch selection.
+"""LoraManager: registered adapters in host memory, the device slots they are paged into, and each pass's selection.
 
-Each linear an adapter targets (qkv_proj, o_proj, gate_up_proj, down_proj of the shared blocks) gets a `LoraLayer` as
-`Linear.lora`; `Linear.forward` adds its delta when the current batch has adapter rows. Slots are fixed at start:
-adapter i of --lora-paths is slot i, for the whole run (no paging yet, so all of them must fit one batch)."""
+Registering an adapter reads and checks its folder (adapter.py) and its weights against the linears that carry
+adapter buffers; its weights then stay in host memory for as long as it is registered, however many there are.
+The device holds a fixed pool of `--max-loaded-loras` slots: every linear that a servable target module lands in
+(qkv_proj, o_proj, gate_up_proj, down_proj of the shared blocks) carries a `LoraLayer` as `Linear.lora`, its
+buffers stacked over the slots, allocated once at start for the rank and target modules fixed then. An adapter
+occupies a slot only while it is resident: `ensure_resident` copies it into a free slot, or over the least
+recently used resident adapter that the caller does not pin (the scheduler pins the adapters of the requests that
+hold KV), which goes back to being in host memory only. `Linear.forward` adds the delta of each row's slot when the
+current pass has adapter rows."""
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from collections import OrderedDict
+from typing import Collection, Optional
 
 import torch
 from torch import nn
 
-from braid.runtime.lora.adapter import SUPPORTED_TARGETS, LoraAdapter, load_adapter
+from braid.runtime.lora.adapter import SUPPORTED_TARGETS, LoraAdapter, LoraError, load_adapter
 from braid.runtime.lora.ops import lora_expand, lora_shrink
 
 logger = logging.getLogger(__name__)
@@ -20,6 +27,8 @@ logger = logging.getLogger(__name__)
 # braid module -> the HF projections stacked in its output, in slice order
 _STACKS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
            "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# --max-lora-rank when it is unset and no --lora-paths adapter gives one (vLLM's default)
+DEFAULT_MAX_LORA_RANK = 16
 
 
 class LoraBatch:
@@ -27,7 +36,7 @@ class LoraBatch:
     token (-1: base), None when no row of the batch has an adapter; groups: the host's (slot, token rows) list."""
 
     def __init__(self, scale: torch.Tensor):
-        self.scale = scale  # [N] per-slot scaling
+        self.scale = scale  # [N] per-slot scaling (0 for an empty slot)
         self.idx: Optional[torch.Tensor] = None
         self.groups: list[tuple[int, torch.Tensor]] = []
 
@@ -42,6 +51,11 @@ class LoraLayer:
         self.rank = rank
         self.a = torch.zeros(num_slots, len(output_sizes) * rank, in_features, device=device, dtype=dtype)
         self.b = [torch.zeros(num_slots, out, rank, device=device, dtype=dtype) for out in output_sizes]
+
+    def clear_slot(self, slot: int) -> None:
+        self.a[slot].zero_()
+        for b in self.b:
+            b[slot].zero_()
 
     def set_slice(self, slot: int, sub: int, a: torch.Tensor, b: torch.Tensor) -> None:
         r = a.shape[0]
@@ -63,57 +77,149 @@ class LoraLayer:
 
 class LoraManager:
     def __init__(self, model: nn.Module, server_args, device, dtype):
-        paths = server_args.lora_adapters
-        allowed = server_args.lora_target_module_set
-        self.adapters: list[LoraAdapter] = [load_adapter(name, path, server_args.max_lora_rank, allowed)
-                                            for name, path in paths.items()]
-        self.slots = {a.name: i for i, a in enumerate(self.adapters)}
-        self.rank = server_args.max_lora_rank or max((a.rank for a in self.adapters), default=1)
-        self.num_slots = max(len(self.adapters), 1)
-        self.device, self.dtype = device, dtype
-        self.batch = LoraBatch(torch.tensor([a.scaling for a in self.adapters] or [0.0], device=device, dtype=dtype))
-        self.modules = dict(model.named_modules())
-        self.layers: dict[str, LoraLayer] = {}  # only the linears some adapter targets pay for the delta
-        for slot, adapter in enumerate(self.adapters):
-            self._place(slot, adapter)
-        logger.info("LoRA: %d adapter(s) (%s), rank up to %d, on %d linears", len(self.adapters),
-                    ", ".join(self.slots) or "none", self.rank, len(self.layers))
-
-    def _layer(self, name: str) -> Optional[LoraLayer]:
-        """The LoraLayer of braid module `name`, attached on first use; None where no linear of that shape is."""
         from braid.runtime.layers.linear import Linear
 
-        if name in self.layers:
-            return self.layers[name]
-        mod = self.modules.get(name)
-        stack = _STACKS[name.rsplit(".", 1)[-1]]
-        if not isinstance(mod, Linear) or len(mod.output_sizes) != len(stack):
-            return None
-        mod.lora = self.layers[name] = LoraLayer(self.batch, self.num_slots, self.rank, mod.in_features,
-                                                 mod.output_sizes, self.device, self.dtype)
-        return mod.lora
+        self.allowed = server_args.lora_target_module_set
+        start = [load_adapter(name, path, server_args.max_lora_rank, self.allowed)
+                 for name, path in server_args.lora_adapters.items()]
+        self.rank = server_args.max_lora_rank or max((a.rank for a in start), default=DEFAULT_MAX_LORA_RANK)
+        # the projections that carry buffers: --lora-target-modules, else those the start adapters target, else all
+        if self.allowed is not None:
+            self.targets = frozenset(self.allowed)
+        elif start:
+            self.targets = frozenset().union(*(a.target_modules for a in start))
+        else:
+            self.targets = frozenset(SUPPORTED_TARGETS)
+        self.num_slots = server_args.max_loaded_loras or max(server_args.max_loras_per_batch, 1)
+        self.device, self.dtype = device, dtype
+        self.batch = LoraBatch(torch.zeros(self.num_slots, device=device, dtype=dtype))
+        fused = {SUPPORTED_TARGETS[t][0] for t in self.targets}
+        self.layers: dict[str, LoraLayer] = {}  # only the linears a servable target lands in pay for the delta
+        for name, mod in model.named_modules():
+            suffix = name.rsplit(".", 1)[-1]
+            if suffix in fused and isinstance(mod, Linear) and len(mod.output_sizes) == len(_STACKS[suffix]):
+                mod.lora = self.layers[name] = LoraLayer(self.batch, self.num_slots, self.rank, mod.in_features,
+                                                         mod.output_sizes, device, dtype)
+        self.registry: dict[str, LoraAdapter] = {}  # every registered adapter, weights on the host
+        self.slot_names: list[Optional[str]] = [None] * self.num_slots
+        self.slots: dict[str, int] = {}  # resident adapter -> its slot
+        self.lru: OrderedDict[str, None] = OrderedDict()  # resident adapters, least recently used first
+        self.num_slot_loads = 0
+        self.num_evictions = 0
+        for adapter in start:
+            self.register(adapter)
+        for adapter in start[:self.num_slots]:
+            self.ensure_resident(adapter.name, ())
+        logger.info("LoRA: %d adapter(s) registered (%s), %d device slot(s), rank up to %d, on %d linears",
+                    len(self.registry), ", ".join(self.registry) or "none", self.num_slots, self.rank,
+                    len(self.layers))
 
-    def _place(self, slot: int, adapter: LoraAdapter) -> None:
+    # ---- the registry (host memory) ----
+    def load(self, name: str, path: str) -> LoraAdapter:
+        """Read, check and register the adapter folder `path` as `name` (raises LoraError naming what is wrong)."""
+        adapter = load_adapter(name, path, self.rank, self.allowed)
+        self.register(adapter)
+        return adapter
+
+    def register(self, adapter: LoraAdapter) -> None:
+        if adapter.name in self.registry:
+            raise LoraError(f"LoRA adapter {adapter.name!r} is already loaded (from "
+                            f"{self.registry[adapter.name].path}); unload it first", code="lora_exists",
+                            param="lora_name")
+        self._check(adapter)
+        # host copies in the buffers' dtype: what a slot load copies as is
+        adapter.weights = {m: (a.to(self.dtype), b.to(self.dtype)) for m, (a, b) in adapter.weights.items()}
+        self.registry[adapter.name] = adapter
+
+    def unregister(self, name: str) -> None:
+        """Forget `name` and free its slot. The caller makes sure no request uses it any more."""
+        self.registry.pop(name)
+        if name in self.slots:
+            self._vacate(name)
+
+    def _check(self, adapter: LoraAdapter) -> None:
+        """Every module of the adapter lands in a linear that carries buffers, with shapes that fit it."""
         for hf_module, (a, b) in adapter.weights.items():
             parent, proj = hf_module.rsplit(".", 1)
+            if proj not in self.targets:
+                raise LoraError(f"LoRA adapter {adapter.name!r} ({adapter.path}): target module {proj!r} has no "
+                                f"adapter buffers on this server, which serves {sorted(self.targets)} (the "
+                                "--lora-paths adapters' targets when --lora-target-modules is not given)")
             fused, sub = SUPPORTED_TARGETS[proj]
-            layer = self._layer(f"{parent}.{fused}")
+            layer = self.layers.get(f"{parent}.{fused}")
             if layer is None:
-                raise ValueError(f"LoRA adapter {adapter.name!r} ({adapter.path}): the model has no {proj} at "
-                                 f"{hf_module} that takes an adapter")
+                raise LoraError(f"LoRA adapter {adapter.name!r} ({adapter.path}): the model has no {proj} at "
+                                f"{hf_module} that takes an adapter")
             out_s, in_f = layer.b[sub].shape[1], layer.a.shape[2]
             if a.shape[1] != in_f or b.shape[0] != out_s:
-                raise ValueError(f"LoRA adapter {adapter.name!r} ({adapter.path}): {hf_module} lora_A "
-                                 f"{tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base linear "
-                                 f"(in {in_f}, out {out_s})")
-            layer.set_slice(slot, sub, a, b)
+                raise LoraError(f"LoRA adapter {adapter.name!r} ({adapter.path}): {hf_module} lora_A "
+                                f"{tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base linear "
+                                f"(in {in_f}, out {out_s})")
 
+    # ---- the device slots ----
+    def can_place(self, name: str, pinned: Collection[str]) -> bool:
+        """Whether `name` is resident, or a slot is free or held by an adapter outside `pinned`."""
+        return name in self.slots or self._slot_for_new(pinned) is not None
+
+    def ensure_resident(self, name: str, pinned: Collection[str]) -> int:
+        """`name`'s slot, copying it into one first when it is not resident: a free slot, else the slot of the least
+        recently used resident adapter outside `pinned` (evicted: its weights stay registered on the host)."""
+        slot = self.slots.get(name)
+        if slot is not None:
+            self.lru.move_to_end(name)
+            return slot
+        adapter = self.registry.get(name)
+        if adapter is None:
+            raise RuntimeError(f"LoRA adapter {name!r} is not registered (a scheduling bug)")
+        slot = self._slot_for_new(pinned)
+        if slot is None:
+            raise RuntimeError(f"no LoRA slot is free for {name!r}: all {self.num_slots} hold pinned adapters (a "
+                               "scheduling bug: admission checks can_place)")
+        if self.slot_names[slot] is not None:
+            self.num_evictions += 1
+            self._vacate(self.slot_names[slot])
+        self._write(slot, adapter)
+        self.slot_names[slot] = name
+        self.slots[name] = slot
+        self.lru[name] = None
+        self.num_slot_loads += 1
+        return slot
+
+    def _slot_for_new(self, pinned: Collection[str]) -> Optional[int]:
+        for slot, held in enumerate(self.slot_names):
+            if held is None:
+                return slot
+        for name in self.lru:
+            if name not in pinned:
+                return self.slots[name]
+        return None
+
+    def _vacate(self, name: str) -> None:
+        slot = self.slots.pop(name)
+        self.lru.pop(name, None)
+        self.slot_names[slot] = None
+        with torch.inference_mode():
+            self.batch.scale[slot] = 0.0
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        # the buffers may have been made under inference mode, where only inference mode may write them
+        with torch.inference_mode():
+            for layer in self.layers.values():
+                layer.clear_slot(slot)
+            for hf_module, (a, b) in adapter.weights.items():
+                parent, proj = hf_module.rsplit(".", 1)
+                fused, sub = SUPPORTED_TARGETS[proj]
+                self.layers[f"{parent}.{fused}"].set_slice(slot, sub, a, b)
+            self.batch.scale[slot] = adapter.scaling
+
+    # ---- each forward pass ----
     def slot_of(self, name: Optional[str]) -> int:
         if name is None:
             return -1
         slot = self.slots.get(name)
         if slot is None:
-            raise ValueError(f"unknown LoRA adapter {name!r}; loaded: {sorted(self.slots)}")
+            raise RuntimeError(f"LoRA adapter {name!r} is not resident in a device slot (a scheduling bug: admission "
+                               f"loads it); resident: {sorted(self.slots)}")
         return slot
 
     def prepare(self, fb) -> None:
@@ -123,6 +229,9 @@ class LoraManager:
         if not any(s >= 0 for s in row_slots):
             self.batch.idx, self.batch.groups = None, []
             return
+        for name in set(names):
+            if name is not None:
+                self.lru.move_to_end(name)
         lens = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else [1] * fb.batch_size
         if len(lens) != len(row_slots):
             raise RuntimeError(f"LoRA: {len(row_slots)} adapter names for a batch of {len(lens)} requests")
@@ -134,3 +243,8 @@ class LoraManager:
 
     def clear(self) -> None:
         self.batch.idx, self.batch.groups = None, []
+
+    def stats(self) -> dict:
+        return dict(lora_registered_adapters=list(self.registry), lora_slots=list(self.slot_names),
+                    lora_num_slots=self.num_slots, lora_free_slots=self.slot_names.count(None),
+                    lora_slot_loads_total=self.num_slot_loads, lora_slot_evictions_total=self.num_evictions)

@@ -24,24 +24,24 @@ if TYPE_CHECKING:
 class PrefixCache(ABC):
     disabled: bool = False
 
-    def __init__(self, req_to_token_pool: "ReqToTokenPool", token_to_kv_pool: "KVPool"):
+    def __init__(self, req_to_token_pool: "ReqToTokenPool", kv_pool: "KVPool"):
         self.req_to_token_pool = req_to_token_pool
-        self.token_to_kv_pool = token_to_kv_pool
+        self.kv_pool = kv_pool
 
     def _empty_slots(self) -> torch.Tensor:
-        return torch.empty(0, dtype=torch.int64, device=self.token_to_kv_pool.device)
+        return torch.empty(0, dtype=torch.int64, device=self.kv_pool.device)
 
     # ---- slots for new tokens ----
     @property
     def window_pool(self) -> Optional[HybridKVPool]:
         """The pool when window layers' KV is trimmed (a HybridKVPool), else None."""
-        pool = self.token_to_kv_pool
+        pool = self.kv_pool
         return pool if isinstance(pool, HybridKVPool) else None
 
     def available_slots(self) -> int:
         """Slots an allocation can get: free ones plus those eviction can free (with a hybrid pool, in the tighter
         of its two spaces: every new token takes a slot of each)."""
-        full = self.token_to_kv_pool.available_size() + self.evictable_size()
+        full = self.kv_pool.available_size() + self.evictable_size()
         if self.window_pool is None:
             return full
         return min(full, self.window_pool.window_available_size() + self.window_evictable_size())
@@ -50,11 +50,11 @@ class PrefixCache(ABC):
         """n KV slots (int64), evicting cached prefixes as needed; None if even eviction leaves too few."""
         if n == 0:
             return self._empty_slots()
-        short = n - self.token_to_kv_pool.available_size()
+        short = n - self.kv_pool.available_size()
         short_window = n - self.window_pool.window_available_size() if self.window_pool is not None else 0
         if short > 0 or short_window > 0:
             self.evict(max(short, 0), max(short_window, 0))
-        return self.token_to_kv_pool.alloc(n)
+        return self.kv_pool.alloc(n)
 
     def trim_window_kv(self, reqs, exact: bool = False) -> None:
         """Hybrid pool: release the window-layer KV of each request's tokens that its next query can no longer see
@@ -105,7 +105,7 @@ class PrefixCache(ABC):
         lo = max(new_len, cache_owned)
         if lo < req.kv_committed_len:
             row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            self.token_to_kv_pool.free(row[lo:req.kv_committed_len].long().clone())
+            self.kv_pool.free(row[lo:req.kv_committed_len].long().clone())
         if req.prefix_indices is not None and new_len < len(req.prefix_indices):
             req.prefix_indices = req.prefix_indices[:new_len]
         req.kv_committed_len = new_len
@@ -165,6 +165,11 @@ class PrefixCache(ABC):
     @abstractmethod
     def total_size(self) -> int:
         """All cached tokens (counted by walking the cache; equals evictable_size() + protected_size())."""
+
+    def drop_namespace(self, namespace: str) -> int:
+        """Free every cached prefix computed under `namespace` (an unloaded LoRA adapter's: nothing can match them
+        again, and a later adapter of the same name must not). No request may hold a lock in it. -> tokens freed."""
+        return 0
 
     @abstractmethod
     def reset(self) -> None:

@@ -27,7 +27,7 @@ class ChunkCache(PrefixCache):
             self.window_pool.release_window(slots[min(req.window_kv_from, req.kv_committed_len):])
             self.window_pool.free(slots, window_released=True)
         else:
-            self.token_to_kv_pool.free(slots)
+            self.kv_pool.free(slots)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
         req.last_node = None
@@ -38,7 +38,7 @@ class ChunkCache(PrefixCache):
         if req.req_pool_idx is None:
             raise RuntimeError(f"request {getattr(req, 'rid', '?')} has no req_to_token row")
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_committed_len]
-        req.prefix_indices = row.to(device=self.token_to_kv_pool.device, dtype=torch.int64, copy=True)
+        req.prefix_indices = row.to(device=self.kv_pool.device, dtype=torch.int64, copy=True)
 
     def _cache_owned_len(self, req) -> int:
         return 0  # a request's prefix_indices are its own slots here, freed with it

@@ -82,8 +82,8 @@ def _as_list(key: Sequence[int], namespace: Optional[str] = None) -> list:
 class RadixCache(PrefixCache):
     disabled = False
 
-    def __init__(self, req_to_token_pool, token_to_kv_pool):
-        super().__init__(req_to_token_pool, token_to_kv_pool)
+    def __init__(self, req_to_token_pool, kv_pool):
+        super().__init__(req_to_token_pool, kv_pool)
         self._clock = 0
         self.reset()
 
@@ -111,7 +111,7 @@ class RadixCache(PrefixCache):
         """Give the nodes' full slots, and the window slots they still hold, back to the pool."""
         slots = torch.cat([node.value for node in nodes])
         if self.window_pool is None:
-            self.token_to_kv_pool.free(slots)
+            self.kv_pool.free(slots)
             return
         held = [node.value[node.window_from:] for node in nodes if node.window_held]
         if held:
@@ -288,6 +288,29 @@ class RadixCache(PrefixCache):
             self._free_nodes(evicted)
         return freed
 
+    def drop_namespace(self, namespace: str) -> int:
+        # a namespace's paths leave the root on edges keyed (namespace, first token): see _as_list
+        tops = [child for key, child in self.root_node.children.items()
+                if isinstance(key, tuple) and key[0] == namespace]
+        nodes: list[TreeNode] = []
+        stack = list(tops)
+        while stack:
+            node = stack.pop()
+            if node.lock_ref:
+                raise RuntimeError(f"drop_namespace({namespace!r}): {node} is locked by a running request")
+            nodes.append(node)
+            stack.extend(node.children.values())
+        for top in tops:
+            del self.root_node.children[top.key[0]]
+        for node in nodes:
+            self._evictable_size -= len(node.key)
+            self._evictable_window -= node.window_held
+        if nodes:
+            self._free_nodes(nodes)
+        for node in nodes:
+            node.parent = None  # detached: locking it now is an error
+        return sum(len(node.key) for node in nodes)
+
     # ---- request hand-over ----
     def _insert_committed(self, req) -> tuple[torch.Tensor, TreeNode]:
         """Insert the request's committed tokens, free its slots the tree already had; return the tree's slots."""
@@ -295,7 +318,7 @@ class RadixCache(PrefixCache):
         if length > len(req.fill_ids):
             raise ValueError(f"kv_committed_len {length} exceeds the {len(req.fill_ids)} fill_ids")
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :length]
-        own = row.to(device=self.token_to_kv_pool.device, dtype=torch.int64, copy=True)
+        own = row.to(device=self.kv_pool.device, dtype=torch.int64, copy=True)
         own_lo = self._cache_owned_len(req)
         # hybrid pool: the request's own slots hold window KV from here on
         own_window_from = max(req.window_kv_from, own_lo) if self.window_pool is not None else 0
@@ -308,7 +331,7 @@ class RadixCache(PrefixCache):
             # own[:own_lo] are the tree's slots (the request's locked prefix); own[own_lo:prefix_len] duplicate
             # tokens another request inserted meanwhile. Slicing, not comparing slots, keeps this free of a sync
             # with the device (a boolean mask waits for the step in flight).
-            self.token_to_kv_pool.free(own[own_lo:prefix_len])
+            self.kv_pool.free(own[own_lo:prefix_len])
         return slots, node
 
     def _merge_duplicate_window(self, node: TreeNode, prefix_len: int, length: int, own: torch.Tensor,

@@ -88,7 +88,7 @@ class CudaGraphRunner:
             out_cache_loc=self.out_cache_loc[:bs], seq_lens_cpu=[1] * bs,
         )
         fb.req_to_token_pool = self.runner.req_to_token_pool
-        fb.token_to_kv_pool = self.runner.token_to_kv_pool
+        fb.kv_pool = self.runner.kv_pool
         fb.attn_backend = self.attn_backend
         return fb
 
@@ -164,7 +164,7 @@ class ExtendCudaGraphRunner:
         self.extend_seq_lens = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
         self.extend_prefix_lens = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
         self.extend_start_loc = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
-        self.attn_backend.init_extend_graph_state(self.max_tokens, self.max_reqs, model_runner.token_to_kv_pool,
+        self.attn_backend.init_extend_graph_state(self.max_tokens, self.max_reqs, model_runner.kv_pool,
                                                   model_runner.req_to_token_pool.req_to_token, model_runner.dtype)
         self.num_replays = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -191,7 +191,7 @@ class ExtendCudaGraphRunner:
             extend_start_loc=self.extend_start_loc[:reqs],
         )
         fb.req_to_token_pool = self.runner.req_to_token_pool
-        fb.token_to_kv_pool = self.runner.token_to_kv_pool
+        fb.kv_pool = self.runner.kv_pool
         fb.attn_backend = self.attn_backend
         return fb
 

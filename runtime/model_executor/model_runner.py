@@ -80,7 +80,7 @@ class ModelRunner:
         self.extend_graph_runner = None
         self._graphs_after_calibration = False
         if server_args.calculate_kv_scales:
-            self.token_to_kv_pool.calibrate_kv_scales_on_next_store()
+            self.kv_pool.calibrate_kv_scales_on_next_store()
         if self.device.type == "cuda" and self.attn_backend_name == "torch":
             logger.info("CUDA graphs off: the torch attention backend cannot be captured")
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
@@ -157,7 +157,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(max_reqs, self.context_len + 8, self.device)
         if hybrid:
             k_scales, v_scales = getattr(self.model, "kv_cache_scales", None) or (1.0, 1.0)
-            self.token_to_kv_pool = HybridKVPool(
+            self.kv_pool = HybridKVPool(
                 self.max_total_tokens, self.window_kv_tokens, self.dtype, heads_kv, mc.head_dim, layer_windows,
                 self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype, k_scale=k_scales, v_scale=v_scales,
                 fused_store=not self.server_args.disable_fused_kv_store,
@@ -166,13 +166,13 @@ class ModelRunner:
             logger.info("KV pool: window layers' KV trimmed to %d token slots beside %d for the global layers "
                         "(--disable-window-kv-trimming keeps one pool)", self.window_kv_tokens, self.max_total_tokens)
         elif mc.attention_arch == "mla":
-            self.token_to_kv_pool = MLAKVPool(self.max_total_tokens, self.dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
+            self.kv_pool = MLAKVPool(self.max_total_tokens, self.dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
                                               mc.num_layers, self.device, kv_cache_dtype=kv_dtype,
                                               fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store)
         else:
             # an fp8_e4m3 cache takes the checkpoint's per-layer KV scales when it has them (loader), else 1.0
             k_scales, v_scales = getattr(self.model, "kv_cache_scales", None) or (1.0, 1.0)
-            self.token_to_kv_pool = MHAKVPool(self.max_total_tokens, self.dtype, heads_kv, mc.head_dim, mc.num_layers,
+            self.kv_pool = MHAKVPool(self.max_total_tokens, self.dtype, heads_kv, mc.head_dim, mc.num_layers,
                                               self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype,
                                               k_scale=k_scales, v_scale=v_scales,
                                               fused_store=not self.server_args.disable_fused_kv_store,
@@ -249,6 +249,8 @@ class ModelRunner:
         if fb.defer_sampling:
             return ForwardOutput(next_token_ids=None, pending_logits=logits)
         out = self.sample(logits, fb.sampling_info)
+        if fb.capture_hidden:
+            out.hidden_states, out.aux_hidden_states = hidden, fb.aux_hidden
         if fb.logits_indices is not None and fb.logits_indices.numel():
             info = fb.sampling_info
             prompt_logits = compute_logits(self.model.lm_head, hidden, fb.logits_indices, self.vocab_size)
@@ -260,18 +262,20 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_hidden(self, fb: ForwardBatch) -> torch.Tensor:
         """The model's pass alone (a captured graph when one fits): final hidden states [T, hidden] for every token,
-        which speculative verification turns into logits at every position."""
-        if self._graphs_after_calibration and not self.token_to_kv_pool.calibrating_kv_scales:
+        which speculative verification turns into logits at every position. With fb.aux_hidden_layers (EAGLE-3) the
+        pass runs eagerly and the model fills fb.aux_hidden."""
+        if self._graphs_after_calibration and not self.kv_pool.calibrating_kv_scales:
             self._graphs_after_calibration = False
             with torch.inference_mode(False):  # static buffers as at start-up: normal tensors
                 self._capture_cuda_graphs()
         fb.req_to_token_pool = self.req_to_token_pool
-        fb.token_to_kv_pool = self.token_to_kv_pool
+        fb.kv_pool = self.kv_pool
         fb.attn_backend = self.attn_backend
-        if (fb.forward_mode.is_decode() and self.cuda_graph_runner is not None
+        graphs = fb.aux_hidden_layers is None
+        if (graphs and fb.forward_mode.is_decode() and self.cuda_graph_runner is not None
                 and self.cuda_graph_runner.can_run(fb)):
             return self.cuda_graph_runner.replay(fb)
-        if self.extend_graph_runner is not None and self.extend_graph_runner.can_run(fb):
+        if graphs and self.extend_graph_runner is not None and self.extend_graph_runner.can_run(fb):
             return self.extend_graph_runner.replay(fb)
         self.attn_backend.init_forward_metadata(fb)
         if self.lora_manager is not None:

@@ -156,10 +156,22 @@ class DecoderModel(nn.Module):
                 input_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         residual = None
-        for layer in self.layers:
+        capture = getattr(fb, "aux_hidden_layers", None)  # EAGLE-3: these layers' input residual streams
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if capture is not None and i in capture:
+                # a clone: fused norms may update the residual stream in place later
+                captured[i] = hidden.clone() if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual, fb)
+        if capture is not None:
+            fb.aux_hidden = torch.cat([captured[i] for i in capture], dim=-1)  # [T, len(capture) * hidden]
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    @classmethod
+    def captures_aux_hidden(cls) -> bool:
+        """Whether forward fills ForwardBatch.aux_hidden (a subclass with its own forward does not)."""
+        return cls.forward is DecoderModel.forward
 
 
 class DecoderForCausalLM(CausalLM):

@@ -111,7 +111,7 @@ class MLAttention(nn.Module):
                 # the pool writes the cache rows [norm(latent) ; rot(k_pe)] and builds [q_nope w_kc ; rot(q_pe)] (one
                 # launch on CUDA); attention then reads the keys and values from the pool
                 q_full = _store_latent_and_build_query(
-                    fb.token_to_kv_pool, self.attn.layer_id, fb.out_cache_loc, positions, latent, k_pe,
+                    fb.kv_pool, self.attn.layer_id, fb.out_cache_loc, positions, latent, k_pe,
                     self.kv_a_layernorm, self.rotary_emb, q_nope, self.w_kc, q_pe, self.w_kc_scale)  # [T, H, R + rope]
                 return self._absorbed_output(self.attn(q_full.view(T, -1), None, None, fb, save_kv_cache=False))
             w_kc = dequantized_head_weight(self.w_kc, self.w_kc_scale, q_nope.dtype)

@@ -254,8 +254,31 @@ class SchedulerLoop:
             self.send(M.FlushCacheResult(msg.req_id, bool(self.scheduler.flush_cache())))
         elif isinstance(msg, M.GetStatsReq):
             self.send(M.Stats(msg.req_id, _plain_stats(self.scheduler.get_stats())))
+        elif isinstance(msg, M.LoadLoraReq):
+            failure = self._lora_call(msg.req_id, lambda: self.scheduler.load_lora_adapter(msg.lora_name,
+                                                                                           msg.lora_path))
+            self.send(failure or M.LoraResult(msg.req_id, True))
+        elif isinstance(msg, M.UnloadLoraReq):
+            req_id = msg.req_id
+            # answered once the adapter's requests have finished, from inside a scheduler step
+            failure = self._lora_call(req_id, lambda: self.scheduler.unload_lora_adapter(
+                msg.lora_name, lambda: self.send(M.LoraResult(req_id, True))))
+            if failure is not None:
+                self.send(failure)
         elif isinstance(msg, M.ShutdownReq):
             self.running = False
+
+    @staticmethod
+    def _lora_call(req_id: int, fn) -> Optional[M.LoraResult]:
+        """Run a load or unload; None when it went ahead, else the refusal to answer."""
+        try:
+            fn()
+            return None
+        except ValueError as e:  # LoraError: the adapter or the request is at fault
+            return M.LoraResult(req_id, False, str(e), getattr(e, "code", "lora_invalid"), getattr(e, "param", None))
+        except Exception as e:
+            logger.exception("LoRA adapter load or unload failed")
+            return M.LoraResult(req_id, False, f"{type(e).__name__}: {e}", "internal_error", None)
 
     def _add(self, msg: M.GenerateReq) -> None:
         try:

@@ -142,7 +142,7 @@ class LeaderScheduler:
     def add_request(self, req) -> None:
         from braid.runtime.ipc import messages as M
 
-        command = Command(M.encode(M.generate_req(req)), req.created_time)
+        command = Command(M.encode(M.message_from_req(req)), req.created_time)
         self._commands.append(command)
         self._gate.at_once = command.grammars_at_once
         try:

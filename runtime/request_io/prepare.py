@@ -101,7 +101,8 @@ def check_lora_path(model: ServedModel, lora_path: Optional[str]) -> None:
         raise RequestError(f"lora_path must be an adapter name (a string), got {type(lora_path).__name__}",
                            param="lora_path")
     if lora_path not in model.lora_names:
-        served = ", ".join(model.lora_names) if model.lora_names else "none (start with --lora-paths name=path)"
+        served = (", ".join(model.lora_names) if model.lora_names
+                  else "none (--lora-paths name=path, or load_lora_adapter)")
         raise RequestError(f"unknown LoRA adapter {lora_path!r}; adapters served: {served}", param="lora_path")
 
 

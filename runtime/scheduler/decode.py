@@ -47,14 +47,14 @@ class DecodeInFlight:
 
 
 class DecodeRunner:
-    def __init__(self, server_args, runner, tree_cache, device: torch.device, timing, finish_table, output):
+    def __init__(self, server_args, runner, prefix_cache, device: torch.device, timing, finish_table, output):
         self.runner = runner
         self.bitmask_filler = output.bitmask_filler
         self.bitmask_to_device = output.bitmask_to_device
         self._mask_thread: Optional[ThreadPoolExecutor] = None
         self.timing = timing  # scheduler.HostTiming
         self.finish_table = finish_table  # output.FinishTable
-        self.tree_cache = tree_cache
+        self.prefix_cache = prefix_cache
         self.req_to_token_pool = runner.req_to_token_pool
         self.device = device
         self.vocab_size = runner.vocab_size
@@ -80,7 +80,7 @@ class DecodeRunner:
         """One decode pass (input_ids [B] on the device, or each request's last token), sampled with `info` (or
         left unsampled: defer_sampling). -> (its output, the requests' req_pool_idx as a [B] int64 host tensor)."""
         B = len(reqs)
-        out_loc = self.tree_cache.alloc_slots(B)
+        out_loc = self.prefix_cache.alloc_slots(B)
         dev = self.device
         seq_lens_cpu = [r.kv_committed_len + 1 for r in reqs]
         slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
@@ -100,7 +100,7 @@ class DecodeRunner:
         for r in reqs:
             r.kv_committed_len += 1
         # the release is queued behind this pass on the device, and the next query's window starts past it
-        self.tree_cache.trim_window_kv(reqs)
+        self.prefix_cache.trim_window_kv(reqs)
         self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
         return out, slots
 
@@ -152,7 +152,7 @@ class DecodeRunner:
             return None
         keep_t = torch.tensor(keep, dtype=torch.int64)
         if not self.finish_table.can_overlap(prev.slots[keep_t], out_lens[keep_t]) \
-                or self.tree_cache.available_slots() < len(reqs):
+                or self.prefix_cache.available_slots() < len(reqs):
             return None
         ids, info = prev.output.next_token_ids, prev.sampling_info
         if len(keep) != len(prev.reqs):
@@ -167,11 +167,11 @@ class DecodeRunner:
         """Take requests out of `running` (in place) until each remaining one can get a slot for its next token;
         their KV stays in the cache (evictable) for the resume. Returns them, most progressed last."""
         victims = []
-        while running and self.tree_cache.available_slots() < len(running):
+        while running and self.prefix_cache.available_slots() < len(running):
             # the request with the least progress is the cheapest to recompute; it keeps its output
             victim = min(running, key=lambda r: (len(r.output_ids), -len(r.input_ids)))
             running.remove(victim)
-            self.tree_cache.cache_finished_req(victim)
+            self.prefix_cache.cache_finished_req(victim)
             victim.retracted_count += 1
             victim.prefix_indices = None
             self.num_retractions += 1

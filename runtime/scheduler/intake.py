@@ -11,7 +11,7 @@ import dataclasses
 from concurrent.futures import Future
 from typing import Optional
 
-from braid.runtime.constrained.fsm import GrammarBusyError, GrammarError
+from braid.runtime.constrained.grammar_errors import GrammarBusyError, GrammarError
 from braid.runtime.core import FinishReason, Req
 from braid.runtime.error_kind import ErrorKind
 from braid.runtime.request_checks import RequestLimits, check_request

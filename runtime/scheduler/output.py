@@ -3,6 +3,7 @@ jump-forward, and the ReqOutput each step reports for a request."""
 
 from __future__ import annotations
 
+import enum
 import time
 from typing import Callable, Optional
 
@@ -79,14 +80,22 @@ class FinishTable:
         return not bool((self.blocks_overlap[slots] | (out_lens < self.min_new[slots])).any())
 
 
+class NextStep(enum.Enum):
+    """Where a request goes once a sampled token is committed."""
+
+    DECODE = "decodes on"
+    EXTEND = "needs an extend over the tokens it jumped forward (the resume queue)"
+    FINISHED = "finished"
+
+
 class OutputProcessor:
     def __init__(self, server_args, tokenizer, eos_token_ids: set[int], context_len: int, vocab_size: int,
-                 tree_cache, device: torch.device):
+                 prefix_cache, device: torch.device):
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.context_len = context_len
         self.vocab_size = vocab_size
-        self.tree_cache = tree_cache
+        self.prefix_cache = prefix_cache
         self.device = device
         self.jump_forward_enabled = not server_args.disable_jump_forward
         self.stream_interval = server_args.stream_interval
@@ -143,11 +152,10 @@ class OutputProcessor:
 
     # ---- after sampling ----
     def commit(self, req: Req, host: dict, row: int, jump_forward: bool = True,
-               grammar_ended: Optional[bool] = None) -> tuple[str, Optional[FinishReason]]:
+               grammar_ended: Optional[bool] = None) -> tuple[NextStep, Optional[FinishReason]]:
         """Append the token sampled in `row` of a ForwardOutput's host copy (grammar_ended: None, or the request's
         grammar has taken it already and this says whether it ended; the grammar is then not touched, as a mask
-        fill may be reading it). -> where the request goes: ("running", None) decodes on, ("resume_queue", None)
-        needs an extend over jump-forward tokens, ("finished", reason) ends."""
+        fill may be reading it). -> where the request goes, with the reason when it finished."""
         lp = None
         if req.return_logprob:
             n, top_v = req.top_logprobs_num, host.get("next_top_logprobs")
@@ -157,8 +165,8 @@ class OutputProcessor:
         if reason is None and jump_forward:
             jumped, reason = self.jump_forward(req)
             if jumped and reason is None:
-                return "resume_queue", None
-        return ("finished", reason) if reason is not None else ("running", None)
+                return NextStep.EXTEND, None
+        return (NextStep.FINISHED, reason) if reason is not None else (NextStep.DECODE, None)
 
     def append_token(self, req: Req, tok: int, logprobs: Optional[tuple],
                      grammar_ended: Optional[bool] = None) -> Optional[FinishReason]:
@@ -236,7 +244,7 @@ class OutputProcessor:
         req.output_ids = req.output_ids[:keep] + list(jf.token_ids)
         req.jump_forward_tokens += len(jf.token_ids) - jf.num_rollback
         req.fill_ids = req.input_ids + req.output_ids
-        self.tree_cache.truncate_req_kv(req, min(req.kv_committed_len, len(req.input_ids) + keep))
+        self.prefix_cache.truncate_req_kv(req, min(req.kv_committed_len, len(req.input_ids) + keep))
         if (reason := self._length_reason(req)) is not None:
             req.output_ids = req.output_ids[:req.sampling_params.max_new_tokens]
             req.fill_ids = req.input_ids + req.output_ids

@@ -40,9 +40,9 @@ def wants_prompt_logprobs(req: Req) -> bool:
     return req.return_logprob and req.logprob_start_len >= 0 and req.input_token_logprobs is None
 
 
-def match_prefix(req: Req, tree_cache) -> None:
+def match_prefix(req: Req, prefix_cache) -> None:
     req.fill_ids = req.input_ids + req.output_ids
-    req.prefix_indices, req.last_node = tree_cache.match_prefix(req.fill_ids[: max_prefix_len(req)],
+    req.prefix_indices, req.last_node = prefix_cache.match_prefix(req.fill_ids[: max_prefix_len(req)],
                                                                 namespace=req.lora_path)
     if req.mm_inputs is not None:  # an image or video is computed whole or taken whole from the cache
         req.prefix_indices = req.prefix_indices[:item_aligned_prefix_len(req.mm_inputs, len(req.prefix_indices))]
@@ -60,12 +60,12 @@ class PromptLogprobSlice:
 
 
 class PrefillPlanner:
-    def __init__(self, server_args, tree_cache, req_to_token_pool, device: torch.device,
+    def __init__(self, server_args, prefix_cache, req_to_token_pool, device: torch.device,
                  max_running_requests: Optional[int] = None):
         self.server_args = server_args
         # the scheduler's cap (derived from the KV pool when the flag is unset)
         self.max_running_requests = max_running_requests or server_args.max_running_requests
-        self.tree_cache = tree_cache
+        self.prefix_cache = prefix_cache
         self.req_to_token_pool = req_to_token_pool
         self.device = device
         self.clock = time.time  # under TP every rank reads rank 0's clock here (processes/tensor_parallel.py)
@@ -75,11 +75,12 @@ class PrefillPlanner:
 
     # ---- admission ----
     def plan(self, waiting: list[Req], resume_queue: deque, num_running: int, reserved_decode: int,
-             new_token_ratio: float) -> tuple[list[Req], list[Req]]:
+             new_token_ratio: float, adapters=None) -> tuple[list[Req], list[Req]]:
         """(the extend batch, the waiting requests admitted into it). Resumed requests (chunked prefill continuations,
-        jump-forward extends) hold KV already and go first. Admitted requests get a req_to_token row."""
+        jump-forward extends) hold KV already and go first. Admitted requests get a req_to_token row. adapters: the
+        round's lora_admission.AdapterAdmission with LoRA on (a request it holds back stays waiting)."""
         token_budget = self.token_budget
-        kv_budget = self.tree_cache.available_slots() - reserved_decode
+        kv_budget = self.prefix_cache.available_slots() - reserved_decode
         batch: list[Req] = []
         running_slots = self.max_running_requests - num_running
         while resume_queue and token_budget > 0:
@@ -101,23 +102,27 @@ class PrefillPlanner:
         for req in ordered:
             if token_budget <= 0 or len(batch) >= running_slots or self.req_to_token_pool.available_size() == 0:
                 break
+            if adapters is not None and not adapters.admits(req):
+                continue
             if not matched and req.req_pool_idx is None:
-                match_prefix(req, self.tree_cache)
+                match_prefix(req, self.prefix_cache)
             if self._shares_prefix_with_batch(req, admitted):
                 continue  # computing it now would duplicate a prefix this batch computes; next round it is cached
             prefix_len = len(req.prefix_indices)
             extend = len(req.fill_ids) - prefix_len
             decode_need = int((req.sampling_params.max_new_tokens - len(req.output_ids)) * new_token_ratio)
             take = item_aligned_chunk_len(req.mm_inputs, prefix_len, min(extend, token_budget))
-            self.tree_cache.inc_lock_ref(req.last_node)  # before anything is evicted, so its own prefix survives
-            kv_left = (self.tree_cache.available_slots() - reserved_decode - reserved_new
+            self.prefix_cache.inc_lock_ref(req.last_node)  # before anything is evicted, so its own prefix survives
+            kv_left = (self.prefix_cache.available_slots() - reserved_decode - reserved_new
                        - sum(r.extend_input_len for r in batch))
             # a chunk is taken only when the whole request fits, unless the batch would otherwise be empty
             need = take + decode_need if (take < extend and batch) or take == extend else take
             if need > kv_left:
-                self.tree_cache.dec_lock_ref(req.last_node)
+                self.prefix_cache.dec_lock_ref(req.last_node)
                 break
             self._admit(req, prefix_len)
+            if adapters is not None:
+                adapters.take(req)
             _set_extend_len(req, extend, token_budget)
             token_budget -= req.extend_input_len
             reserved_new += decode_need
@@ -128,13 +133,13 @@ class PrefillPlanner:
     def _order(self, waiting: list[Req]) -> tuple[list[Req], bool]:
         """(waiting in admission order, whether every request's prefix is matched already)."""
         policy = self.server_args.schedule_policy
-        if policy in ("lpm", "dfs-weight") and not self.tree_cache.disabled and len(waiting) <= LPM_MAX_QUEUE:
+        if policy in ("lpm", "dfs-weight") and not self.prefix_cache.disabled and len(waiting) <= LPM_MAX_QUEUE:
             for req in waiting:
                 if req.req_pool_idx is None:
-                    match_prefix(req, self.tree_cache)
+                    match_prefix(req, self.prefix_cache)
             overdue = self.clock() - LPM_MAX_WAIT_S
             if policy == "dfs-weight":  # queue_order.py; overdue requests first here too
-                return sorted(dfs_weight_order(waiting, self.tree_cache.root_node),
+                return sorted(dfs_weight_order(waiting, self.prefix_cache.root_node),
                               key=lambda r: r.created_time > overdue), True
             # stable: ties keep arrival order
             return sorted(waiting, key=lambda r: (r.created_time > overdue, -len(r.prefix_indices))), True
@@ -150,7 +155,7 @@ class PrefillPlanner:
         req.kv_committed_len = prefix_len
 
     def _shares_prefix_with_batch(self, req: Req, admitted: list[Req]) -> bool:
-        if self.tree_cache.disabled or not admitted:
+        if self.prefix_cache.disabled or not admitted:
             return False
         start = len(req.prefix_indices)
         probe = req.fill_ids[start:start + _IN_BATCH_PREFIX_MIN]
@@ -164,7 +169,7 @@ class PrefillPlanner:
         """The extend ForwardBatch (KV slots allocated and written to req_to_token), and where each request's prompt
         logprobs land. None if the pool cannot hold the batch (an accounting bug: admission checked it)."""
         lens = [r.extend_input_len for r in batch]
-        out_loc = self.tree_cache.alloc_slots(sum(lens))
+        out_loc = self.prefix_cache.alloc_slots(sum(lens))
         if out_loc is None:
             return None
         input_ids, positions, logit_rows, targets, slices, prefix_lens = [], [], [], [], [], []

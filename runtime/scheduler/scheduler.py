@@ -29,7 +29,8 @@ from braid.runtime.mem_cache.radix_cache import RadixCache
 from braid.runtime.model_executor.model_runner import ModelRunner
 from braid.runtime.scheduler.decode import DecodeInFlight, DecodeRunner
 from braid.runtime.scheduler.intake import RequestIntake
-from braid.runtime.scheduler.output import FinishTable, OutputProcessor
+from braid.runtime.scheduler.lora_admission import LoraAdapters
+from braid.runtime.scheduler.output import FinishTable, NextStep, OutputProcessor
 from braid.runtime.scheduler.prefill import PrefillPlanner, record_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -122,29 +123,32 @@ class Scheduler:
         self.vocab_size = self.runner.vocab_size
         self.model_config = self.runner.model_config
         self.req_to_token_pool = self.runner.req_to_token_pool
-        self.kv_pool = self.runner.token_to_kv_pool
+        self.kv_pool = self.runner.kv_pool
         cache_cls = ChunkCache if server_args.disable_radix_cache else RadixCache
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.kv_pool)
+        self.prefix_cache = cache_cls(self.req_to_token_pool, self.kv_pool)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.timing = HostTiming()
         self.finish_table = FinishTable(self.req_to_token_pool.size, eos, self.context_len)
-        self.prefill = PrefillPlanner(server_args, self.tree_cache, self.req_to_token_pool, self.device,
+        self.prefill = PrefillPlanner(server_args, self.prefix_cache, self.req_to_token_pool, self.device,
                                       self.max_running_requests)
         self.output = OutputProcessor(server_args, self.tokenizer, eos, self.context_len, self.vocab_size,
-                                      self.tree_cache, self.device)
-        self.decode = DecodeRunner(server_args, self.runner, self.tree_cache, self.device, self.timing,
+                                      self.prefix_cache, self.device)
+        self.decode = DecodeRunner(server_args, self.runner, self.prefix_cache, self.device, self.timing,
                                    self.finish_table, self.output)
         # --speculative-algorithm: decode steps verify drafts, synchronously (runtime/speculative/verify.py)
         self.spec = None
         if server_args.speculative_algorithm is not None:
             from braid.runtime.speculative.verify import SpeculativeDecoder
 
-            self.spec = SpeculativeDecoder(server_args, self.runner, self.tree_cache, self.output, self.context_len)
+            self.spec = SpeculativeDecoder(server_args, self.runner, self.prefix_cache, self.output, self.context_len)
             self.decode.overlap = False
         self.intake = RequestIntake(server_args, self.tokenizer, self.vocab_size, self.context_len, self.kv_pool.size,
-                                    share_prefill=not self.tree_cache.disabled)
+                                    share_prefill=not self.prefix_cache.disabled)
+        # --enable-lora: adapter admission, loading and unloading (lora_admission.py)
+        self.lora = (LoraAdapters(self.runner.lora_manager, server_args, self.prefix_cache)
+                     if self.runner.lora_manager is not None else None)
 
         self.waiting: list[Req] = []  # hold no KV
         self.running: list[Req] = []  # decode next step
@@ -159,7 +163,37 @@ class Scheduler:
 
     # ---- requests ----
     def add_request(self, req: Req) -> None:
+        if req.lora_path is not None and self.lora is None:
+            raise RequestError("this server serves no LoRA adapters (start it with --enable-lora or --lora-paths)",
+                               param="lora_path")
+        if self.lora is not None:
+            self.lora.check_request(req)
         self.waiting.extend(self.intake.add(req))
+
+    # ---- LoRA adapters (lora_admission.py) ----
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Register the adapter folder `path` as `name`; raises LoraError naming what is wrong."""
+        self._lora_on().load(name, path)
+
+    def unload_lora_adapter(self, name: str, done: Callable[[], None]) -> None:
+        """Stop taking requests on `name`; `done` runs once the requests already on it have finished and it is gone.
+        Raises LoraError for an adapter that is not loaded."""
+        self._lora_on().unload(name, done, self._adapters_in_use())
+
+    def _lora_on(self) -> LoraAdapters:
+        if self.lora is None:
+            from braid.runtime.lora.adapter import LoraError
+
+            raise LoraError("this server serves no LoRA adapters (start it with --enable-lora)", code="lora_disabled",
+                            param="lora_name")
+        return self.lora
+
+    def _adapters_in_use(self) -> set:
+        """The adapters of every request the scheduler holds, queued or running."""
+        in_flight = self.in_flight.reqs if self.in_flight is not None else []
+        reqs = itertools.chain(self.waiting, self.running, self.resume_queue, in_flight,
+                               (r for r, _ in self.intake.grammar_queue))
+        return {r.lora_path for r in reqs if r.lora_path is not None}
 
     def abort_request(self, rid: str) -> None:
         reason = FinishReason("abort", message="aborted by request")
@@ -189,12 +223,12 @@ class Scheduler:
     def flush_cache(self) -> bool:
         if self.waiting or self.running or self.resume_queue or self.intake.grammar_queue or self.in_flight:
             return False
-        self.tree_cache.reset()
+        self.prefix_cache.reset()
         return True
 
     def get_stats(self) -> dict:
         s = dict(self.stats)
-        kv_used = self.kv_pool.size - self.kv_pool.available_size() - self.tree_cache.evictable_size()
+        kv_used = self.kv_pool.size - self.kv_pool.available_size() - self.prefix_cache.evictable_size()
         s.update(
             num_running_reqs=len(self.running) + len(self.resume_queue) + (
                 len(self.in_flight.reqs) if self.in_flight is not None else 0),
@@ -202,7 +236,7 @@ class Scheduler:
             num_generated_tokens_total=self.output.num_generated_tokens, num_forward_decode=self.decode.num_forward,
             num_decode_overlapped=self.decode.num_overlapped, num_retractions=self.decode.num_retractions,
             kv_total_tokens=self.kv_pool.size, kv_free_tokens=self.kv_pool.available_size(),
-            kv_cached_tokens=self.tree_cache.evictable_size(), kv_used_tokens=kv_used,
+            kv_cached_tokens=self.prefix_cache.evictable_size(), kv_used_tokens=kv_used,
             **self._window_kv_stats(),
             cache_hit_rate=(s["num_cached_tokens_total"] / s["num_prompt_tokens_total"]) if s["num_prompt_tokens_total"] else 0.0,
             new_token_ratio=self.decode.new_token_ratio, effective_max_running_requests=self.max_running_requests,
@@ -212,15 +246,16 @@ class Scheduler:
             num_forward_extend_graphed=getattr(getattr(self.runner, "extend_graph_runner", None), "num_replays", 0),
             **self.timing.stats(), grammar_mask_time_s_total=self.output.grammar_mask_s,
             grammar=self.intake.grammar_stats(), **(self.spec.stats() if self.spec is not None else {}),
+            **(self.lora.stats() if self.lora is not None else {}),
         )
         return s
 
     def _window_kv_stats(self) -> dict:
         """Hybrid KV pool (window layers trimmed): the window slot space, counted like the full one."""
-        pool = self.tree_cache.window_pool
+        pool = self.prefix_cache.window_pool
         if pool is None:
             return {}
-        free, cached = pool.window_available_size(), self.tree_cache.window_evictable_size()
+        free, cached = pool.window_available_size(), self.prefix_cache.window_evictable_size()
         return dict(window_kv_total_tokens=pool.window_size, window_kv_free_tokens=free,
                     window_kv_cached_tokens=cached, window_kv_used_tokens=pool.window_size - free - cached)
 
@@ -228,6 +263,8 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         start = time.perf_counter()
         self._step()
+        if self.lora is not None and self.lora.unloading:
+            self.lora.settle(self._adapters_in_use())
         self.timing.steps += 1
         self.timing.step_s += time.perf_counter() - start
         return self._take_outputs()
@@ -302,8 +339,13 @@ class Scheduler:
         self.decode_steps_before_admit = self.continuous_decode_steps
         if not self.resume_queue and len(self.running) >= self.max_running_requests:
             return []  # full: not even the decode reservation needs adding up
+        adapters = None
+        if self.lora is not None:
+            in_flight = self.in_flight.reqs if self.in_flight is not None else []
+            adapters = self.lora.admission(itertools.chain(self.running, self.resume_queue, in_flight))
         batch, admitted = self.prefill.plan(self.waiting, self.resume_queue, len(self.running),
-                                            self.decode.reserved_tokens(self.running), self.decode.new_token_ratio)
+                                            self.decode.reserved_tokens(self.running), self.decode.new_token_ratio,
+                                            adapters)
         if admitted:
             taken = {id(r) for r in admitted}
             self.waiting = [r for r in self.waiting if id(r) not in taken]
@@ -321,7 +363,7 @@ class Scheduler:
         """--enable-mixed-chunk: the running requests, each as a one-token extend, when the pool holds their tokens."""
         if not self.server_args.enable_mixed_chunk or not self.running:
             return []
-        if self.tree_cache.available_slots() < sum(r.extend_input_len for r in prefill) + len(self.running):
+        if self.prefix_cache.available_slots() < sum(r.extend_input_len for r in prefill) + len(self.running):
             return []
         for req in self.running:
             req.extend_input_len, req.is_chunked = 1, False
@@ -338,6 +380,8 @@ class Scheduler:
         samples = [not r.is_chunked and r.sampling_params.max_new_tokens > 0 for r in batch]
         fb.sampling_info = SamplingBatchInfo.build(batch, self.vocab_size, self.device)
         fb.sampling_info.fill_token_bitmask = self.output.bitmask_filler(batch)
+        if self.spec is not None:
+            self.spec.prepare_extend(fb)  # EAGLE: the draft head reads this pass's hidden states
         self.stats["num_forward_extend"] += 1
         self.stats["num_tokens_through_model_total"] += sum(fb.extend_seq_lens_cpu)
         self.stats["num_computed_prompt_tokens_total"] += sum(
@@ -346,20 +390,22 @@ class Scheduler:
         output = self.timing.forward(self.runner, fb)
         self.timing.wait(output)
         host = output.host()
+        if self.spec is not None:
+            self.spec.record_extend(batch, fb, output)
         for req, n in zip(batch, fb.extend_seq_lens_cpu):
             req.kv_committed_len += n
-        self.tree_cache.trim_window_kv(batch)
+        self.prefix_cache.trim_window_kv(batch)
         record_prompt_logprobs(logprob_slices, host)
         rows = list(range(len(prefill), len(batch)))
         for i, req in enumerate(prefill):
             if req.is_chunked:
-                self.tree_cache.cache_unfinished_req(req)
+                self.prefix_cache.cache_unfinished_req(req)
                 self.resume_queue.append(req)
             elif not samples[i]:
                 self.finish(req, FinishReason("length"))  # prefill only (cache warm-up, prompt logprobs)
             else:
                 # publish the prompt's KV now, so requests arriving while this one decodes share it
-                self.tree_cache.cache_unfinished_req(req)
+                self.prefix_cache.cache_unfinished_req(req)
                 rows.append(i)
         if rows:
             rows.sort()
@@ -443,7 +489,7 @@ class Scheduler:
                 if reason is not None:
                     self.finish(req, reason)
                     continue
-                (running if goes_to == "running" else self.resume_queue).append(req)
+                (running if goes_to is NextStep.DECODE else self.resume_queue).append(req)
             else:  # neither finished nor in need of Python checks: OutputProcessor.append_token's plain case
                 req.output_ids.append(tok)
                 req.fill_ids.append(tok)
@@ -476,10 +522,12 @@ class Scheduler:
 
     def finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
+        if self.spec is not None:
+            self.spec.release(req)
         if req.req_pool_idx is not None:
             req.fill_ids = req.input_ids + req.output_ids
             req.kv_committed_len = min(req.kv_committed_len, len(req.fill_ids))
-            self.tree_cache.cache_finished_req(req)
+            self.prefix_cache.cache_finished_req(req)
         req.last_node = None
         if req.is_internal:
             start, done = self.intake.prefill_done(req, reason)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from braid.runtime.error_kind import ErrorKind
 
@@ -92,3 +92,19 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):
         return bad_request(str(exc), param=getattr(exc, "param", None))
     return internal(f"{type(exc).__name__}: {exc}")
+
+
+def json_type(value: Any) -> str:
+    """A value's JSON type as an error message names it ("a string", "an object", "null")."""
+    for kind, name in ((bool, "a boolean"), (int, "a number"), (float, "a number"), (str, "a string"),
+                       (list, "an array"), (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "null" if value is None else type(value).__name__
+
+
+def asks_for_nothing(value: Any, off_values: tuple) -> bool:
+    """Whether a parameter's value asks for nothing: null, or one of `off_values` (a boolean matches only a
+    boolean: 0 is no `false`)."""
+    return value is None or any(value == off and isinstance(value, bool) == isinstance(off, bool)
+                                for off in off_values)

@@ -22,8 +22,9 @@ from braid.runtime.server.errors import APIError, bad_request, body_too_large, f
 from braid.runtime.server.chat_content import parse_template_messages
 from braid.runtime.server.openai_api import OpenAIServing, template_messages
 from braid.runtime.core import Req
-from braid.runtime.server.protocol import (SSE_DONE, ChatCompletionRequest, GenerateRequest, api_error_event, json_bytes,
-                                          parse_generate, parse_openai, sse_event)
+from braid.runtime.server.generate_protocol import GenerateBody, parse_generate
+from braid.runtime.server.openai_protocol import ChatCompletionRequest, parse_openai
+from braid.runtime.server.sse import SSE_DONE, api_error_event, json_bytes, sse_event
 from braid.runtime.server.request_handle import RequestHandle, drain, merge_steps
 from braid.runtime.server.tokenizer_manager import TokenizerManager
 
@@ -114,7 +115,7 @@ def _basic_auth_ok(request: web.Request, given: str, api_key: str) -> bool:
 # ---- native API -------------------------------------------------------------------------------------
 
 
-async def prepare_generate(tm: TokenizerManager, req: GenerateRequest) -> list[Req]:
+async def prepare_generate(tm: TokenizerManager, req: GenerateBody) -> list[Req]:
     """One prepared request per prompt of a /generate body (all checked before any is submitted)."""
     prompt_param = "text" if isinstance(req.prompts[0], str) else "input_ids"
     media_param = "video_data" if req.is_video else "image_data"
@@ -336,6 +337,42 @@ async def abort_request(request: web.Request) -> web.Response:
     return json_response({"success": found, "rid": body["rid"]}, status=200 if found else 404)
 
 
+def _lora_body(body: Any, fields: tuple[str, ...]) -> tuple[str, ...]:
+    """The string fields of a load / unload body (SGLang's and vLLM's: lora_name, lora_path)."""
+    if not isinstance(body, dict):
+        raise bad_request("Request body must be a JSON object")
+    unknown = sorted(set(body) - set(fields))
+    if unknown:
+        raise bad_request(f"unknown parameter {unknown[0]!r}; this route takes {', '.join(fields)}", param=unknown[0],
+                          code="unknown_parameter")
+    for name in fields:
+        value = body.get(name)
+        if not isinstance(value, str) or not value:
+            raise bad_request(f"{name} must be a non-empty string", param=name)
+    return tuple(body[name] for name in fields)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """SGLang's /load_lora_adapter and vLLM's /v1/load_lora_adapter: {"lora_name", "lora_path"}; 200 once the
+    adapter is registered (checked against the model), else 400 naming what is wrong."""
+    tm = request.app[TM_KEY]
+    name, path = _lora_body(await read_json(request), ("lora_name", "lora_path"))
+    if name in (tm.server_args.model_name, tm.server_args.model_path, "default"):
+        raise bad_request(f"lora_name {name!r} is the served model's name", param="lora_name", code="lora_invalid")
+    loaded = await tm.load_lora_adapter(name, path)
+    return json_response({"success": True, "message": f"LoRA adapter {name!r} loaded from {path}",
+                          "loaded_adapters": loaded})
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """SGLang's /unload_lora_adapter and vLLM's /v1/unload_lora_adapter: {"lora_name"}; new requests naming it get
+    400 at once, and the answer comes once the requests already on it have finished and it is gone."""
+    tm = request.app[TM_KEY]
+    (name,) = _lora_body(await read_json(request), ("lora_name",))
+    loaded = await tm.unload_lora_adapter(name)
+    return json_response({"success": True, "message": f"LoRA adapter {name!r} unloaded", "loaded_adapters": loaded})
+
+
 async def dashboard(request: web.Request) -> web.Response:
     return web.Response(text=dashboard_html(), content_type="text/html")
 
@@ -405,6 +442,9 @@ def create_app(tm: TokenizerManager) -> web.Application:
     app.router.add_get("/dashboard", dashboard)
     app.router.add_post("/generate", generate)
     app.router.add_get("/v1/models", v1_models)
+    for prefix in ("", "/v1"):
+        app.router.add_post(f"{prefix}/load_lora_adapter", load_lora_adapter)
+        app.router.add_post(f"{prefix}/unload_lora_adapter", unload_lora_adapter)
     app.router.add_post("/v1/completions", v1_completions)
     app.router.add_post("/v1/chat/completions", v1_chat_completions)
     return app

@@ -13,25 +13,13 @@ from braid.runtime.sampling_params import GRAMMAR_FIELDS
 from braid.runtime.server.chat_content import count_placeholders, template_messages
 from braid.runtime.server.errors import APIError, bad_request, model_not_found
 from braid.runtime.request_io.output_accumulator import OutputAccumulator
-from braid.runtime.server.protocol import (
-    SSE_DONE,
-    ChatCompletionRequest,
-    CompletionRequest,
-    GrammarServing,
-    api_error_event,
-    LogprobPlan,
-    chat_logprob_options,
-    chat_template_options,
-    completion_logprob_options,
-    constraint_param,
-    json_bytes,
-    openai_sampling_overrides,
-    parse_openai,
-    request_ids,
-    requested_n,
-    sse_event,
-    TextChunkTemplate,
-)
+from braid.runtime.server.generate_protocol import request_ids
+from braid.runtime.server.openai_constraints import GrammarServing, constraint_param
+from braid.runtime.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, LogprobPlan,
+                                                  chat_logprob_options, chat_template_options,
+                                                  completion_logprob_options, openai_sampling_overrides, parse_openai,
+                                                  requested_n)
+from braid.runtime.server.sse import SSE_DONE, TextChunkTemplate, api_error_event, json_bytes, sse_event
 from braid.runtime.server.request_handle import RequestHandle, drain, merge_steps
 from braid.runtime.server.tokenizer_manager import TokenizerManager
 from braid.runtime.server.tools import (ToolPlan, ToolStream, history_for_template, parse_auto, parse_constrained,
@@ -98,7 +86,7 @@ class OpenAIServing:
         names = {self.model_name, self.tm.server_args.model_path, "default"}  # "default": SGLang's any-model name
         if model is None or model in names:
             return self.model_name, None
-        adapters = self.tm.server_args.lora_adapters
+        adapters = self.tm.lora_adapters
         base, sep, adapter = model.rpartition(":")
         if model in adapters:
             return model, model
@@ -108,7 +96,7 @@ class OpenAIServing:
 
     def models(self) -> dict:
         adapters = [{"id": name, "object": "model", "created": int(self._started), "owned_by": "braid", "root": path,
-                     "parent": self.model_name} for name, path in self.tm.server_args.lora_adapters.items()]
+                     "parent": self.model_name} for name, path in self.tm.lora_adapters.items()]
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": int(self._started),
                                             "owned_by": "braid", "root": self.tm.server_args.model_path,
                                             "max_model_len": self.tm.context_len}, *adapters]}

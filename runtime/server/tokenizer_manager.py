@@ -40,6 +40,7 @@ from braid.runtime.server.request_handle import DEADLINE_GRACE_S, RequestHandle
 logger = logging.getLogger("braid.server")
 
 SHUTDOWN_ABORT_MESSAGE = "the server is shutting down; the text is what was generated before"
+LORA_LOAD_TIMEOUT_S = 600.0  # reading a large adapter folder on a slow disk
 ABORT_GRACE_S = DEADLINE_GRACE_S  # how long /abort_request waits for the scheduler's abort output
 
 
@@ -96,6 +97,10 @@ class TokenizerManager:
         self.vocab_size = 0
         self.model_info: dict = {}
         self.served_model: Optional[ServedModel] = None
+        # the LoRA adapters requests may name, {name: folder}: --lora-paths, then /load_lora_adapter and
+        # /unload_lora_adapter (an adapter being unloaded is gone from here at once)
+        self.lora_adapters: dict[str, str] = dict(server_args.lora_adapters) if server_args.enable_lora else {}
+        self.lora_unloading: set[str] = set()
         self.chat_content_format = "string"  # how the chat template takes content (runtime/server/chat_content.py)
         self.metrics = ServerMetrics(server_args.model_name)
         self.handles: dict[str, RequestHandle] = {}
@@ -159,7 +164,7 @@ class TokenizerManager:
         self.served_model = ServedModel.from_model_info(self.server_args.model_path, self.server_args.model_name,
                                                         self.tokenizer, self.context_len, self.vocab_size,
                                                         self.model_info)
-        self.served_model = dataclasses.replace(self.served_model, lora_names=tuple(self.server_args.lora_adapters))
+        self.served_model = dataclasses.replace(self.served_model, lora_names=tuple(self.lora_adapters))
         if self.served_model.is_multimodal:
             from braid.runtime.multimodal.prompt import MultimodalPreparer
 
@@ -344,7 +349,7 @@ class TokenizerManager:
         self.handles[req.rid] = handle
         self._idle.clear()
         try:
-            await self._send_msg(M.generate_req(req))
+            await self._send_msg(M.message_from_req(req))
         except OverflowError:  # a number prepare_request's range checks missed; msgspec holds 64-bit ints only
             self.handles.pop(req.rid, None)
             if not self.handles:
@@ -394,10 +399,58 @@ class TokenizerManager:
     async def flush_cache(self) -> bool:
         return (await self._call(lambda rid: M.FlushCacheReq(rid))).ok
 
+    # ---- LoRA adapters while serving ----------------------------------------------------------------
+    def _check_lora_enabled(self) -> None:
+        if not self.server_args.enable_lora:
+            raise bad_request("this server serves no LoRA adapters; start it with --enable-lora (and --max-lora-rank, "
+                              "--lora-target-modules for the adapters to come) or --lora-paths", param="lora_name",
+                              code="lora_disabled")
+
+    def _set_lora_names(self) -> None:
+        self.served_model = dataclasses.replace(self.served_model, lora_names=tuple(self.lora_adapters))
+
+    async def load_lora_adapter(self, name: str, path: str) -> dict[str, str]:
+        """Register the adapter folder `path` as `name` in the scheduler; -> the adapters served now. A refusal is a
+        400 naming what is wrong (code lora_invalid, lora_exists, lora_unloading)."""
+        self._check_lora_enabled()
+        self.check_accepting()
+        res = await self._call(lambda rid: M.LoadLoraReq(rid, name, path), timeout_s=LORA_LOAD_TIMEOUT_S)
+        if not res.ok:
+            if res.code == "internal_error":
+                raise internal(res.message)
+            raise bad_request(res.message, param=res.param, code=res.code)
+        self.lora_adapters[name] = path
+        self._set_lora_names()
+        return dict(self.lora_adapters)
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, str]:
+        """Stop taking requests on `name` at once and unload it once its queued and running requests have finished
+        (this waits for that); -> the adapters served now."""
+        self._check_lora_enabled()
+        if name in self.lora_unloading:
+            raise bad_request(f"LoRA adapter {name!r} is already being unloaded", param="lora_name",
+                              code="lora_unloading")
+        if name not in self.lora_adapters:
+            served = ", ".join(self.lora_adapters) or "none"
+            raise bad_request(f"unknown LoRA adapter {name!r}; adapters served: {served}", param="lora_name",
+                              code="lora_not_found")
+        del self.lora_adapters[name]
+        self._set_lora_names()
+        self.lora_unloading.add(name)
+        try:
+            res = await self._call(lambda rid: M.UnloadLoraReq(rid, name), timeout_s=None)
+        finally:
+            self.lora_unloading.discard(name)
+        if not res.ok:
+            if res.code == "internal_error":
+                raise internal(res.message)
+            raise bad_request(res.message, param=res.param, code=res.code)
+        return dict(self.lora_adapters)
+
     async def get_stats(self) -> dict:
         return (await self._call(lambda rid: M.GetStatsReq(rid))).stats
 
-    async def _call(self, make, timeout_s: float = 30.0):
+    async def _call(self, make, timeout_s: Optional[float] = 30.0):
         if self.dead:
             raise unavailable(f"the scheduler is not running: {self.dead}")
         req_id = next(self._req_ids)
@@ -460,7 +513,7 @@ class TokenizerManager:
             handle = self.handles.get(msg.rid)
             if handle is not None:
                 handle.deliver(for_kind(msg.kind, msg.message, param=msg.param))
-        elif isinstance(msg, (M.FlushCacheResult, M.Stats)):
+        elif isinstance(msg, (M.FlushCacheResult, M.Stats, M.LoraResult)):
             fut = self._pending.get(msg.req_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)

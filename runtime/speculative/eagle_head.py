@@ -6,15 +6,16 @@ reads the output (no final norm). EAGLE-3: `fc` [H, 3 * H_target] fuses three of
 one decoder layer `midlayer.*` whose attention reads [input_layernorm(embedding), hidden_norm(fused)] (2H wide), its
 own final `norm` and `lm_head` over a reduced draft vocabulary, and `d2t` (draft id -> target id offset).
 
-This module is the head's math and its loading, with dense causal attention over one sequence (the reference a
-paged, batched, CUDA-graphed draft pass must match); the scheduler does not run it yet.
+This module is the head's math and its loading: `forward` is dense causal attention over one sequence (the
+reference); `extend` runs the rows of several requests at once, each request's attention over its own `HeadKVCache`
+(the head's K and V of the positions before, per request: runtime/speculative/eagle.py drives it).
 """
 
 from __future__ import annotations
 
 import glob
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
@@ -65,6 +66,55 @@ class EagleHeadConfig:
                    fc_in=shapes["fc.weight"][1], fc_bias="fc.bias" in shapes)
 
 
+class HeadKVCache:
+    """One request's draft-head KV, grown as rows are added: per layer K and V [kv_heads, capacity, head_dim]; rows
+    0..length-1 hold the head's input at positions start..start+length-1, row r's token in tokens[r]. Rolling back is
+    truncate (the tensors keep their capacity)."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device, dtype, start: int = 0):
+        self.shape = (num_layers, num_kv_heads, head_dim)
+        self.device, self.dtype = device, dtype
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.capacity = 0
+        self.start = start
+        self.length = 0
+        self.tokens: list[int] = []
+
+    def reset(self, start: int) -> None:
+        self.start, self.length, self.tokens = start, 0, []
+
+    def truncate(self, length: int) -> None:
+        length = max(0, min(length, self.length))
+        self.length = length
+        del self.tokens[length:]
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` more rows past length (capacity doubles: amortised copies)."""
+        need = self.length + rows
+        if need <= self.capacity:
+            return
+        cap = max(need, 2 * self.capacity, 16)
+        layers, heads, hd = self.shape
+        k = [torch.empty(heads, cap, hd, device=self.device, dtype=self.dtype) for _ in range(layers)]
+        v = [torch.empty(heads, cap, hd, device=self.device, dtype=self.dtype) for _ in range(layers)]
+        for old, new in zip(self.k + self.v, k + v):
+            new[:, :self.length] = old[:, :self.length]
+        self.k, self.v, self.capacity = k, v, cap
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+@dataclass
+class _Segments:
+    """The rows of an `extend` pass by request: rows[i] consecutive rows of the pass go to caches[i] (written at
+    its length, attending over everything before them in it and causally among themselves)."""
+
+    caches: list[HeadKVCache]
+    rows: list[int]
+
+
 class _Attention(nn.Module):
     def __init__(self, c: EagleHeadConfig, in_features: int):
         super().__init__()
@@ -75,16 +125,34 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.rotary = get_rope(c.head_dim, c.head_dim, c.max_position, c.rope_theta, c.rope_scaling)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [T, in_features]; positions: [T] -> [T, hidden]; causal over the T tokens of one sequence
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: Optional[tuple[_Segments, int]] = None):
+        # x: [T, in_features]; positions: [T] -> [T, hidden]. kv None: causal over the T tokens of one sequence;
+        # else (segments, this layer's index): each request's rows over its cache (written here) and themselves
         c, T = self.c, x.shape[0]
         q, k = self.rotary.forward_native(positions, self.q_proj(x), self.k_proj(x))
         q = q.view(T, c.num_heads, c.head_dim).transpose(0, 1)  # [nh, T, hd]
-        k = k.view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        k = k.view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)  # [nkv, T, hd]
         v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
         group = c.num_heads // c.num_kv_heads
-        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [nh, T, hd]
+        if kv is None:
+            k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [nh, T, hd]
+            return self.o_proj(out.transpose(0, 1).reshape(T, -1))
+        segments, layer = kv
+        outs, row = [], 0
+        for cache, n in zip(segments.caches, segments.rows):
+            past = cache.length
+            keys, values = cache.k[layer], cache.v[layer]
+            keys[:, past:past + n] = k[:, row:row + n]
+            values[:, past:past + n] = v[:, row:row + n]
+            keys = keys[:, :past + n].repeat_interleave(group, dim=0)  # [nh, past + n, hd]
+            values = values[:, :past + n].repeat_interleave(group, dim=0)
+            # row j (position past + j of the cache) sees cache rows 0..past + j
+            mask = None if n == 1 else (torch.arange(past + n, device=x.device).view(1, -1)
+                                        <= torch.arange(past, past + n, device=x.device).view(-1, 1))
+            outs.append(F.scaled_dot_product_attention(q[:, row:row + n], keys, values, attn_mask=mask))
+            row += n
+        out = torch.cat(outs, dim=1)  # [nh, T, hd]
         return self.o_proj(out.transpose(0, 1).reshape(T, -1))
 
 
@@ -111,13 +179,14 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, embeds: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, embeds: Optional[torch.Tensor] = None,
+                kv: Optional[tuple[_Segments, int]] = None):
         residual = x
         if self.eagle3:
             x = torch.cat([self.input_layernorm.forward_native(embeds), self.hidden_norm.forward_native(x)], dim=-1)
         elif self.input_layernorm is not None:
             x = self.input_layernorm.forward_native(x)
-        x = self.self_attn(x, positions) + residual
+        x = self.self_attn(x, positions, kv) + residual
         return self.mlp(self.post_attention_layernorm.forward_native(x)) + x
 
 
@@ -156,6 +225,44 @@ class EagleHead(nn.Module):
             x = layer(x, positions)
         return target_lm_head(x), x
 
+    def new_cache(self, device, start: int = 0) -> HeadKVCache:
+        c = self.c
+        return HeadKVCache(c.num_layers, c.num_kv_heads, c.head_dim, device, self.fc.weight.dtype, start)
+
+    def extend(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               caches: list[HeadKVCache], rows: list[int], from_target: bool) -> torch.Tensor:
+        """The head over the rows of several requests: request i's rows[i] consecutive rows are appended to
+        caches[i] and attend over it. input_ids, positions: [T]; hidden: [T, fc_in] the target's feature(s)
+        (from_target) or [T, hidden] the head's own output at the position before (a chained draft step; EAGLE's
+        fc takes either, EAGLE-3's own outputs skip fc). -> the head's hidden output [T, hidden]."""
+        for cache, n in zip(caches, rows):
+            cache.reserve(n)
+        segments = _Segments(caches, rows)
+        embeds = self._shared[0](input_ids)
+        if self.c.kind == "EAGLE3":
+            x = self.fc(hidden) if from_target else hidden
+            out = self.midlayer(x, positions, embeds, kv=(segments, 0))
+        else:
+            x = self.fc(torch.cat([embeds, hidden], dim=-1))
+            for i, layer in enumerate(self.layers):
+                x = layer(x, positions, kv=(segments, i))
+            out = x
+        ids = input_ids.tolist()
+        row = 0
+        for cache, n in zip(caches, rows):
+            cache.length += n
+            cache.tokens.extend(ids[row:row + n])
+            row += n
+        return out
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] the head's outputs -> [N] int64 the target-vocabulary token each predicts (argmax;
+        EAGLE-3: over its draft vocabulary, mapped through d2t)."""
+        if self.c.kind == "EAGLE3":
+            draft = self.lm_head(self.norm.forward_native(hidden)).argmax(dim=-1)
+            return draft + self.d2t[draft]
+        return self._shared[1](hidden).argmax(dim=-1)
+
     def _to_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
         # [T, draft_vocab] -> [T, vocab]: -inf where the draft vocabulary has no token
         out = draft_logits.new_full((draft_logits.shape[0], self.c.vocab_size), float("-inf"))
@@ -165,10 +272,12 @@ class EagleHead(nn.Module):
 
 
 def load_eagle_head(path: str, embed_tokens: nn.Module, target_lm_head: Optional[Callable], target_hidden_size: int,
-                    target_vocab_size: int, device="cpu", dtype: torch.dtype = torch.float32) -> EagleHead:
+                    target_vocab_size: int, device="cpu", dtype: torch.dtype = torch.float32,
+                    max_position: Optional[int] = None) -> EagleHead:
     """The draft head in folder `path` (config.json, *.safetensors in EAGLE's or EAGLE-3's published names; a
     'model.' prefix is dropped), checked against the target: hidden sizes, vocabulary, every tensor present with its
-    shape and nothing left over. ValueError names what does not fit."""
+    shape and nothing left over. ValueError names what does not fit. max_position: rotary tables at least this long
+    (the target's context; the head's config may name a shorter one)."""
     if not os.path.isdir(path):
         raise ValueError(f"--speculative-draft-model-path {path!r} is not a folder")
     if not glob.glob(os.path.join(path, "*.safetensors")):
@@ -177,6 +286,8 @@ def load_eagle_head(path: str, embed_tokens: nn.Module, target_lm_head: Optional
     tensors = {(n[len("model."):] if n.startswith("model.") else n): t for n, t in iter_safetensors(path)}
     cfg = hf_config(path)
     c = EagleHeadConfig.from_checkpoint(cfg, {n: tuple(t.shape) for n, t in tensors.items()})
+    if max_position is not None and max_position > c.max_position:
+        c = replace(c, max_position=max_position)
     if c.vocab_size != target_vocab_size:
         raise ValueError(f"the draft head's vocab_size {c.vocab_size} is not the target's {target_vocab_size}")
     expected_fc = 3 * target_hidden_size if c.kind == "EAGLE3" else 2 * c.hidden_size

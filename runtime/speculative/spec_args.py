@@ -101,9 +101,13 @@ def _resolve_eagle(out: dict, algo: str) -> None:
         raise ValueError(f"--speculative-num-draft-tokens ({tokens}) is more than a tree of depth "
                          f"--speculative-num-steps ({steps}) and width --speculative-eagle-topk ({topk}) holds "
                          f"({topk * steps + 1})")
+    if topk > 1:
+        raise ValueError(f"--speculative-eagle-topk {topk} (tree drafts) is not supported with {algo} yet: braid "
+                         f"runs {algo} chain drafts, --speculative-eagle-topk 1 with --speculative-num-steps N "
+                         "(N draft tokens a request a step)")
+    if tokens > MAX_NUM_DRAFT_TOKENS:
+        raise ValueError(f"--speculative-num-steps must be below {MAX_NUM_DRAFT_TOKENS}")
     out.update(speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)
-    raise ValueError(f"--speculative-algorithm {algo}: braid cannot run EAGLE draft heads yet (the head module "
-                     "loads, verification of its drafts is not wired); use --speculative-algorithm NGRAM")
 
 
 def _apply_vllm_config(out: dict, text: str) -> None:

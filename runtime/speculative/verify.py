@@ -5,8 +5,12 @@ back to the pool.
 
 Speculative steps run synchronously (the scheduler turns the overlap schedule off while speculation is on): the
 next step's drafts depend on this step's accepted tokens. Requests that cannot speculate this step (penalties, which
-would change with each draft token; images or video in the prompt; no n-gram match) ride in the same pass with their last token alone; a step
-where no request has a draft is a plain decode step (CUDA graphs, the batch-1 GEMV).
+would change with each draft token; images or video in the prompt; no n-gram match) ride in the same pass with their
+last token alone. NGRAM: a step where no request has a draft is a plain decode step (CUDA graphs, the batch-1 GEMV).
+EAGLE / EAGLE3 (eagle.py): the draft head needs the target's hidden states of every token, so the verify pass runs
+whenever a request the head follows is in the batch (with no draft: its last token alone), extend passes capture
+their hidden states too (`prepare_extend` / `record_extend`), and a batch whose requests all have penalties is a
+plain decode step.
 """
 
 from __future__ import annotations
@@ -17,39 +21,70 @@ from typing import Optional
 import torch
 
 from braid.runtime.constrained.bitmask import allocate_bitmask, clear_tokens
-from braid.runtime.constrained.fsm import GrammarError
+from braid.runtime.constrained.grammar_errors import GrammarError
 from braid.runtime.core import FinishReason, ForwardBatch, ForwardMode, Req, host_to_device
 from braid.runtime.error_kind import ErrorKind
 from braid.runtime.layers.logits import compute_logits, token_logprobs
 from braid.runtime.layers.sampler import SamplingBatchInfo, apply_penalties
 from braid.runtime.speculative.acceptance import accept, target_probs
+from braid.runtime.speculative.eagle import EagleProposer
 from braid.runtime.speculative.ngram import NgramProposer
 
 logger = logging.getLogger(__name__)
 
 
 class SpeculativeDecoder:
-    def __init__(self, server_args, runner, tree_cache, output, context_len: int):
-        if server_args.speculative_algorithm != "NGRAM":
-            raise ValueError(f"speculative_algorithm {server_args.speculative_algorithm!r} cannot run here")
-        if tree_cache.window_pool is not None:
+    def __init__(self, server_args, runner, prefix_cache, output, context_len: int):
+        algo = server_args.speculative_algorithm
+        if algo not in ("NGRAM", "EAGLE", "EAGLE3"):
+            raise ValueError(f"speculative_algorithm {algo!r} cannot run here")
+        if algo != "NGRAM" and server_args.speculative_eagle_topk != 1:
+            raise ValueError(f"--speculative-eagle-topk {server_args.speculative_eagle_topk}: {algo} runs chain "
+                             "drafts only (--speculative-eagle-topk 1)")
+        if prefix_cache.window_pool is not None:
             raise ValueError("speculative decoding with window-layer KV trimming (this model mixes sliding-window and "
                              "global layers) is not supported yet; add --disable-window-kv-trimming")
         self.runner = runner
-        self.tree_cache = tree_cache
+        self.prefix_cache = prefix_cache
         self.output = output  # scheduler.output.OutputProcessor
         self.context_len = context_len
         self.device = runner.device
         self.vocab_size = runner.vocab_size
         self.max_draft = server_args.speculative_num_draft_tokens - 1
-        self.proposer = NgramProposer(server_args.speculative_ngram_min_match_window_size,
-                                      server_args.speculative_ngram_max_match_window_size, self.max_draft)
+        self.proposer, self.eagle = None, None
+        if algo == "NGRAM":
+            self.proposer = NgramProposer(server_args.speculative_ngram_min_match_window_size,
+                                          server_args.speculative_ngram_max_match_window_size, self.max_draft)
+            logger.info("speculative decoding: NGRAM, up to %d draft tokens a request a step (match windows %d..%d)",
+                        self.max_draft, self.proposer.min_match, self.proposer.max_match)
+        else:
+            self.eagle = EagleProposer(server_args, runner, context_len)
         self.num_verify_forward = 0
         self.num_drafts = 0  # drafts verified (one per request with a draft per pass)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        logger.info("speculative decoding: NGRAM, up to %d draft tokens a request a step (match windows %d..%d)",
-                    self.max_draft, self.proposer.min_match, self.proposer.max_match)
+
+    # ---- the draft head's view of other passes (EAGLE) ----
+    def prepare_extend(self, fb: ForwardBatch) -> None:
+        """An extend pass about to run: EAGLE asks it for the hidden states the draft head reads."""
+        if self.eagle is not None:
+            fb.capture_hidden = True
+            fb.aux_hidden_layers = self.eagle.aux_layers
+
+    def record_extend(self, reqs: list[Req], fb: ForwardBatch, output) -> None:
+        """After that pass (before its requests are committed or finished): each request's rows' features."""
+        if self.eagle is None or output.hidden_states is None:
+            return
+        feats = self.eagle.features(output.hidden_states, output.aux_hidden_states)
+        row = 0
+        for req, start, n in zip(reqs, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+            self.eagle.record(req, start, feats[row:row + n])
+            row += n
+
+    def release(self, req: Req) -> None:
+        """A request that finished or was aborted: its draft-head state goes."""
+        if self.eagle is not None:
+            self.eagle.release(req)
 
     def stats(self) -> dict:
         drafts = self.num_drafts
@@ -69,11 +104,28 @@ class SpeculativeDecoder:
         drafts, masks = self._propose(reqs)
         lens = [len(d) + 1 for d in drafts]
         total = sum(lens)
-        if total == len(reqs) or self.tree_cache.available_slots() < total:
-            return False
-        out_loc = self.tree_cache.alloc_slots(total)
+        if self.eagle is None:
+            if total == len(reqs) or self.prefix_cache.available_slots() < total:
+                return False
+        else:
+            if total == len(reqs) and not any(self.eagle.tracks(r) for r in reqs):
+                return False  # no request the head follows: a plain decode step
+            if self.prefix_cache.available_slots() < total:
+                # the pool holds one token per request (retraction saw to it), not the drafts: verify none, so that
+                # the head still gets every request's features
+                drafts = [[] for _ in reqs]
+                masks = [m[:1] if m is not None else None for m in masks]
+                lens = [1] * len(reqs)
+                total = len(reqs)
+        out_loc = self.prefix_cache.alloc_slots(total)
         fb, row_start = self._build_batch(reqs, drafts, lens, out_loc)
+        if self.eagle is not None:
+            fb.aux_hidden_layers = self.eagle.aux_layers
         hidden = self.runner.forward_hidden(fb)
+        if self.eagle is not None:
+            feats = self.eagle.features(hidden, fb.aux_hidden)
+            for req, start, n in zip(reqs, row_start, lens):
+                self.eagle.record(req, req.kv_committed_len, feats[start:start + n])
         logits = compute_logits(self.runner.model.lm_head, hidden, None, self.vocab_size)  # [T, V] fp32
         for req, n in zip(reqs, lens):
             req.kv_committed_len += n
@@ -95,14 +147,22 @@ class SpeculativeDecoder:
     def _propose(self, reqs: list[Req]) -> tuple[list[list[int]], list[Optional[torch.Tensor]]]:
         """Each request's draft, cut where its grammar refuses a token, and for requests that need one the token
         bitmask of each verified position ([len(draft) + 1, words] int32 on the host; None: no mask)."""
-        drafts, masks = [], []
+        rooms = []
         for req in reqs:
             sp = req.sampling_params
             room = min(sp.max_new_tokens, self.context_len - len(req.input_ids)) - len(req.output_ids) - 1
             # penalties change with every draft token; a prompt with media holds placeholder ids, not tokens
             speculates = (req.finished_reason is None and room > 0 and not sp.frequency_penalty
                           and not sp.presence_penalty and sp.repetition_penalty == 1.0 and req.mm_inputs is None)
-            draft = self.proposer.propose(req.fill_ids, room) if speculates else []
+            rooms.append(room if speculates else 0)
+        if self.eagle is not None:
+            proposed = self.eagle.propose(reqs, rooms)
+        else:
+            proposed = [self.proposer.propose(req.fill_ids, room) if room > 0 else []
+                        for req, room in zip(reqs, rooms)]
+        drafts, masks = [], []
+        for req, draft in zip(reqs, proposed):
+            sp = req.sampling_params
             mask = None
             if req.grammar is not None or len(req.output_ids) < sp.min_new_tokens:
                 draft, mask = self._position_masks(req, draft)
@@ -237,7 +297,7 @@ class SpeculativeDecoder:
                 if reason is not None:
                     break
         # the newest token's KV is written by the next pass, as after a decode step
-        self.tree_cache.truncate_req_kv(req, len(req.fill_ids) - 1)
+        self.prefix_cache.truncate_req_kv(req, len(req.fill_ids) - 1)
         if reason is not None:
             sched.finish(req, reason)
             return

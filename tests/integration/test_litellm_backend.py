@@ -8,7 +8,7 @@ import pytest
 
 import braid
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 from programs import PROGRAMS, supported_programs  # noqa: E402
 
 PROGRAMS_RUN = ["few_shot_qa", "streaming", "fork_by_index", "api_speculative"]

@@ -1,4 +1,4 @@
-"""The shared program suite (tests/programs.py) on every real backend, and the cache effects the language relies on."""
+"""The shared program suite (tests/helpers/programs.py) on every real backend, and the cache effects the language relies on."""
 
 import os
 import sys
@@ -8,7 +8,7 @@ import torch
 
 import braid
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "helpers"))
 from programs import PROGRAMS, supported_programs  # noqa: E402
 
 BACKENDS = ["http", "local", "openai"]

@@ -53,7 +53,7 @@ def runner_for(h, h_kv, d, dtype=BF16, device=DEVICE, **extra):
     (dict(d=96), "head_dim"),
     (dict(dv=64), "equal key and value head dims"),
     (dict(arch="mla"), "MLA"),
-    (dict(token_to_kv_pool=SimpleNamespace(dtype=BF16, cache_dtype=torch.float16)), "model dtype .* or fp8"),
+    (dict(kv_pool=SimpleNamespace(dtype=BF16, cache_dtype=torch.float16)), "model dtype .* or fp8"),
     (dict(device=torch.device("cpu")), "CUDA device"),
 ])
 def test_unsupported_configurations_are_rejected_at_construction(kwargs, match):
@@ -169,7 +169,7 @@ class Setup:
             input_ids=torch.zeros(sum(new_lens), dtype=torch.int64, device=DEVICE),
             positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix, seq)]).to(DEVICE),
             req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=DEVICE), seq_lens=i32(seq),
-            out_cache_loc=locs, seq_lens_cpu=seq, req_to_token_pool=self.r2t, token_to_kv_pool=self.pool)
+            out_cache_loc=locs, seq_lens_cpu=seq, req_to_token_pool=self.r2t, kv_pool=self.pool)
         if mode == ForwardMode.EXTEND:
             fb.extend_prefix_lens, fb.extend_seq_lens = i32(prefix), i32(new_lens)
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = prefix, list(new_lens)
@@ -218,7 +218,7 @@ DECODE_CASES = {
 def test_gpu_extend_with_cached_prefixes(name):
     h, h_kv, d, window, cap = EXTEND_CASES[name]
     s = Setup(h, h_kv, d, [(window, cap)])
-    fi = FlashInferAttnBackend(runner_for(h, h_kv, d, token_to_kv_pool=s.pool))
+    fi = FlashInferAttnBackend(runner_for(h, h_kv, d, kv_pool=s.pool))
     rows, prefix, new = [3, 0, 6, 1, 4], [0, 300, 1100, 77, 5], [513, 1, 200, 129, 64]
     for r, p in zip(rows, prefix):
         s.fill_prefix(r, p)
@@ -233,7 +233,7 @@ def test_gpu_extend_with_cached_prefixes(name):
 def test_gpu_decode(name):
     h, h_kv, d, window, cap = DECODE_CASES[name]
     s = Setup(h, h_kv, d, [(window, cap)])
-    fi = FlashInferAttnBackend(runner_for(h, h_kv, d, token_to_kv_pool=s.pool))
+    fi = FlashInferAttnBackend(runner_for(h, h_kv, d, kv_pool=s.pool))
     rows, cached = [2, 5, 0, 7, 1, 3], [0, 16, 299, 1024, 2047, 47]
     for r, p in zip(rows, cached):
         s.fill_prefix(r, p)
@@ -250,7 +250,7 @@ def test_gpu_layers_with_different_windows_in_one_batch():
     # Gemma-2 style: sliding-window and global layers (here two windows, one compiled module) planned per batch
     h, h_kv, d = 32, 4, 64
     s = Setup(h, h_kv, d, [(32, 5.0), (200, 5.0), (32, 5.0)])
-    fi = FlashInferAttnBackend(runner_for(h, h_kv, d, token_to_kv_pool=s.pool))
+    fi = FlashInferAttnBackend(runner_for(h, h_kv, d, kv_pool=s.pool))
     rows = [1, 4, 6]
     for r, p in zip(rows, [40, 0, 700]):
         s.fill_prefix(r, p)
@@ -275,7 +275,7 @@ def test_gpu_fp8_kv_extend_and_decode(name):
     kv_dtype, scales, h, h_kv, d, window, cap = FP8_KV_CASES[name]
     s = Setup(h, h_kv, d, [(window, cap)], kv_cache_dtype=kv_dtype, kv_scales=scales)
     assert s.pool.is_fp8 and s.pool.kv_scales(0) == scales
-    fi = FlashInferAttnBackend(runner_for(h, h_kv, d, token_to_kv_pool=s.pool))
+    fi = FlashInferAttnBackend(runner_for(h, h_kv, d, kv_pool=s.pool))
     assert fi.kv_is_fp8 and fi.kv_dtype == s.pool.cache_dtype
     rows, prefix, new = [3, 0, 6], [0, 300, 1100], [129, 1, 64]
     for r, p in zip(rows, prefix):
@@ -333,7 +333,7 @@ def test_gpu_decode_cuda_graph_capture_and_padded_replay(name):
     max_bs = 8
     s = Setup(h, h_kv, d, layer_opts, **dict(zip(("kv_cache_dtype", "kv_scales"), kv)))
     model = TinyModel(s, max_bs)
-    runner = runner_for(h, h_kv, d, token_to_kv_pool=s.pool, model=model, req_to_token_pool=s.r2t,
+    runner = runner_for(h, h_kv, d, kv_pool=s.pool, model=model, req_to_token_pool=s.r2t,
                         server_args=SimpleNamespace(cuda_graph_max_bs=max_bs, enable_torch_compile=False))
     fi = runner.attn_backend = FlashInferAttnBackend(runner)
     assert len(fi._variants) == len(set(layer_opts))  # read from the model's RadixAttention layers

@@ -38,7 +38,7 @@ def _attend(backend_cls, kv_cache_dtype, scales, q, k, v):
     table.req_to_token[0, :PROMPT + 1] = slots.int()
     i32 = lambda *xs: torch.tensor(xs, dtype=torch.int32, device=DEVICE)  # noqa: E731
     common = dict(req_pool_indices=torch.zeros(1, dtype=torch.long, device=DEVICE), req_to_token_pool=table,
-                  token_to_kv_pool=pool, attn_backend=backend)
+                  kv_pool=pool, attn_backend=backend)
     extend = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1,
                           input_ids=torch.zeros(PROMPT, dtype=torch.long, device=DEVICE),
                           positions=torch.arange(PROMPT, device=DEVICE), seq_lens=i32(PROMPT),

@@ -378,7 +378,7 @@ class Scenario:
             positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefix, ext)]).to(self.device),
             req_pool_indices=torch.tensor([self.row[r] for r, _ in chunks], device=self.device),
             seq_lens=as_i32(seq), out_cache_loc=torch.cat(locs), seq_lens_cpu=seq,
-            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.pool, attn_backend=self.backend,
+            req_to_token_pool=self.req_to_token_pool, kv_pool=self.pool, attn_backend=self.backend,
         )
         if mode == ForwardMode.EXTEND:
             fb.extend_prefix_lens, fb.extend_seq_lens = as_i32(prefix), as_i32(ext)

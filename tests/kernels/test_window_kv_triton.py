@@ -84,7 +84,7 @@ class Setup:
             fb.extend_prefix_lens, fb.extend_seq_lens = i32(prefix), ext
             fb.extend_start_loc = torch.cumsum(ext, 0, dtype=torch.int32) - ext
             fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu = prefix, list(news)
-        fb.req_to_token_pool, fb.token_to_kv_pool = self.req_pool, self.pool
+        fb.req_to_token_pool, fb.kv_pool = self.req_pool, self.pool
         return fb
 
     def inputs(self, reqs, news):

@@ -24,7 +24,7 @@ def _no_default_backend():
 
 @pytest.fixture(scope="session")
 def programs():
-    spec = importlib.util.spec_from_file_location("braid_shared_programs", TESTS_DIR / "programs.py")
+    spec = importlib.util.spec_from_file_location("braid_shared_programs", TESTS_DIR / "helpers" / "programs.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,4 +1,4 @@
-"""The shared program suite (tests/programs.py) on the scripted backend: checks the suite itself and
+"""The shared program suite (tests/helpers/programs.py) on the scripted backend: checks the suite itself and
 the interpreter paths it uses; the real backends run it from tests/integration."""
 
 import pytest

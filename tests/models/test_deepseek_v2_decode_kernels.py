@@ -153,7 +153,7 @@ def count_decode_step(runner, batch: int = 1, context: int = 9) -> tuple[KernelC
     for row in rows:
         driver.extend(row, torch.randint(0, 512, (context,), generator=gen).tolist(), 0)
     fb = driver.decode_batch(rows, torch.randint(0, 512, (batch,), generator=gen).tolist(), [context] * batch)
-    fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = (runner.req_to_token_pool, runner.token_to_kv_pool,
+    fb.req_to_token_pool, fb.kv_pool, fb.attn_backend = (runner.req_to_token_pool, runner.kv_pool,
                                                                   runner.attn_backend)
     counter = KernelCounter()
     model = runner.model

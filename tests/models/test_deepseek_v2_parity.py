@@ -72,7 +72,7 @@ class Driver:
 
     def logits(self, fb: ForwardBatch) -> torch.Tensor:
         r = self.r
-        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r.req_to_token_pool, r.token_to_kv_pool, r.attn_backend
+        fb.req_to_token_pool, fb.kv_pool, fb.attn_backend = r.req_to_token_pool, r.kv_pool, r.attn_backend
         with torch.inference_mode():
             r.attn_backend.init_forward_metadata(fb)
             return r.model.lm_head(r.model(fb)).float()
@@ -84,7 +84,7 @@ class Driver:
     def extend_batch(self, row: int, ids: list[int], prefix_len: int) -> ForwardBatch:
         """extend's batch, with fresh KV slots for the new tokens (listed in req_to_token)."""
         n = len(ids)
-        loc = self.r.token_to_kv_pool.alloc(n)
+        loc = self.r.kv_pool.alloc(n)
         self.r.req_to_token_pool.req_to_token[row, prefix_len:prefix_len + n] = loc.to(torch.int32)
         return ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=self._tensor(ids),
@@ -97,7 +97,7 @@ class Driver:
     def decode_batch(self, rows: list[int], ids: list[int], positions: list[int]) -> ForwardBatch:
         """A decode step's batch with fresh KV slots for the new tokens (listed in req_to_token)."""
         B = len(rows)
-        loc = self.r.token_to_kv_pool.alloc(B)
+        loc = self.r.kv_pool.alloc(B)
         self.r.req_to_token_pool.req_to_token[self._tensor(rows), self._tensor(positions)] = loc.to(torch.int32)
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=B, input_ids=self._tensor(ids),
@@ -209,7 +209,7 @@ def test_triton_kernels_match_hf(tmp_path, monkeypatch):
     seq, ref = _hf_sequence(hf, _prompt(3))
     runner = _runner(tmp_path)
     runner.attn_backend = TritonAttnBackend(runner, num_kv_splits=2)
-    assert runner.attn_backend.num_kv_heads == 1 and runner.token_to_kv_pool._decode_store_in_one_launch
+    assert runner.attn_backend.num_kv_heads == 1 and runner.kv_pool._decode_store_in_one_launch
     _check_prefill_and_decode(runner, seq, ref, steps=4)
 
 
@@ -226,7 +226,7 @@ def test_fp8_latent_cache_on_the_triton_kernels(tmp_path, monkeypatch, kv_cache_
     seq, ref = _hf_sequence(hf, _prompt(2))
     runner = _runner(tmp_path, kv_cache_dtype=kv_cache_dtype)
     runner.attn_backend = TritonAttnBackend(runner, num_kv_splits=2)
-    pool = runner.token_to_kv_pool
+    pool = runner.kv_pool
     assert pool.is_fp8 and pool.get_key_buffer(0).element_size() == 1
     d = Driver(runner)
     row = runner.req_to_token_pool.alloc()

@@ -77,7 +77,7 @@ def _run(path: str, prompts, **kw):
     with Engine(model_path=path, log_level="warning", max_total_tokens=1024, **kw) as e:
         res = e.generate(input_ids=prompts, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0)
         runner = e.scheduler.runner
-        scales = [runner.token_to_kv_pool.kv_scales(i) for i in range(runner.token_to_kv_pool.layer_num)]
+        scales = [runner.kv_pool.kv_scales(i) for i in range(runner.kv_pool.layer_num)]
         assert e.get_stats()["kv_used_tokens"] == 0
     logprobs = [torch.tensor([lp for lp, _ in r["meta_info"]["input_token_logprobs"][1:]]) for r in res]
     return [r["output_ids"] for r in res], logprobs, scales, runner
@@ -158,7 +158,7 @@ def test_compressed_tensors_per_tensor_static_with_kv_scales(dense_folder, tmp_p
 def test_fp8_kv_cache_on_the_torch_backend_is_close_to_fp32(dense_folder, kv_cache_dtype):
     out_ref, lp_ref, _, _ = _run(dense_folder, PROMPTS, attention_backend="torch")
     out, lp, _, runner = _run(dense_folder, PROMPTS, attention_backend="torch", kv_cache_dtype=kv_cache_dtype)
-    assert runner.token_to_kv_pool.is_fp8
+    assert runner.kv_pool.is_fp8
     gap = max((a - b).abs().max().item() for a, b in zip(lp, lp_ref))
     # e4m3 keeps one more mantissa bit than e5m2 (the random model's greedy tokens are too close to call)
     assert 0 < gap < (0.05 if kv_cache_dtype == "fp8_e4m3" else 0.1), gap

@@ -66,7 +66,7 @@ def test_calculate_kv_scales_sets_every_layer_from_the_first_batch():
 
     with _engine(kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True) as engine:
         runner = engine.scheduler.runner
-        pool = runner.token_to_kv_pool
+        pool = runner.kv_pool
         assert pool.calibrating_kv_scales and pool.kv_scales(0) == (1.0, 1.0)
         # CUDA defers graph capture to the first pass after calibration; the same trigger, watched on the CPU
         captured = []

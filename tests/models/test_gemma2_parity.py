@@ -246,7 +246,7 @@ def test_window_layers_skip_old_keys_not_mask_them(checkpoint, triton_on_cpu, ba
     prefix, tail = _prompts([60, 9], seed=8)
     with _engine(path, backend, disable_window_kv_trimming=True) as engine:
         engine.generate(input_ids=prefix, sampling_params={**GREEDY, "max_new_tokens": 1})
-        slots, _ = engine.scheduler.tree_cache.match_prefix(prefix)
+        slots, _ = engine.scheduler.prefix_cache.match_prefix(prefix)
         assert len(slots) >= len(prefix) - 1
         old = slots[: len(prefix) - WINDOW].long()  # out of every later query's window
         pool = engine.scheduler.kv_pool

@@ -5,8 +5,8 @@ import msgspec
 import pytest
 from multiprocessing.connection import Connection
 
-from braid.runtime.constrained.fsm import (CompilePool, GrammarError, _CompileFailed, _Compiled, _Worker,
-                                           _WorkerReply, outlines_binary)
+from braid.runtime.constrained.compile_pool import CompilePool, _CompileFailed, _Compiled, _Worker, _WorkerReply, outlines_binary
+from braid.runtime.constrained.grammar_errors import GrammarError
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def tiny_llama(tmp_path_factory):
 def _extend_batch(runner, rows, prefix_lens, new_tokens) -> ForwardBatch:
     """Requests at req_to_token rows `rows`, each with a cached prefix (already in the pool) and new tokens."""
     lens = [len(t) for t in new_tokens]
-    loc = runner.token_to_kv_pool.alloc(sum(lens))
+    loc = runner.kv_pool.alloc(sum(lens))
     offset = 0
     for row, p, n in zip(rows, prefix_lens, lens):
         runner.req_to_token_pool.req_to_token[row, p:p + n] = loc[offset:offset + n].to(torch.int32)
@@ -52,7 +52,7 @@ def _extend_batch(runner, rows, prefix_lens, new_tokens) -> ForwardBatch:
 
 
 def _eager(runner, fb) -> torch.Tensor:
-    fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = (runner.req_to_token_pool, runner.token_to_kv_pool,
+    fb.req_to_token_pool, fb.kv_pool, fb.attn_backend = (runner.req_to_token_pool, runner.kv_pool,
                                                                   runner.attn_backend)
     runner.attn_backend.init_forward_metadata(fb)
     return runner.model(fb)
@@ -129,7 +129,7 @@ def test_padded_static_extend_equals_eager_over_a_window_trimmed_pool(tiny_gemma
                       log_level="warning")
     runner = ModelRunner(args)
     runner.attn_backend = TritonAttnBackend(runner)
-    assert hasattr(runner.token_to_kv_pool, "window_rows")
+    assert hasattr(runner.kv_pool, "window_rows")
     assert runner.extend_graphs_unsupported() == ""
     graphs = ExtendCudaGraphRunner(runner, max_tokens=64, capture=False)
     gen = torch.Generator().manual_seed(4)

@@ -28,7 +28,7 @@ class _Tokenizer:
 
 def _processor():
     args = SimpleNamespace(disable_jump_forward=True, stream_interval=1)
-    return OutputProcessor(args, _Tokenizer(), set(EOS), CONTEXT_LEN, VOCAB, tree_cache=None, device=torch.device("cpu"))
+    return OutputProcessor(args, _Tokenizer(), set(EOS), CONTEXT_LEN, VOCAB, prefix_cache=None, device=torch.device("cpu"))
 
 
 def _random_req(rng: random.Random, slot: int) -> Req:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from braid.runtime.constrained.fsm import GrammarBusyError, GrammarError, GrammarTimeoutError
+from braid.runtime.constrained.grammar_errors import GrammarBusyError, GrammarError, GrammarTimeoutError
 from braid.runtime.core import Req
 from braid.runtime.error_kind import BusyError, ErrorKind, exception_for
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError

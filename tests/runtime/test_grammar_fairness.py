@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from braid.runtime.constrained import GrammarBackend
-from braid.runtime.constrained.fsm import GrammarBusyError
+from braid.runtime.constrained.grammar_errors import GrammarBusyError
 
 
 def _schema(tag: str, i: int) -> str:

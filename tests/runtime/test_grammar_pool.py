@@ -6,7 +6,7 @@ import time
 import pytest
 
 from braid.runtime.constrained import GrammarBackend, GrammarBusyError, GrammarError, GrammarTimeoutError
-from braid.runtime.constrained.fsm import CompilePool
+from braid.runtime.constrained.compile_pool import CompilePool
 
 TIMEOUT_S = 2.0
 # Each takes far longer than TIMEOUT_S to compile (an exponential DFA); distinct so neither is a cache hit.

@@ -142,7 +142,7 @@ def decode_batch(pool: MHAKVPool, slots: torch.Tensor, backend) -> ForwardBatch:
     fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1, input_ids=torch.zeros(1, dtype=torch.int64),
                       positions=torch.tensor([n - 1]), req_pool_indices=torch.tensor([1]),
                       seq_lens=torch.tensor([n], dtype=torch.int32), out_cache_loc=slots[-1:], seq_lens_cpu=[n],
-                      req_to_token_pool=r2t, token_to_kv_pool=pool)
+                      req_to_token_pool=r2t, kv_pool=pool)
     fb.attn_backend = backend
     backend.init_forward_metadata(fb)
     return fb

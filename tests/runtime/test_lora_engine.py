@@ -10,7 +10,7 @@ import torch
 
 from braid.runtime import Engine
 from braid.runtime.config import ServerArgs
-from lora_tiny import ADAPTERS, VOCAB, write_adapter, write_all
+from lora_tiny import ADAPTERS, VOCAB, peft_model, write_adapter, write_all
 
 GREEDY = {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}
 
@@ -40,14 +40,7 @@ def _engine(paths, **kw):
 
 def _peft_reference(paths, prompts, adapters):
     """(greedy tokens, prompt logprobs [len - 1]) per prompt from transformers + peft, adapter None = base."""
-    import peft
-    import transformers
-
-    base = transformers.AutoModelForCausalLM.from_pretrained(paths["base"]).eval()
-    names = list(ADAPTERS)
-    model = peft.PeftModel.from_pretrained(base, paths[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(paths[name], adapter_name=name)
+    model = peft_model(paths["base"], {name: paths[name] for name in ADAPTERS})
     out = []
     for ids, adapter in zip(prompts, adapters):
         x = torch.tensor([ids])
@@ -154,9 +147,13 @@ def test_bad_adapters_are_refused(paths, tmp_path):
     with pytest.raises(ValueError, match="target module 'lm_head'"):
         load_adapter("h", head)
     # refused at start, naming the flag
-    with pytest.raises(ValueError, match="--max-loras-per-batch"):
+    with pytest.raises(ValueError, match="--max-loaded-loras 2 is below --max-loras-per-batch 3"):
         ServerArgs(model_path=paths["base"], lora_paths=[f"a{i}={paths['sql']}" for i in range(3)],
-                   max_loras_per_batch=2)
+                   max_loras_per_batch=3, max_loaded_loras=2)
+    # more adapters than device slots is fine: they are paged in on demand
+    assert ServerArgs(model_path=paths["base"], lora_paths=[f"a{i}={paths['sql']}" for i in range(3)],
+                      max_loras_per_batch=1, max_loaded_loras=2).max_loaded_loras == 2
+    assert ServerArgs(model_path=paths["base"], enable_lora=True, max_loras_per_batch=3).max_loaded_loras == 3
     with pytest.raises(ValueError, match="--lora-target-modules"):
         ServerArgs(lora_target_modules=["embed_tokens"])
     with pytest.raises(ValueError, match="--max-lora-rank"):
@@ -191,4 +188,5 @@ def test_only_targeted_linears_carry_adapters(paths):
                                           for p in ("o_proj", "qkv_proj")]
         assert all(layer.mlp.gate_up_proj.lora is None and layer.mlp.down_proj.lora is None
                    for layer in model.model.layers)
-        assert manager.layers["model.layers.0.self_attn.qkv_proj"].a.shape == (1, 3 * 4, 64)
+        # one row per device slot (--max-loaded-loras, by default --max-loras-per-batch 8), rank 4 per q/k/v slice
+        assert manager.layers["model.layers.0.self_attn.qkv_proj"].a.shape == (8, 3 * 4, 64)

@@ -17,9 +17,9 @@ def radix_cache_holding(*keys: list[int]) -> RadixCache:
     cache = RadixCache(ReqToTokenPool(4, 64, "cpu"),
                        MHAKVPool(256, torch.float32, head_num=1, head_dim=2, layer_num=1, device="cpu"))
     for key in keys:
-        value = cache.token_to_kv_pool.alloc(len(key))
+        value = cache.kv_pool.alloc(len(key))
         prefix_len, _, _ = cache.insert(key, value)
-        cache.token_to_kv_pool.free(value[:prefix_len])
+        cache.kv_pool.free(value[:prefix_len])
     return cache
 
 

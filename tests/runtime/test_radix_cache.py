@@ -48,9 +48,9 @@ def cache(pools):
 
 def _insert(cache, key):
     """Insert key with fresh slots, freeing the ones the tree already had; return the tree's slots."""
-    value = cache.token_to_kv_pool.alloc(len(key))
+    value = cache.kv_pool.alloc(len(key))
     prefix_len, slots, node = cache.insert(key, value)
-    cache.token_to_kv_pool.free(value[:prefix_len])
+    cache.kv_pool.free(value[:prefix_len])
     return slots
 
 
@@ -61,7 +61,7 @@ def _start_req(cache, rid, tokens):
     cache.inc_lock_ref(node)
     row = cache.req_to_token_pool.req_to_token[req.req_pool_idx]
     row[: len(prefix)] = prefix.to(torch.int32)
-    new = cache.token_to_kv_pool.alloc(len(tokens) - len(prefix))
+    new = cache.kv_pool.alloc(len(tokens) - len(prefix))
     row[len(prefix): len(tokens)] = new.to(torch.int32)
     req.kv_committed_len, req.last_node, req.prefix_indices = len(tokens), node, prefix
     return req, prefix, new
@@ -89,7 +89,7 @@ def test_namespaces_keep_prefixes_apart(cache):
     """A LoRA adapter's prefixes (namespace = its name) match only under that adapter, never under another or the
     base model (None), even for the same token ids; each namespace's tokens take their own slots."""
     base = _insert(cache, [1, 2, 3, 4])
-    value = cache.token_to_kv_pool.alloc(4)
+    value = cache.kv_pool.alloc(4)
     prefix_len, sql, _ = cache.insert([1, 2, 3, 4], value, namespace="sql")
     assert prefix_len == 0 and sql.tolist() == value.tolist()
     assert cache.total_size() == 8
@@ -102,18 +102,18 @@ def test_namespaces_keep_prefixes_apart(cache):
 
 def test_insert_shares_prefix_and_returns_tree_slots(cache):
     a = _insert(cache, [1, 2, 3])
-    value = cache.token_to_kv_pool.alloc(4)
+    value = cache.kv_pool.alloc(4)
     prefix_len, slots, node = cache.insert([1, 2, 5, 6], value)
     assert prefix_len == 2
     assert slots.tolist() == a[:2].tolist() + value[2:].tolist()
     assert node.key == [5, 6] and node.parent.key == [1, 2]
-    cache.token_to_kv_pool.free(value[:2])
+    cache.kv_pool.free(value[:2])
     assert cache.total_size() == 5 == cache.evictable_size()
     # inserting a prefix of a cached sequence ends on a split node and adds nothing
-    value = cache.token_to_kv_pool.alloc(1)
+    value = cache.kv_pool.alloc(1)
     prefix_len, slots, node = cache.insert([1], value)
     assert prefix_len == 1 and slots.tolist() == a[:1].tolist() and node.key == [1]
-    cache.token_to_kv_pool.free(value)
+    cache.kv_pool.free(value)
     with pytest.raises(ValueError):
         cache.insert([1, 2], value)
 
@@ -125,9 +125,9 @@ def test_lock_prevents_eviction(cache):
     cache.inc_lock_ref(node)
     cache.inc_lock_ref(node)
     assert cache.protected_size() == 4 and cache.evictable_size() == 3
-    before = cache.token_to_kv_pool.available_size()
+    before = cache.kv_pool.available_size()
     assert cache.evict(100) == 3
-    assert cache.token_to_kv_pool.available_size() == before + 3
+    assert cache.kv_pool.available_size() == before + 3
     assert cache.match_prefix([1, 2, 3, 4])[0].tolist() == a.tolist()
     assert cache.match_prefix([1, 2, 7])[0].tolist() == a[:2].tolist()
     cache.dec_lock_ref(node)
@@ -228,7 +228,7 @@ def test_cache_unfinished_req_moves_the_lock_and_rewrites_the_row(cache):
     assert cache.req_to_token_pool.req_to_token[req.req_pool_idx, :3].tolist() == expected
     assert cache.protected_size() == 3 and cache.evict(100) == 0
     # the next chunk extends the committed prefix
-    more = cache.token_to_kv_pool.alloc(2)
+    more = cache.kv_pool.alloc(2)
     cache.req_to_token_pool.req_to_token[req.req_pool_idx, 3:5] = more.to(torch.int32)
     req.fill_ids += [4, 5]
     req.kv_committed_len = 5
@@ -244,7 +244,7 @@ def test_works_with_the_runtime_req(cache):
     req.req_pool_idx = cache.req_to_token_pool.alloc()
     prefix, req.last_node = cache.match_prefix(req.input_ids)
     cache.inc_lock_ref(req.last_node)
-    slots = cache.token_to_kv_pool.alloc(4)
+    slots = cache.kv_pool.alloc(4)
     cache.req_to_token_pool.req_to_token[req.req_pool_idx, :4] = slots.to(torch.int32)
     req.fill_ids, req.kv_committed_len = req.all_ids(), 4
     cache.cache_unfinished_req(req)

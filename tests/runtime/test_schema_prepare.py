@@ -8,7 +8,7 @@ import re
 import jsonschema
 import pytest
 
-from braid.runtime.constrained.fsm import GrammarError
+from braid.runtime.constrained.grammar_errors import GrammarError
 from braid.runtime.constrained.schema_prepare import _not_words, prepare_schema
 
 

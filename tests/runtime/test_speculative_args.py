@@ -34,6 +34,17 @@ def test_ngram_flags_and_defaults():
     assert sa.replace(port=1).speculative_num_draft_tokens == 3
 
 
+def test_eagle_flags_and_defaults():
+    sa = parse("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/x")
+    assert (sa.speculative_num_draft_tokens, sa.speculative_num_steps, sa.speculative_eagle_topk) == (4, 3, 1)
+    sa = parse("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/x",
+               "--speculative-num-steps", "5", "--speculative-eagle-topk", "1")
+    assert (sa.speculative_num_draft_tokens, sa.speculative_num_steps) == (6, 5)
+    sa = parse("--speculative-config", json.dumps({"method": "eagle", "model": "/x", "num_speculative_tokens": 2}))
+    assert (sa.speculative_algorithm, sa.speculative_draft_model_path, sa.speculative_num_steps) == ("EAGLE", "/x", 2)
+    assert sa.replace(port=1).speculative_num_draft_tokens == 3
+
+
 def test_vllm_config_maps_onto_the_flags():
     cfg = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 3}
     sa = parse("--speculative-config", json.dumps(cfg))
@@ -65,7 +76,10 @@ def test_vllm_config_maps_onto_the_flags():
           speculative_eagle_topk=1, speculative_num_draft_tokens=6), "the draft is a chain"),
     (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", speculative_num_steps=2,
           speculative_eagle_topk=2, speculative_num_draft_tokens=9), "more than a tree of depth"),
-    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x"), "cannot run EAGLE draft heads yet"),
+    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", speculative_eagle_topk=4),
+     "is not supported with EAGLE yet: braid runs EAGLE chain drafts, --speculative-eagle-topk 1"),
+    (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_num_steps=70),
+     "--speculative-num-steps must be below 64"),
     (dict(speculative_config="{not json"), "is not JSON"),
     (dict(speculative_config="[1]"), "must be a JSON object"),
     (dict(speculative_config='{"method": "medusa"}'), "method 'medusa' is not one braid runs"),

@@ -2,8 +2,6 @@
 the head's logits and hidden output equal a reference built from HF transformers' Llama modules with the same
 weights; the loader refuses a checkpoint that does not fit the target, naming what."""
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -13,35 +11,11 @@ from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecod
                                                       LlamaRotaryEmbedding)
 
 from braid.runtime.speculative.eagle_head import load_eagle_head
+from eagle_tiny import DRAFT_V, H, V, eagle3_tensors, eagle_tensors, rand, write_checkpoint
 
-H, V, DRAFT_V, T = 32, 96, 40, 7
+T = 7
 CONFIG = dict(hidden_size=H, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=V,
               rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128)
-
-
-def rand(*shape, gen):
-    return torch.randn(*shape, generator=gen) * 0.2
-
-
-def llama_layer_tensors(prefix: str, gen, attn_in: int, input_norm: bool) -> dict:
-    hd = H // 4
-    t = {f"{prefix}self_attn.q_proj.weight": rand(4 * hd, attn_in, gen=gen),
-         f"{prefix}self_attn.k_proj.weight": rand(2 * hd, attn_in, gen=gen),
-         f"{prefix}self_attn.v_proj.weight": rand(2 * hd, attn_in, gen=gen),
-         f"{prefix}self_attn.o_proj.weight": rand(H, 4 * hd, gen=gen),
-         f"{prefix}mlp.gate_proj.weight": rand(64, H, gen=gen), f"{prefix}mlp.up_proj.weight": rand(64, H, gen=gen),
-         f"{prefix}mlp.down_proj.weight": rand(H, 64, gen=gen),
-         f"{prefix}post_attention_layernorm.weight": 1 + rand(H, gen=gen)}
-    if input_norm:
-        t[f"{prefix}input_layernorm.weight"] = 1 + rand(H, gen=gen)
-    return t
-
-
-def write_checkpoint(folder, config: dict, tensors: dict) -> str:
-    folder.mkdir(exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
-    return str(folder)
 
 
 @pytest.fixture
@@ -67,9 +41,7 @@ def load_linear(module: nn.Linear, weight: torch.Tensor) -> None:
 def test_eagle_head_matches_hf_llama_layers(tmp_path, target):
     embed, lm_head = target
     gen = torch.Generator().manual_seed(1)
-    tensors = {"fc.weight": rand(H, 2 * H, gen=gen), "fc.bias": rand(H, gen=gen)}
-    tensors.update(llama_layer_tensors("layers.0.", gen, H, input_norm=False))
-    tensors.update(llama_layer_tensors("layers.1.", gen, H, input_norm=True))
+    tensors = eagle_tensors(gen)
     path = write_checkpoint(tmp_path / "eagle", {**CONFIG, "architectures": ["LlamaForCausalLM"],
                                                  "num_hidden_layers": 2}, tensors)
     head = load_eagle_head(path, embed, lm_head, target_hidden_size=H, target_vocab_size=V)
@@ -103,16 +75,6 @@ def test_eagle_head_matches_hf_llama_layers(tmp_path, target):
     changed = ids.clone()
     changed[-1] = (changed[-1] + 1) % V
     assert torch.allclose(head(changed, feats, positions)[0][:-1], logits[:-1], atol=1e-6)
-
-
-def eagle3_tensors(gen) -> dict:
-    tensors = {"fc.weight": rand(H, 3 * H, gen=gen), "midlayer.hidden_norm.weight": 1 + rand(H, gen=gen),
-               "norm.weight": 1 + rand(H, gen=gen), "lm_head.weight": rand(DRAFT_V, H, gen=gen),
-               # draft id d -> target id d + d2t[d] = 2d: every other target token
-               "d2t": torch.arange(DRAFT_V, dtype=torch.int64),
-               "t2d": torch.zeros(V, dtype=torch.bool)}
-    tensors.update(llama_layer_tensors("midlayer.", gen, 2 * H, input_norm=True))
-    return tensors
 
 
 def test_eagle3_head_matches_hf_llama_modules(tmp_path, target):
@@ -186,3 +148,98 @@ def test_loader_refuses_what_does_not_fit(tmp_path, target):
     (tmp_path / "g").mkdir()
     with pytest.raises(ValueError, match="no \\*.safetensors files"):
         load_eagle_head(str(tmp_path / "g"), embed, None, H, V)
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+def test_cached_extend_matches_the_dense_reference(tmp_path, target, kind):
+    """`extend` over per-request caches (two requests in the same calls, in uneven chunks, a rolled-back row run
+    again) gives the dense causal forward's outputs row for row."""
+    embed, lm_head = target
+    gen = torch.Generator().manual_seed(4)
+    if kind == "EAGLE":
+        path = write_checkpoint(tmp_path / "h", {**CONFIG, "num_hidden_layers": 2}, eagle_tensors(gen))
+        head = load_eagle_head(path, embed, lm_head, target_hidden_size=H, target_vocab_size=V)
+    else:
+        path = write_checkpoint(tmp_path / "h", {**CONFIG, "architectures": ["LlamaForCausalLMEagle3"],
+                                                 "draft_vocab_size": DRAFT_V}, eagle3_tensors(gen))
+        head = load_eagle_head(path, embed, None, target_hidden_size=H, target_vocab_size=V)
+    F_in = head.c.fc_in if kind == "EAGLE3" else H
+    seqs = [(torch.randint(0, V, (9,), generator=gen), torch.randn(9, F_in, generator=gen)) for _ in range(2)]
+    want = [head(ids, feats, torch.arange(9))[1] for ids, feats in seqs]
+    caches = [head.new_cache("cpu"), head.new_cache("cpu")]
+    chunks = [(3, 1), (1, 4), (2, 1), (1, 1), (2, 2)]  # rows per request per call: 9 each
+    done = [0, 0]
+    with torch.no_grad():
+        for step, rows in enumerate(chunks):
+            if step == 3:  # a row is added, rolled back, and then computed again in the next call
+                for cache in caches:
+                    cache.truncate(cache.length - 1)
+                done = [d - 1 for d in done]
+                rows = (rows[0] + 1, rows[1] + 1)
+            ids = torch.cat([seqs[i][0][done[i]:done[i] + n] for i, n in enumerate(rows)])
+            feats = torch.cat([seqs[i][1][done[i]:done[i] + n] for i, n in enumerate(rows)])
+            pos = torch.cat([torch.arange(done[i], done[i] + n) for i, n in enumerate(rows)])
+            out = head.extend(ids, feats, pos, caches, list(rows), from_target=True)
+            row = 0
+            for i, n in enumerate(rows):
+                assert torch.allclose(out[row:row + n], want[i][done[i]:done[i] + n], atol=1e-5), (step, i)
+                row += n
+                done[i] += n
+    assert done == [9, 9] and [c.length for c in caches] == [9, 9]
+    assert caches[0].tokens == seqs[0][0].tolist()
+    tok = head.greedy_tokens(want[0][-1:])
+    ref_logits = head(seqs[0][0], seqs[0][1], torch.arange(9))[0][-1]
+    assert int(tok) == int(ref_logits.argmax())
+
+
+def test_proposer_drafts_are_the_dense_heads_chain(tmp_path, target):
+    """EagleProposer's bookkeeping (features recorded per pass, the catch-up rows, the chain, the rollback after a
+    partial acceptance) gives the drafts of the dense reference: each draft token the argmax of the head run over the
+    whole sequence, the target's features before the drafts and the head's own outputs inside them."""
+    from types import SimpleNamespace
+
+    from braid.runtime.core import Req
+    from braid.runtime.sampling_params import SamplingParams
+    from braid.runtime.speculative.eagle import EagleProposer
+
+    embed, lm_head = target
+    gen = torch.Generator().manual_seed(6)
+    path = write_checkpoint(tmp_path / "h", {**CONFIG, "num_hidden_layers": 2}, eagle_tensors(gen))
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.embed_tokens, model.lm_head = embed, lm_head
+    runner = SimpleNamespace(model=model, model_config=SimpleNamespace(hidden_size=H, num_layers=2), vocab_size=V,
+                             device=torch.device("cpu"), dtype=torch.float32)
+    args = SimpleNamespace(speculative_algorithm="EAGLE", speculative_draft_model_path=path, speculative_num_steps=3)
+    proposer = EagleProposer(args, runner, context_len=64)
+    head = proposer.head
+
+    def reference(tokens: list[int], feats: torch.Tensor, k: int) -> list[int]:
+        # rows r < len(feats): token tokens[r + 1], the target's feature r; then the chain on the head's outputs
+        ids, hidden, out = list(tokens[1:]), feats, []
+        with torch.no_grad():
+            for _ in range(k):
+                _, h = head(torch.tensor(ids), hidden, torch.arange(len(ids)))
+                tok = int(head.greedy_tokens(h[-1:]))
+                out.append(tok)
+                ids.append(tok)
+                hidden = torch.cat([hidden, h[-1:]])
+        return out
+
+    req = Req(rid="r", input_ids=torch.randint(0, V, (6,), generator=gen).tolist(), sampling_params=SamplingParams())
+    feats = torch.randn(12, H, generator=gen)  # the target's features by position
+    req.fill_ids = req.input_ids + [5]  # prefill: KV of positions 0..5, the first sampled token 5
+    req.kv_committed_len = 6
+    proposer.record(req, 0, feats[:6])
+    draft = proposer.propose([req], [3])[0]
+    assert draft == reference(req.fill_ids, feats[:6], 3)
+    # the verify pass over [5] + draft recorded 4 features; the first draft token was accepted, then 7
+    proposer.record(req, 6, feats[6:10])
+    req.fill_ids += [draft[0], 7]
+    req.kv_committed_len = 8
+    assert proposer.propose([req], [2])[0] == reference(req.fill_ids, feats[:8], 2)
+    assert req.spec_state.cache.length == 8  # the chain's rows rolled back
+    # a step that brought no new token (nothing recorded): the same draft again
+    assert proposer.propose([req], [2])[0] == reference(req.fill_ids, feats[:8], 2)
+    proposer.release(req)
+    assert req.spec_state is None

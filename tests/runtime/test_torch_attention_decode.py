@@ -23,7 +23,7 @@ def decode_once(slots: torch.Tensor, k, v, q, layer: RadixAttention):
     fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=1, input_ids=torch.zeros(1, dtype=torch.int64),
                       positions=torch.tensor([L - 1]), req_pool_indices=torch.tensor([2]),
                       seq_lens=torch.tensor([L], dtype=torch.int32), out_cache_loc=slots[-1:], seq_lens_cpu=[L],
-                      req_to_token_pool=r2t, token_to_kv_pool=pool)
+                      req_to_token_pool=r2t, kv_pool=pool)
     backend = TorchAttnBackend()
     fb.attn_backend = backend
     backend.init_forward_metadata(fb)

@@ -1,4 +1,4 @@
-"""Shared by the server tests: the session server's settings and SSE reading (the server itself: tests/real_server.py)."""
+"""Shared by the server tests: the session server's settings and SSE reading (the server itself: tests/helpers/real_server.py)."""
 
 import json
 import time

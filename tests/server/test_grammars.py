@@ -14,7 +14,8 @@ from server_helpers import API_KEY
 
 import braid
 from braid.runtime.server.errors import APIError
-from braid.runtime.server.protocol import ChatCompletionRequest, GrammarServing, openai_sampling_overrides, parse_openai
+from braid.runtime.server.openai_constraints import GrammarServing
+from braid.runtime.server.openai_protocol import ChatCompletionRequest, openai_sampling_overrides, parse_openai
 
 # recursive: parenthesised sub-expressions
 ARITH = r"""

@@ -41,7 +41,7 @@ def engine_outputs(paths):
 
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)  # as the server's scheduler runs (tests/real_server.py)
+        torch.set_num_threads(1)  # as the server's scheduler runs (tests/helpers/real_server.py)
         with Engine(model_path=paths["base"], lora_paths=[f"{n}={paths[n]}" for n in ADAPTERS],
                     log_level="warning") as engine:
             return {a: engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": MAX_TOKENS, "ignore_eos": True},

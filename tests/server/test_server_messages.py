@@ -17,12 +17,14 @@ from braid.runtime.error_kind import ErrorKind
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.ipc import messages as M
 from braid.runtime.processes.scheduler_process import SchedulerLoop
+from server_helpers import process_alive
 
 
 def test_messages_round_trip_with_their_type():
     msgs = [M.GenerateReq(rid="r", input_ids=[1, 2], sampling_params=SamplingParams(stop=["x"]).to_dict(),
                           return_logprob=True),
-            M.AbortReq("r"), M.FlushCacheReq(3), M.GetStatsReq(4), M.ShutdownReq()]
+            M.AbortReq("r"), M.FlushCacheReq(3), M.GetStatsReq(4), M.ShutdownReq(), M.LoadLoraReq(5, "sql", "/a/b"),
+            M.UnloadLoraReq(6, "sql")]
     for m in msgs:
         back = M.decode_to_scheduler(M.encode(m))
         assert type(back) is type(m) and back == m
@@ -55,6 +57,8 @@ class StandInScheduler:
     def __init__(self):
         self.reqs = {}
         self.aborted = []
+        self.adapters = []
+        self.unload_done = None
 
     def add_request(self, req):
         if req.sampling_params.temperature == 7:
@@ -66,6 +70,23 @@ class StandInScheduler:
     def abort_request(self, rid):
         self.aborted.append(rid)
         self.reqs.pop(rid, None)
+
+    def load_lora_adapter(self, name, path):
+        from braid.runtime.lora.adapter import LoraError
+
+        if path == "bad":
+            raise LoraError(f"LoRA adapter {name!r} ({path}): no such folder")
+        if path == "bug":
+            raise RuntimeError("bug")
+        self.adapters.append(name)
+
+    def unload_lora_adapter(self, name, done):
+        from braid.runtime.lora.adapter import LoraError
+
+        if name not in self.adapters:
+            raise LoraError(f"unknown LoRA adapter {name!r}", code="lora_not_found", param="lora_name")
+        self.adapters.remove(name)
+        self.unload_done = done  # answered later, as a real scheduler does once the adapter's requests finished
 
     def has_work(self):
         return bool(self.reqs)
@@ -152,6 +173,25 @@ def test_scheduler_loop_runs_requests_and_answers_calls(loop_sockets):
     assert not thread.is_alive()
 
 
+def test_scheduler_loop_answers_lora_loads_and_unloads(loop_sockets):
+    """Loads answer at once; an unload answers when the scheduler calls its `done`; refusals carry code and param,
+    and a bug is an internal_error."""
+    rpc, send, sched, thread = loop_sockets
+    assert rpc(M.LoadLoraReq(1, "sql", "/adapters/sql")) == [M.LoraResult(1, True)]
+    (bad,) = rpc(M.LoadLoraReq(2, "x", "bad"))
+    assert bad == M.LoraResult(2, False, "LoRA adapter 'x' (bad): no such folder", "lora_invalid", "lora_path")
+    (bug,) = rpc(M.LoadLoraReq(3, "y", "bug"))
+    assert not bug.ok and bug.code == "internal_error" and bug.message == "RuntimeError: bug"
+    (unknown,) = rpc(M.UnloadLoraReq(4, "nope"))
+    assert unknown.code == "lora_not_found" and unknown.param == "lora_name" and not unknown.ok
+    send.send(M.encode(M.UnloadLoraReq(5, "sql")))
+    deadline = time.time() + 5
+    while sched.unload_done is None and time.time() < deadline:
+        time.sleep(0.01)
+    sched.unload_done()  # on the loop's thread in a real scheduler; the answer goes out on the same socket
+    assert rpc(None) == [M.LoraResult(5, True)]
+
+
 def test_scheduler_process_dies_with_its_parent(tmp_path):
     """The scheduler child is killed when the server process dies, even mid-start-up."""
     parent = textwrap.dedent(f"""
@@ -168,14 +208,7 @@ def test_scheduler_process_dies_with_its_parent(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 10
-    while time.time() < deadline and _alive(child):
+    while time.time() < deadline and process_alive(child):
         time.sleep(0.1)
-    assert not _alive(child)
+    assert not process_alive(child)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False

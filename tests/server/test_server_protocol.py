@@ -12,16 +12,10 @@ from braid.runtime.server.errors import APIError, from_exception
 from braid.runtime.server.http_server import prepare_generate
 from braid.runtime.server.openai_api import _param_names
 from braid.runtime.request_io.prepare import ServedModel
-from braid.runtime.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    chat_logprob_options,
-    completion_logprob_options,
-    openai_sampling_overrides,
-    parse_generate,
-    parse_openai,
-    sse_event,
-)
+from braid.runtime.server.generate_protocol import parse_generate
+from braid.runtime.server.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_logprob_options,
+                                                  completion_logprob_options, openai_sampling_overrides, parse_openai)
+from braid.runtime.server.sse import sse_event
 from braid.runtime.server.tokenizer_manager import TokenizerManager
 
 MSGS = [{"role": "user", "content": "hi"}]

@@ -10,7 +10,7 @@ import pytest
 from real_server import start_server
 
 from braid.runtime.server.errors import APIError
-from braid.runtime.server.protocol import ChatMessage
+from braid.runtime.server.openai_protocol import ChatMessage
 from braid.runtime.server.tools import (ToolStream, history_for_template, parse_auto, parse_constrained, plan_tools,
                                         template_knows_tools)
 

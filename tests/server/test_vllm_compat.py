@@ -323,7 +323,7 @@ def test_chat_template_kwargs_reach_the_template():
 
     from braid.runtime.config import ServerArgs
     from braid.runtime.loader.tokenizer import get_tokenizer
-    from braid.runtime.server.protocol import ChatCompletionRequest, chat_template_options, parse_openai
+    from braid.runtime.server.openai_protocol import ChatCompletionRequest, chat_template_options, parse_openai
     from braid.runtime.server.tokenizer_manager import TokenizerManager, with_chat_template
 
     tm = TokenizerManager(ServerArgs())

@@ -31,7 +31,7 @@ keys and values (queries and output in the model dtype) and read the pool's fp8 
 
 What it reads from the model runner:
   model_runner.device, .dtype (fp16 or bf16: FlashInfer has no fp32 kernels), .model_config (head_dim,
-  v_head_dim, attention_arch), .token_to_kv_pool (its cache dtype and per-layer KV scales; without a pool,
+  v_head_dim, attention_arch), .kv_pool (its cache dtype and per-layer KV scales; without a pool,
   .server_args.kv_cache_dtype), .model (its RadixAttention layers), all through getattr. Per layer: layer_id,
   num_heads, num_kv_heads, head_dim, v_head_dim, scaling, logit_cap (0 = off), sliding_window (-1 = off).
 """
@@ -136,7 +136,7 @@ class FlashInferAttnBackend(AttentionBackend):
         if getattr(mc, "attention_arch", None) == "mla":
             raise ValueError("attention_backend='flashinfer' does not run MLA models in braid; "
                              "use attention_backend='triton'")
-        pool = getattr(model_runner, "token_to_kv_pool", None)
+        pool = getattr(model_runner, "kv_pool", None)
         dtype = getattr(model_runner, "dtype", None) or getattr(pool, "dtype", None)
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"attention_backend='flashinfer' runs float16/bfloat16 models only (FlashInfer has no "
@@ -316,7 +316,7 @@ class FlashInferAttnBackend(AttentionBackend):
                          kv_starts=torch.tensor(starts, dtype=torch.int32).to(self.device, non_blocking=True))
         if self._hybrid_pool and total:
             # window layers' KV lives in window slots: a gather on the device
-            indices[:total] = fb.token_to_kv_pool.window_slots(indices[:total])
+            indices[:total] = fb.kv_pool.window_slots(indices[:total])
         md.window_kv[window] = (indptr_cpu, indices)
         return md.window_kv[window]
 
@@ -334,7 +334,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self._plan_all(md, list(self._variants))
         fb.attn_metadata = md
         if self._hybrid_pool and fb.out_cache_loc is not None:  # the new tokens' window slots, once for all layers
-            fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc)
+            fb.kv_pool.translate_batch_slots(fb.out_cache_loc)
 
     def _metadata(self, fb: "ForwardBatch", mode: str) -> FlashInferMetadata:
         md = fb.attn_metadata
@@ -366,7 +366,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def _attend(self, md, q, k, v, layer, fb, save_kv_cache) -> torch.Tensor:
         h, h_kv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
         dv = getattr(layer, "v_head_dim", None) or d
-        pool = fb.token_to_kv_pool
+        pool = fb.kv_pool
         if save_kv_cache:
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k.reshape(-1, h_kv, d), v.reshape(-1, h_kv, dv))
         w = self._wrapper(md, layer)
@@ -430,7 +430,7 @@ class FlashInferAttnBackend(AttentionBackend):
         if self._graph_window_loc is None:
             with torch.inference_mode(False):
                 self._graph_window_loc = torch.zeros(self._graph_max_bs, dtype=torch.int64, device=self.device)
-        fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc, out=self._graph_window_loc)
+        fb.kv_pool.translate_batch_slots(fb.out_cache_loc, out=self._graph_window_loc)
 
     def init_forward_metadata_capture(self, bs: int, fb: "ForwardBatch") -> None:
         md = self._kv_metadata(fb, "decode", graph_bs=bs)

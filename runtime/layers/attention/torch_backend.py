@@ -23,11 +23,11 @@ class TorchAttnBackend(AttentionBackend):
 
     def _save(self, layer, fb, k, v, save_kv_cache):
         if save_kv_cache:
-            fb.token_to_kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
+            fb.kv_pool.set_kv(layer.layer_id, fb.out_cache_loc, k, v)
 
     def _kv(self, layer, fb, slots: torch.Tensor, dtype, translated: bool = False):
         # slots: [...] -> k, v: [..., Hkv, D]; index_select is several times faster than advanced indexing on CPU
-        pool = fb.token_to_kv_pool
+        pool = fb.kv_pool
         if not translated and _is_window_layer(pool, layer):
             slots = pool.window_slots(slots)
         flat = slots.reshape(-1)
@@ -43,7 +43,7 @@ class TorchAttnBackend(AttentionBackend):
         if 0 < layer.sliding_window < meta.max_len:
             slots, mask = meta.window(layer.sliding_window)
             return (*self._kv(layer, fb, slots, dtype), mask)
-        pool = fb.token_to_kv_pool
+        pool = fb.kv_pool
         mask = meta.mask()
         if _is_window_layer(pool, layer):
             return (*self._kv(layer, fb, meta.window_slots(pool), dtype, translated=True), mask)

@@ -11,7 +11,7 @@ scratch is sized from it, and a layer wider than these numbers grows the scratch
   model_runner.model_config.attention_arch == "mla": one latent KV head, Dv = .kv_lora_rank
   model_runner.server_args.triton_attention_num_kv_splits   (optional; else the constructor's value; else the
                                               split count per decode batch size: decode_kv_splits)
-The KV pool and the req_to_token table are taken from each ForwardBatch (fb.token_to_kv_pool,
+The KV pool and the req_to_token table are taken from each ForwardBatch (fb.kv_pool,
 fb.req_to_token_pool.req_to_token); the pool must offer set_kv(layer_id, loc, k, v) with
 k: [T, Hkv, D], v: [T, Hkv, Dv], get_key_buffer / get_value_buffer(layer_id) -> [S, Hkv, D|Dv] (read only)
 and kv_scales(layer_id) -> (k_scale, v_scale), which dequantise what an fp8 cache holds.
@@ -122,13 +122,13 @@ class TritonAttnBackend(AttentionBackend):
     def init_forward_metadata(self, fb: "ForwardBatch") -> None:
         self._init_metadata(fb)
         md = fb.attn_metadata
-        if hasattr(fb.token_to_kv_pool, "window_rows") and fb.batch_size and isinstance(md, TritonAttnMetadata):
+        if hasattr(fb.kv_pool, "window_rows") and fb.batch_size and isinstance(md, TritonAttnMetadata):
             width = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else fb.req_to_token_pool.req_to_token.shape[1]
-            md.window_req_to_token = fb.token_to_kv_pool.window_rows(fb.req_to_token_pool.req_to_token,
+            md.window_req_to_token = fb.kv_pool.window_rows(fb.req_to_token_pool.req_to_token,
                                                                      fb.req_pool_indices, width)
             md.window_req_indices = torch.arange(fb.batch_size, device=md.window_req_to_token.device)
             if fb.out_cache_loc is not None:  # the new tokens' window slots, once for every window layer
-                fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc)
+                fb.kv_pool.translate_batch_slots(fb.out_cache_loc)
 
     def _init_metadata(self, fb: "ForwardBatch") -> None:
         if fb.forward_mode.is_decode():
@@ -165,7 +165,7 @@ class TritonAttnBackend(AttentionBackend):
     def _token_table(layer, fb: "ForwardBatch", md: TritonAttnMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(req_to_token, row indices) the kernels read the layer's KV slots through: a hybrid pool's window
         layers read window slots (translated once per batch), every other layer the full slots."""
-        pool = fb.token_to_kv_pool
+        pool = fb.kv_pool
         if hasattr(pool, "is_window_layer") and pool.is_window_layer(layer.layer_id):
             if md.window_req_to_token is None:
                 raise RuntimeError("TritonAttnBackend: the batch's window slots were not translated; call "
@@ -185,7 +185,7 @@ class TritonAttnBackend(AttentionBackend):
         q3 = q.reshape(-1, h, d)
         k3 = k.reshape(-1, h_kv, d)
         v3 = v.reshape(-1, h_kv, dv)
-        pool = fb.token_to_kv_pool
+        pool = fb.kv_pool
         if save_kv_cache:
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k3, v3)
         # a graphed pass's padding rows belong to no request and are not written: zeros keep them finite for what
@@ -206,7 +206,7 @@ class TritonAttnBackend(AttentionBackend):
         h, h_kv, d, dv = self._layer_dims(layer)
         md = self._metadata(fb)
         q3 = q.reshape(-1, h, d)
-        pool = fb.token_to_kv_pool
+        pool = fb.kv_pool
         if save_kv_cache:
             pool.set_kv(layer.layer_id, fb.out_cache_loc, k.reshape(-1, h_kv, d), v.reshape(-1, h_kv, dv))
         bs = q3.shape[0]
@@ -248,7 +248,7 @@ class TritonAttnBackend(AttentionBackend):
             raise ValueError(f"batch {bs} exceeds the CUDA-graph capacity {self.cuda_graph_attn_logits.shape[0]}")
         # a view of the static buffer: the same address at capture and at every replay
         fb.attn_metadata = md = TritonAttnMetadata(attn_logits=self._graph_scratch_view(bs), in_cuda_graph=True)
-        if hasattr(fb.token_to_kv_pool, "window_rows"):
+        if hasattr(fb.kv_pool, "window_rows"):
             # hybrid KV pool: whole rows translated into a static buffer before each replay (a gather, no sync)
             if self._decode_window_tables is None:
                 max_bs = self.cuda_graph_attn_logits.shape[0]
@@ -267,10 +267,10 @@ class TritonAttnBackend(AttentionBackend):
         # every request's whole row: a graph cannot cut it to the batch's longest sequence on the host
         rows, row_ids, loc = tables
         req_to_token = fb.req_to_token_pool.req_to_token
-        md.window_req_to_token = fb.token_to_kv_pool.window_rows(req_to_token, fb.req_pool_indices,
+        md.window_req_to_token = fb.kv_pool.window_rows(req_to_token, fb.req_pool_indices,
                                                                  req_to_token.shape[1], out=rows)
         md.window_req_indices = row_ids[:fb.batch_size]
-        fb.token_to_kv_pool.translate_batch_slots(fb.out_cache_loc, out=loc)
+        fb.kv_pool.translate_batch_slots(fb.out_cache_loc, out=loc)
 
     # ------------------------------------------------------------------ CUDA graphs (extend)
 

@@ -3,7 +3,7 @@
 DeepSeek-V2 (MLA, MoE with a dense first layer). SmolLM2's BPE makes jump-forward's re-encodings roll computed
 tokens back. Shared by the reliability tests and the CPU soak figures in docs/benchmarks.md:
 
-    python tests/tiny_families.py gemma2 /tmp/tiny-gemma2
+    python tests/helpers/tiny_families.py gemma2 /tmp/tiny-gemma2
 """
 
 import copy

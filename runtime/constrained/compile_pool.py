@@ -1,4 +1,4 @@
-"""Regex -> outlines-core `Index` (token-level automaton), compiled in worker processes.
+"""Regex compiles (regex_index.build_index) in worker processes: `CompilePool`.
 
 A regex can blow up into an exponential DFA (`(a|b)*a(a|b){25}`), and outlines-core has no size limit.
 A thread running that could never be stopped, so compiles run in child processes: past the timeout
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import collections
 import os
-import re
 import subprocess
 import sys
 import threading
 import time
-import warnings
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -30,76 +28,11 @@ from typing import Union
 
 import msgspec
 
+from .grammar_errors import GrammarBusyError, GrammarError, GrammarShutDownError, GrammarTimeoutError
+from .regex_index import build_index, first_line, preview_regex
+
 WORKER_START_TIMEOUT_S = 120.0
 WORKER_MEMORY_LIMIT_BYTES = 8 << 30  # address space of a compile child; past it the child dies, the request fails
-
-
-class GrammarError(ValueError):
-    """A regex or JSON schema that cannot be used for constrained decoding (bad syntax, too costly, ...)."""
-
-
-class GrammarTimeoutError(GrammarError):
-    """Compiling the grammar took longer than the backend's timeout."""
-
-
-class GrammarBusyError(GrammarError):
-    """Too many compiles are already waiting for a worker; the request may be retried later."""
-
-
-class GrammarShutDownError(GrammarError):
-    """The grammar backend stopped before the compile ran (not the grammar's fault)."""
-
-
-def check_regex_syntax(regex: str) -> None:
-    """Fast pre-check (Python's parser). Escapes Python lacks (`\\p{L}`, `\\z`) are left to the real compiler."""
-    if not isinstance(regex, str):
-        raise GrammarError(f"a regex must be a string, got {type(regex).__name__}")
-    if regex == "":
-        raise GrammarError("the regex is empty")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. FutureWarning for POSIX classes such as [[:alpha:]]
-            re.compile(regex)
-    except re.error as exc:
-        if "bad escape" not in str(exc):
-            raise GrammarError(f"invalid regex {_preview(regex)}: {exc}") from None
-    except (RecursionError, OverflowError) as exc:
-        raise GrammarError(f"invalid regex {_preview(regex)}: {type(exc).__name__}") from None
-
-
-def build_index(regex: str, vocabulary) -> object:
-    from outlines_core import Index
-
-    if regex == "":
-        raise GrammarError("the regex is empty")
-    try:
-        return Index(regex, vocabulary)
-    except (ValueError, TypeError) as exc:
-        raise GrammarError(f"cannot compile regex {_preview(regex)}: {_explain(regex, _first_line(exc))}") from None
-
-
-def _explain(regex: str, message: str) -> str:
-    """outlines-core drops the parser's detail from syntax errors; say something a user can act on."""
-    if "error building NFA" in message:
-        try:
-            re.compile(regex)
-        except re.error as exc:
-            return f"invalid syntax: {exc}"
-        except (RecursionError, OverflowError):
-            pass
-        return "syntax not supported here (look-arounds, backreferences and lazy or possessive tricks are not)"
-    if "start state" in message:
-        return "anchors and word boundaries (^, $, \\b) are not supported; the whole output always matches the regex"
-    return message
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _preview(regex: str, limit: int = 80) -> str:
-    return repr(regex if len(regex) <= limit else regex[:limit] + "...")
 
 
 # The child loads this folder as a stand-alone package: no `braid` import (fast start, no torch). Nothing on the
@@ -139,7 +72,7 @@ def _reply(conn: Connection, reply: msgspec.Struct) -> None:
     conn.send_bytes(_reply_encoder.encode(reply))
 _WORKER_BOOT = (
     "import sys, types; pkg = types.ModuleType('_grammar_worker'); pkg.__path__ = [sys.argv[1]]; "
-    "sys.modules['_grammar_worker'] = pkg; from _grammar_worker.fsm import worker_main; worker_main(int(sys.argv[2]))"
+    "sys.modules['_grammar_worker'] = pkg; from _grammar_worker.compile_pool import worker_main; worker_main(int(sys.argv[2]))"
 )
 
 
@@ -168,7 +101,7 @@ def worker_main(fd: int) -> None:
             _reply(conn, _CompileFailed(str(exc)))
             continue
         except Exception as exc:  # noqa: BLE001 - reported to the waiting request, the worker lives on
-            _reply(conn, _CompileFailed(f"cannot compile regex {_preview(regex)}: {_first_line(exc)}"))
+            _reply(conn, _CompileFailed(f"cannot compile regex {preview_regex(regex)}: {first_line(exc)}"))
             continue
         _reply(conn, _Compiled(index))
 
@@ -315,7 +248,7 @@ class CompilePool:
         try:
             regex_bytes = regex.encode("utf-8")
         except UnicodeEncodeError:
-            raise GrammarError(f"regex {_preview(regex)} is not valid UTF-8 text") from None
+            raise GrammarError(f"regex {preview_regex(regex)} is not valid UTF-8 text") from None
         future: Future = Future()
         with self._cond:
             if self._closed:
@@ -445,7 +378,7 @@ class CompilePool:
         except Exception as exc:  # noqa: BLE001 - a broken worker must fail the request, not the thread
             worker.stop()
             self.stats["errors"] += 1
-            job.future.set_exception(GrammarError(f"grammar compile worker failed: {_first_line(exc)}"))
+            job.future.set_exception(GrammarError(f"grammar compile worker failed: {first_line(exc)}"))
 
     def _run(self, worker: _Worker, regex_bytes: bytes):
         worker.ensure_started()
@@ -455,7 +388,7 @@ class CompilePool:
         if reply is None:
             regex = regex_bytes.decode("utf-8")
             raise GrammarTimeoutError(
-                f"compiling regex {_preview(regex)} took longer than {self.timeout_s:g}s (the grammar is too complex)"
+                f"compiling regex {preview_regex(regex)} took longer than {self.timeout_s:g}s (the grammar is too complex)"
             )
         if isinstance(reply, _CompileFailed):
             raise GrammarError(reply.message)

@@ -63,3 +63,63 @@ def write_all(root, family: str = "llama") -> dict[str, str]:
         paths[name] = str(root / name)
         write_adapter(paths["base"], paths[name], seed, **fields)
     return paths
+
+
+# a third adapter for the paging tests (q and the MLP's down projection, rank 2); written apart from ADAPTERS so that
+# servers started with every ADAPTERS entry keep serving exactly those
+THIRD = ("tagger", dict(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]))
+
+
+def write_third(root, paths: dict[str, str]) -> dict[str, str]:
+    """root/tagger next to write_all's folders; -> paths with it added."""
+    name, fields = THIRD
+    out = dict(paths)
+    out[name] = str(root / name)
+    write_adapter(paths["base"], out[name], 11, **fields)
+    return out
+
+
+def write_misfit(src: str, dst: str) -> None:
+    """A copy of the adapter folder src whose first lora_A has half the base linear's input width (wrong shapes)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    file = f"{dst}/adapter_model.safetensors"
+    tensors = load_file(file)
+    key = sorted(k for k in tensors if "lora_A" in k)[0]
+    tensors[key] = tensors[key][:, : tensors[key].shape[1] // 2].contiguous()
+    save_file(tensors, file)
+
+
+def peft_model(base: str, adapters: dict[str, str]):
+    """The HF base model at `base` with every adapter of `adapters` (name -> folder) loaded through peft."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+    order = list(adapters)
+    model = peft.PeftModel.from_pretrained(model, adapters[order[0]], adapter_name=order[0])
+    for name in order[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    return model
+
+
+def peft_greedy(base: str, adapters: dict[str, str], prompts: list[list[int]], names: list, max_new_tokens: int):
+    """HF + peft's greedy tokens for each prompt under its adapter (a name of `adapters`, or None: the base)."""
+    model = peft_model(base, adapters)
+    out = []
+    for ids, name in zip(prompts, names):
+        x = torch.tensor([ids])
+        kw = dict(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                  eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            if name is None:
+                with model.disable_adapter():
+                    gen = model.generate(**kw)
+            else:
+                model.set_adapter(name)
+                gen = model.generate(**kw)
+        out.append(gen[0, len(ids):].tolist())
+    return out
