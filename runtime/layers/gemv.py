@@ -11,7 +11,7 @@ in fp32 from the upcast weight and the unquantized x, and each row's sum is mult
 (weight-only dequantization: x is not rounded to fp8 at batch 1). With SiLU-and-mul fused, a program owns the gate rows n and the up rows n + N of a [2N, K] weight
 and writes silu(gate) * up, rounding gate and up to the activation dtype where the unfused path
 (activation.py) rounds them. (Fusing the RMSNorm before a projection as well measured slower on the H200:
-every program then re-reads x and the residual from L2; see docs/benchmarks.md.) Gemma's gelu_tanh_mul is the same
+every program then re-reads x and the residual from L2; see docs/benchmark_history.md.) Gemma's gelu_tanh_mul is the same
 pairing with gelu(gate, tanh) rounded to the activation dtype before the product, as activation_kernels.py does.
 
 With programmatic dependent launch (PDL, Hopper and later; see pdl.py), a GEMV is launched while the

@@ -2,8 +2,8 @@
 
     y[M, N] = act(x[M, K] @ W[N(, +N), K]^T),  2 <= M <= 16, act: none, SiLU-and-mul or GELU-tanh-and-mul
 
-At these batch sizes a decode step is still a stream over the weights, but cuBLAS streams some shapes at 2.7-3.2 TB/s
-on an H200 (Llama-3-8B's o_proj and qkv_proj at 8 rows, 2026-12-05) where the batch-1 GEMV reaches 3.9-4.1. The fp8
+At these batch sizes a decode step is still a stream over the weights, but cuBLAS streams some shapes well below the
+rate the batch-1 GEMV reaches (docs/benchmark_history.md). The fp8
 Linear runs every 2..16-row matmul here; the dense Linear only the shapes and row counts of MEASURED_TILES (measured
 faster than cuBLAS on that GPU).
 Program (pid_n, pid_k) owns BLOCK_N rows of W (and the up rows N further with a gated act) over the pid_k-th of SPLIT_K
@@ -75,9 +75,9 @@ MEASURED_TILES: dict = {
         (3584, 14336, ""): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0), 8),
         (28672, 3584, "gelu"): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1), 8),
     },
-    # Gemma-2-9B: alone, no tile beat cuBLAS by more than 2% (2026-12-06, session 21), but in the batch-8 decode step
-    # at 8K these three together made it 1.020x (session 22: streaming their first tiles during the kernel before);
-    # qkv on the tile too made it 1.024x, so qkv stays on cuBLAS
+    # Gemma-2-9B: alone no tile beats cuBLAS clearly, but together in the batch-8 decode step at 8K these three do
+    # (they stream their first tiles during the kernel before); qkv gains too little on the tile and stays on cuBLAS
+    # (docs/benchmark_history.md, H200 sessions 21 and 22)
     "NVIDIA H200": {
         (28672, 3584, "gelu"): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1), 8),
         (3584, 14336, ""): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0), 8),

@@ -312,10 +312,6 @@ def _model_info(scheduler, server_args) -> dict:
     tok = getattr(scheduler, "tokenizer", None)
     info = {"model_path": server_args.model_path,
             "is_multimodal": bool(getattr(scheduler.model_config, "is_multimodal", False))}
-    for name in ("is_generation", "model_type", "architecture"):
-        v = getattr(scheduler, name, None)
-        if isinstance(v, (str, int, float, bool)):
-            info[name] = v
     if tok is not None:
         info["eos_token_id"] = getattr(tok, "eos_token_id", None)
     kv_total = scheduler.get_stats().get("kv_total_tokens")

@@ -37,20 +37,17 @@ if TYPE_CHECKING:
 
 __all__ = ["TritonAttnBackend", "TritonAttnMetadata"]
 
-# The least split count on a GPU. benchmarks/gpu/decode_attention_kv_dtype.py (H200, 2026-12-05): one Llama-3-8B
-# layer at 8,160 keys, 8 splits against 16, bf16 / fp8_e4m3 / fp8_e5m2 KV: batch 8 68.1 / 52.2 / 51.8 us against
-# 72.7 / 56.7 / 56.9, batch 64 491.6 / 367.1 / 360.9 against 513.4 / 392.1 / 387.9 (Gemma-2-9B's 42 layers at batch 8
-# and 8K in 2026-12-04's sweep: 8: 4370 us, 16: 4498).
+# The least split count on a GPU: 8 splits beat 16 for every KV dtype at batches of 8 and more
+# (benchmarks/gpu/decode_attention_kv_dtype.py and gemma2_decode_attention.py; docs/benchmark_history.md).
 DEFAULT_NUM_KV_SPLITS_GPU = 8
 DEFAULT_NUM_KV_SPLITS_CPU = 4  # the interpreter runs programs one by one
-# Small decode batches split the keys further, so that stage 1 has about this many programs per SM. On an H200 with
-# 16 splits, Gemma-2-9B's decode step grew from 4K to 8K context as if the added KV streamed at 2.75 TB/s at batch 1
-# (128 programs: one per SM) and at 4.5 TB/s at batch 8 (1024). benchmarks/gpu/gemma2_decode_attention.py timed 42 of
-# its layers at batch 1 by split count (2026-12-04): 16: 1030 us, 24: 966, 32: 865, 48: 944, 64: 1033; so 8 KV heads
-# take 32 splits at batch 1, 16 at batches 2-3 and the least, 8, from batch 4.
+# Small decode batches split the keys further, so that stage 1 has about this many programs per SM: with one program
+# per SM the added KV of a long context streams well below the copy rate. The count is where
+# benchmarks/gpu/gemma2_decode_attention.py's sweep of split counts peaked (docs/benchmark_history.md, 2026-12-04):
+# 8 KV heads take 32 splits at batch 1, 16 at batches 2-3 and the least, 8, from batch 4.
 DECODE_PROGRAMS_PER_SM = 1.9
-# Window layers take the batch's split count too: half as many for Gemma-2's (which read half the keys at 8K) measured
-# 0.997x / 1.003x end to end at batch 1 / 8 on an H100 (docs/benchmarks.md, session 16).
+# Window layers take the batch's split count too: half as many for Gemma-2's (which read half the keys at 8K) made
+# no difference end to end (docs/benchmark_history.md, session 16).
 MAX_NUM_KV_SPLITS_GPU = 64
 QUERY_HEADS_PER_PROGRAM = 16  # decode_attention's _BLOCK_H: one stage-1 program per 16 query heads of a KV head
 

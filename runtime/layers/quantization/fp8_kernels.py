@@ -459,8 +459,8 @@ def fp8_gemv_candidates() -> list[Fp8GemvConfig]:
 # The fastest variant and tile per (weight rows, K, SiLU-and-mul fused) on an H200, from
 # benchmarks/gpu/fp8_gemv_variants.py (all 32 layers' weights of a Llama-3-8B shape chained in one CUDA graph with
 # PDL, as in a decode step; every config there within its error bound). _tune's do_bench times one launch with L2
-# flushed and picked slower tiles for three of the four shapes (qkv 2.59 vs 3.17 TB/s, o 2.20 vs 2.92, down 3.36 vs
-# 3.81). Shapes not listed are tuned.
+# flushed, which picks slower tiles for most of these shapes than the chained graph does. Shapes not listed are
+# tuned.
 MEASURED_FP8_GEMV_CONFIGS = {
     "NVIDIA H200": {
         (6144, 4096, False): Fp8GemvConfig("f16", 4, 2048, 4, 3, group=16),  # qkv
@@ -469,16 +469,14 @@ MEASURED_FP8_GEMV_CONFIGS = {
         (4096, 14336, False): Fp8GemvConfig("f16", 8, 2048, 8, 3, group=16),  # down
     },
 }
-# on an H100 the H200's configs (benchmarks/gpu/fp8_gemv_table_ab.py, 2026-12-05): batch-1 fp8 decode 312.8 tok/s
-# against 310.0 with the first-call tuning and 309.0 with the H100 sweep's own winners (persistent grids for qkv, o and
-# down: faster in the sweep's graph of one shape, slower in the decode step)
+# on an H100 the H200's configs: in the batch-1 decode step they beat both the first-call tuning and the H100 sweep's
+# own winners (benchmarks/gpu/fp8_gemv_table_ab.py; docs/benchmark_history.md)
 MEASURED_FP8_GEMV_CONFIGS["NVIDIA H100 80GB HBM3"] = MEASURED_FP8_GEMV_CONFIGS["NVIDIA H200"]
 
 
 # 2..16 rows of x (small decode batches): the "tc" variant with x's rows as the tensor-core operand's columns, a tile
 # per (weight rows, K, SiLU-and-mul fused) from benchmarks/gpu/fp8_small_batch_gemm.py (all 32 layers of a Llama-3-8B
-# shape in one CUDA graph, 2026-12-05; TB/s at 8 rows against the default tile's): qkv 2.16 vs 1.47, o 1.40 vs 1.32,
-# down 2.52 vs 2.21; gate_up was not reached by the sweep and keeps the default (2.09).
+# shape in one CUDA graph); shapes the sweep did not reach keep the default tile (docs/benchmark_history.md)
 SMALL_BATCH_TC_CONFIG = Fp8GemvConfig("tc", 64, 256, 4, 4, split_k=0)
 MEASURED_FP8_SMALL_BATCH_CONFIGS = {
     "NVIDIA H200": {
@@ -487,9 +485,7 @@ MEASURED_FP8_SMALL_BATCH_CONFIGS = {
         (4096, 14336, False): Fp8GemvConfig("tc", 128, 128, 4, 4, split_k=0),  # down
     },
     # "tcq" (x quantized per row by quantize_rows first: the kernel's loop then holds no reduction), 64 x 256 tiles:
-    # Llama-3-8B fp8 batch-8 decode step at 2K context, each A/B in one process (benchmarks/gpu/decode_step_ab.py,
-    # 2026-12-06): SMALL_BATCH_TC_CONFIG everywhere 5.398 ms, the H200's tc tiles 5.282, tcq on those tiles 5.140
-    # (1.050x), tcq 64 x 256 everywhere 1.025x that (tcq 128 x 128 0.945x, 64 x 128 x 8 stages 0.977x)
+    # the fastest Llama-3-8B fp8 batch-8 decode step of benchmarks/gpu/decode_step_ab.py's A/Bs on the H100
     "NVIDIA H100 80GB HBM3": {
         (6144, 4096, False): Fp8GemvConfig("tcq", 64, 256, 4, 4, split_k=0),  # qkv
         (4096, 4096, False): Fp8GemvConfig("tcq", 64, 256, 4, 4, split_k=0),  # o

@@ -12,7 +12,7 @@ Stage 2, grid (B, H): merges the splits, BLOCK_S of them per load (one memory ro
 splits instead of one per split: at 8K context every split is in use, and the merge was a chain of 16 dependent
 L2 reads per layer).
 (Merging in stage 1 instead, by the last program of each head block to finish, was measured slower on an H100:
-docs/benchmarks.md, session 16.)
+docs/benchmark_history.md, session 16.)
 
 Splits cover ceil(len / num_kv_splits) keys rounded up to a whole BLOCK_N tile, so short sequences use
 fewer splits (the rest exit at once); the split count stays fixed, which CUDA graphs need.
@@ -201,7 +201,7 @@ STAGE2_VALUES_PER_LOAD = 8192
 
 
 def _decode_launch_configs(d: int, dv: int, device: torch.device, fp8_kv: bool = False) -> list[dict]:
-    """Preferred first (measured on an H200: docs/benchmarks.md, session 22 for the ROWS_AHEAD ones); later entries
+    """Preferred first (measured on an H200: docs/benchmark_history.md, session 22 for the ROWS_AHEAD ones); later entries
     need less shared memory."""
     if device.type != "cuda":
         return [dict(BLOCK_N=16, num_warps=4, num_stages=1)]
