@@ -42,14 +42,22 @@ class LoraBatch:
 
 
 class LoraLayer:
-    """One linear's adapter weights: A stacked over its output slices [N, S * R, in], B per slice [N, out_s, R]
-    (ranks below R padded with zeros, slices an adapter does not target left zero)."""
+    """One linear's adapter weights, this tensor-parallel rank's part: A stacked over its output slices
+    [N, S * R, in], B per slice [N, out_s, R] (ranks below R padded with zeros, slices an adapter does not target left
+    zero). Under TP they are split as the base linear is: a column-parallel linear keeps its rows of each B slice
+    (A whole), a row-parallel one its columns of A (B whole), so its partial delta joins the partial output before
+    the all-reduce sums them."""
 
-    def __init__(self, batch: LoraBatch, num_slots: int, rank: int, in_features: int, output_sizes: list[int],
-                 device, dtype):
+    def __init__(self, batch: LoraBatch, num_slots: int, rank: int, linear, device, dtype):
         self.batch = batch
         self.rank = rank
-        self.a = torch.zeros(num_slots, len(output_sizes) * rank, in_features, device=device, dtype=dtype)
+        output_sizes = linear.output_sizes
+        # the linear's TP parts (ColumnParallelLinear / RowParallelLinear; a plain Linear is whole on every rank)
+        self.full_in = getattr(linear, "full_in_features", linear.in_features)
+        self.in_start = getattr(linear, "in_start", 0)
+        self.full_out = list(getattr(linear, "full_output_sizes", output_sizes))
+        self.out_starts = list(getattr(linear, "shard_starts", [0] * len(output_sizes)))
+        self.a = torch.zeros(num_slots, len(output_sizes) * rank, linear.in_features, device=device, dtype=dtype)
         self.b = [torch.zeros(num_slots, out, rank, device=device, dtype=dtype) for out in output_sizes]
 
     def clear_slot(self, slot: int) -> None:
@@ -58,7 +66,10 @@ class LoraLayer:
             b[slot].zero_()
 
     def set_slice(self, slot: int, sub: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """a [r, full in], b [full out_s, r]: the whole checkpoint matrices; this rank's parts go into the slot."""
         r = a.shape[0]
+        a = a.narrow(1, self.in_start, self.a.shape[2])
+        b = b.narrow(0, self.out_starts[sub], self.b[sub].shape[1])
         self.a[slot, sub * self.rank: sub * self.rank + r] = a.to(self.a.dtype)
         self.b[sub][slot, :, :r] = b.to(self.a.dtype)
 
@@ -98,8 +109,7 @@ class LoraManager:
         for name, mod in model.named_modules():
             suffix = name.rsplit(".", 1)[-1]
             if suffix in fused and isinstance(mod, Linear) and len(mod.output_sizes) == len(_STACKS[suffix]):
-                mod.lora = self.layers[name] = LoraLayer(self.batch, self.num_slots, self.rank, mod.in_features,
-                                                         mod.output_sizes, device, dtype)
+                mod.lora = self.layers[name] = LoraLayer(self.batch, self.num_slots, self.rank, mod, device, dtype)
         self.registry: dict[str, LoraAdapter] = {}  # every registered adapter, weights on the host
         self.slot_names: list[Optional[str]] = [None] * self.num_slots
         self.slots: dict[str, int] = {}  # resident adapter -> its slot
@@ -150,7 +160,7 @@ class LoraManager:
             if layer is None:
                 raise LoraError(f"LoRA adapter {adapter.name!r} ({adapter.path}): the model has no {proj} at "
                                 f"{hf_module} that takes an adapter")
-            out_s, in_f = layer.b[sub].shape[1], layer.a.shape[2]
+            out_s, in_f = layer.full_out[sub], layer.full_in
             if a.shape[1] != in_f or b.shape[0] != out_s:
                 raise LoraError(f"LoRA adapter {adapter.name!r} ({adapter.path}): {hf_module} lora_A "
                                 f"{tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the base linear "

@@ -165,6 +165,27 @@ class LeaderScheduler:
         self._commands.append(Command(M.encode(M.FlushCacheReq(0))))
         return self._scheduler.flush_cache()
 
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        from braid.runtime.ipc import messages as M
+
+        self._recorded(Command(M.encode(M.LoadLoraReq(0, name, path))),
+                       lambda: self._scheduler.load_lora_adapter(name, path))
+
+    def unload_lora_adapter(self, name: str, done) -> None:
+        from braid.runtime.ipc import messages as M
+
+        self._recorded(Command(M.encode(M.UnloadLoraReq(0, name))),
+                       lambda: self._scheduler.unload_lora_adapter(name, done))
+
+    def _recorded(self, command: Command, apply) -> None:
+        """Apply a state change here and record it for the followers, with whether it was refused."""
+        self._commands.append(command)
+        try:
+            apply()
+        except Exception:
+            command.accepted = False
+            raise
+
     def io(self, inner) -> "LeaderIO":
         return LeaderIO(self, inner)
 
@@ -212,12 +233,26 @@ def follow(scheduler) -> None:
                 scheduler.abort_request(msg.rid)
             elif isinstance(msg, M.FlushCacheReq):
                 scheduler.flush_cache()
+            elif isinstance(msg, M.LoadLoraReq):
+                apply_like_rank_0(command, lambda: scheduler.load_lora_adapter(msg.lora_name, msg.lora_path))
+            elif isinstance(msg, M.UnloadLoraReq):  # rank 0 answers the unload; here it only has to happen
+                apply_like_rank_0(command, lambda: scheduler.unload_lora_adapter(msg.lora_name, lambda: None))
         gate.follow(step.grammars)
         if step.stop:
             ps.leave_tensor_parallel()
             return
         if scheduler.has_work():
             scheduler.step()  # outputs are rank 0's to send
+
+
+def apply_like_rank_0(command: Command, apply) -> None:
+    """A state change rank 0 made (an adapter loaded or unloaded), made here too; one rank 0 refused is not."""
+    if not command.accepted:
+        return
+    try:
+        apply()
+    except Exception as e:
+        raise RuntimeError(f"a change rank 0 made failed on this rank ({e}); the ranks' schedules would diverge") from e
 
 
 def add_like_rank_0(scheduler, msg, command: Command) -> None:
