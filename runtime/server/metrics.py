@@ -32,6 +32,8 @@ _STAT_GAUGES = {
     "kv_used_tokens": ("kv_used_tokens", "KV cache slots held by live requests"),
     "kv_total_tokens": ("kv_total_tokens", "KV cache size in tokens"),
     "cache_hit_rate": ("gpu_prefix_cache_hit_rate", "Fraction of prompt tokens served from the radix (prefix) cache"),
+    # LoRA adapters (only with --enable-lora)
+    "lora_free_slots": ("lora_free_slots", "LoRA adapter device slots holding no adapter"),
 }
 # cumulative scheduler totals -> (counter name without _total, help)
 _STAT_COUNTERS = {
@@ -44,6 +46,9 @@ _STAT_COUNTERS = {
     "spec_num_drafts_total": ("spec_decode_num_drafts", "Drafts verified (one per request with a draft per pass)"),
     "spec_num_draft_tokens_total": ("spec_decode_num_draft_tokens", "Draft tokens verified"),
     "spec_num_accepted_tokens_total": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+    "lora_slot_loads_total": ("lora_slot_loads", "LoRA adapters copied from host memory into a device slot"),
+    "lora_slot_evictions_total": ("lora_slot_evictions", "Resident LoRA adapters evicted for another (least "
+                                                         "recently used first)"),
 }
 
 

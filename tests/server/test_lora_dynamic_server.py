@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 from real_server import start_server
-from server_helpers import wait_idle
+from server_helpers import metric_values, wait_idle
 
 from lora_tiny import VOCAB, peft_greedy, write_adapter, write_all, write_misfit, write_third
 
@@ -128,6 +128,10 @@ def test_three_adapters_through_two_slots(srv, paths, prompts, refs):
         assert _generate(srv, prompts[2], name).json()["output_ids"] == refs[(2, name)], name
     info = wait_idle(srv)
     assert info["lora_num_slots"] == 2 and info["lora_slot_evictions_total"] >= before + 2
+    metrics = metric_values(srv.get("/metrics").text)
+    assert metrics["braid:lora_slot_evictions_total"] == info["lora_slot_evictions_total"]
+    assert metrics["braid:lora_slot_loads_total"] >= metrics["braid:lora_slot_evictions_total"] + 2
+    assert metrics["braid:lora_free_slots"] == info["lora_free_slots"]
 
 
 def test_load_and_unload_under_32_concurrent_requests(srv, client, paths, prompts, refs):
