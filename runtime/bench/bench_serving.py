@@ -168,6 +168,8 @@ def print_table(r: dict) -> None:
         ("Total token throughput (tok/s)", f"{r['total_throughput']:.2f}"),
         ("Concurrency", f"{r['concurrency']:.2f}"),
     ]
+    if r.get("spec_accept_length") is not None:
+        rows.append(("Mean acceptance length", f"{r['spec_accept_length']:.2f}"))
     width, vwidth = 36, 24
     lines = ["", " Serving Benchmark Result ".center(width + vwidth, "=")]
     lines += [f"{k:<{width}}{str(v):>{vwidth}}" for k, v in rows]
@@ -291,12 +293,33 @@ def _server_model_path(args) -> Optional[str]:
         return None
 
 
+_SPEC_COUNTERS = ("spec_num_drafts_total", "spec_num_accepted_tokens_total")
+
+
+def _spec_counters(args) -> Optional[tuple[float, float]]:
+    """A braid server's speculative-decoding totals (drafts verified, draft tokens accepted) from /get_server_info;
+    None for another server or one that does not speculate."""
+    import requests
+
+    if args.backend not in NATIVE_BACKENDS:
+        return None
+    try:
+        r = requests.get(_base_url(args) + "/get_server_info", headers=_headers(args), timeout=10)
+        info = r.json() if r.status_code == 200 else {}
+    except (requests.RequestException, ValueError):
+        return None
+    values = [info.get(key) for key in _SPEC_COUNTERS] if isinstance(info, dict) else [None]
+    return tuple(values) if all(isinstance(v, (int, float)) for v in values) else None
+
+
 def run_benchmark(args: argparse.Namespace) -> dict:
     """Runs the benchmark described by parsed args; prints the table and returns the results."""
     _validate(args)
     tokenizer = _resolve_tokenizer(args)
     requests_ = get_dataset(args, tokenizer)
+    spec_before = _spec_counters(args)
     outputs, duration = asyncio.run(_benchmark(args, requests_))
+    spec_after = _spec_counters(args) if spec_before is not None else None
     _count_output_tokens(outputs, tokenizer)
     result = {
         "backend": args.backend, "base_url": _base_url(args), "dataset_name": args.dataset_name,
@@ -306,6 +329,9 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "command": " ".join(sys.argv),
     }
     result.update(compute_metrics(outputs, duration))
+    if spec_after is not None and spec_after[0] > spec_before[0]:
+        # tokens a verified draft yields during this run: its accepted draft tokens plus the target's own
+        result["spec_accept_length"] = 1.0 + (spec_after[1] - spec_before[1]) / (spec_after[0] - spec_before[0])
     details = {"input_lens": [o.prompt_len for o in outputs], "output_lens": [o.output_len for o in outputs],
                "ttfts": [o.ttft for o in outputs], "latencies": [o.latency for o in outputs],
                "itls": [o.itl for o in outputs], "success": [o.success for o in outputs]}

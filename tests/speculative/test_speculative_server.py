@@ -117,3 +117,20 @@ def test_a_combination_braid_cannot_run_stops_the_launch():
                            "--speculative-eagle-topk", "4"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "--speculative-eagle-topk > 1 (tree drafts) is not supported with NGRAM" in proc.stderr
+
+
+def test_bench_serving_prints_the_runs_mean_acceptance_length(server, capsys):
+    from braid.runtime.bench import bench_serving
+
+    args = bench_serving.parse_args(["--base-url", server.base_url, "--api-key", API_KEY, "--tokenizer", "smollm2",
+                                     "--disable-tqdm", "--warmup-requests", "0", "--backend", "braid",
+                                     "--dataset-name", "random", "--num-prompts", "4", "--random-input-len", "48",
+                                     "--random-output-len", "32", "--random-range-ratio", "1"])
+    before = server.get("/get_server_info").json()
+    result = bench_serving.run_benchmark(args)
+    after = server.get("/get_server_info").json()
+    drafts = after["spec_num_drafts_total"] - before["spec_num_drafts_total"]
+    accepted = after["spec_num_accepted_tokens_total"] - before["spec_num_accepted_tokens_total"]
+    assert result["completed"] == 4 and drafts > 0
+    assert result["spec_accept_length"] == pytest.approx(1.0 + accepted / drafts)
+    assert f"{result['spec_accept_length']:.2f}" in capsys.readouterr().out.split("Mean acceptance length", 1)[1]
