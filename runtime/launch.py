@@ -80,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None, prog: str = "braid.launch_server"
         print(f"braid: serving needs the runtime extra, and {', '.join(missing)} "
               f"{'is' if len(missing) == 1 else 'are'} not installed: pip install 'braid[runtime]'", file=sys.stderr)
         return 2
-    from braid.runtime.server.http_server import StartRefused, launch_server
+    from braid.runtime.server.startup import StartRefused, launch_server
     from braid.runtime.server.tokenizer_manager import SchedulerStartError
 
     configure_logging(server_args)

@@ -1,115 +1,32 @@
-"""The aiohttp server: native API (/generate, health, info, cache, metrics), OpenAI routes, auth, shutdown."""
+"""The aiohttp application: the native API (/generate, health, info, tokenize, cache, adapters, metrics, the
+dashboard) and the OpenAI routes. Start-up and shutdown are startup.py's; auth and error answers http_middleware.py's."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
-import gc
-import hmac
 import logging
-import os
-import signal
-import socket
-from typing import Any, Optional
+from typing import Any
 
-import msgspec
 from aiohttp import web
 
-from braid.runtime.server import metrics as metrics_mod
-from braid.runtime.server.dashboard import dashboard_html
-from braid.runtime.server.errors import APIError, bad_request, body_too_large, from_exception, unauthorized, unavailable
-from braid.runtime.server.chat_content import parse_template_messages
-from braid.runtime.server.openai_api import OpenAIServing, template_messages
 from braid.runtime.core import Req
+from braid.runtime.server import metrics as metrics_mod
+from braid.runtime.server.chat_content import parse_template_messages
+from braid.runtime.server.dashboard import dashboard_html
+from braid.runtime.server.errors import APIError, bad_request, unavailable
 from braid.runtime.server.generate_protocol import GenerateBody, parse_generate
+from braid.runtime.server.http_middleware import (TM_KEY, auth_middleware, error_middleware, error_response,
+                                                  json_response, read_json, resolve_api_key)
+from braid.runtime.server.openai_api import OpenAIServing, template_messages
 from braid.runtime.server.openai_protocol import ChatCompletionRequest, parse_openai
-from braid.runtime.server.sse import SSE_DONE, api_error_event, json_bytes, sse_event
 from braid.runtime.server.request_handle import RequestHandle, drain, merge_steps
+from braid.runtime.server.sse import SSE_DONE, api_error_event, sse_event
 from braid.runtime.server.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("braid.server")
 
-TM_KEY = web.AppKey("tokenizer_manager", TokenizerManager)
 OPENAI_KEY = web.AppKey("openai_serving", OpenAIServing)
-
-_PUBLIC_PATHS = frozenset({"/health"})
-SCHEDULER_DEATH_GRACE_S = 2.0
-
-
-def json_response(body, status: int = 200) -> web.Response:
-    return web.Response(body=json_bytes(body), status=status, content_type="application/json")
-
-
-def error_response(err: APIError) -> web.Response:
-    resp = json_response(err.to_dict(), status=err.status)
-    resp.headers.update(err.headers or {})
-    return resp
-
-
-async def read_json(request: web.Request) -> Any:
-    limit = request.app[TM_KEY].server_args.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise body_too_large(limit)
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise body_too_large(limit) from None
-    try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
-        raise bad_request(f"Request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise bad_request("Request body is nested too deeply") from None
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except APIError as e:
-        request.app[TM_KEY].metrics.http_errors.inc()
-        return error_response(e)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        request.app[TM_KEY].metrics.http_errors.inc()
-        return error_response(APIError(e.reason, e.status))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception as e:
-        logger.exception("unhandled error on %s %s", request.method, request.path)
-        request.app[TM_KEY].metrics.http_errors.inc()
-        return error_response(from_exception(e))
-
-
-def auth_middleware(api_key: str):
-    expected = f"Bearer {api_key}".encode()
-
-    @web.middleware
-    async def check(request: web.Request, handler):
-        if request.path not in _PUBLIC_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not (hmac.compare_digest(given.encode(), expected) or _basic_auth_ok(request, given, api_key)):
-                err = unauthorized()
-                if request.path == "/dashboard":  # a browser asks its user for the key (as the password)
-                    err.headers = {**(err.headers or {}), "WWW-Authenticate": 'Basic realm="braid", charset="UTF-8"'}
-                return error_response(err)
-        return await handler(request)
-
-    return check
-
-
-def _basic_auth_ok(request: web.Request, given: str, api_key: str) -> bool:
-    """GET requests may carry the key as an HTTP Basic password (any user name): what a browser sends for the
-    dashboard and the routes its page polls."""
-    if request.method != "GET" or not given.startswith("Basic "):
-        return False
-    try:
-        password = base64.b64decode(given[6:], validate=True).decode().partition(":")[2]
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return hmac.compare_digest(password.encode(), api_key.encode())
 
 
 # ---- native API -------------------------------------------------------------------------------------
@@ -400,22 +317,6 @@ async def v1_chat_completions(request: web.Request) -> web.StreamResponse:
     return await request.app[OPENAI_KEY].chat_completions(request, await read_json(request))
 
 
-API_KEY_ENV = "BRAID_API_KEY"
-
-
-def resolve_api_key(server_args) -> Optional[str]:
-    """--api-key, else the first line of --api-key-file, else $BRAID_API_KEY (the last two stay out of `ps`)."""
-    if server_args.api_key:
-        return server_args.api_key
-    if server_args.api_key_file:
-        with open(server_args.api_key_file) as f:
-            key = f.readline().strip()
-        if not key:
-            raise ValueError(f"--api-key-file {server_args.api_key_file} holds no key on its first line")
-        return key
-    return os.environ.get(API_KEY_ENV) or None
-
-
 def create_app(tm: TokenizerManager) -> web.Application:
     args = tm.server_args
     middlewares = [error_middleware]
@@ -448,103 +349,3 @@ def create_app(tm: TokenizerManager) -> web.Application:
     app.router.add_post("/v1/completions", v1_completions)
     app.router.add_post("/v1/chat/completions", v1_chat_completions)
     return app
-
-
-class StartRefused(Exception):
-    """The server cannot start with these arguments; the message says why and what to change."""
-
-
-def check_before_start(server_args) -> None:
-    """Refuse in one line, before the scheduler process starts, what this process can already see is wrong."""
-    from braid.runtime.layers.attention.registry import check_backend_device
-    from braid.runtime.models.registry import check_model_source
-    from braid.runtime.server.tokenizer_manager import load_chat_template
-
-    if server_args.trust_remote_code:
-        logger.info("--trust-remote-code has no effect: braid never runs code from a model folder")
-    try:
-        check_model_source(server_args)
-        if server_args.attention_backend is not None:
-            check_backend_device(server_args.attention_backend, server_args.resolved_device)
-        if server_args.chat_template is not None:
-            load_chat_template(server_args.chat_template)
-    except (ValueError, OSError) as e:
-        raise StartRefused(str(e)) from e
-
-
-def _check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-
-
-async def serve(server_args) -> int:
-    """Start the scheduler, serve HTTP until SIGINT/SIGTERM, then drain and stop. Returns the exit code
-    (1 when the scheduler process died under the server)."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    _check_port_free(server_args.host, server_args.port)  # before minutes of model loading, not after
-    resolve_api_key(server_args)  # an unreadable key file fails now, not after the model loads
-    check_before_start(server_args)
-    tm = TokenizerManager(server_args)
-    runner: Optional[web.AppRunner] = None
-    stop_wait = asyncio.ensure_future(stop.wait())
-    try:
-        start = asyncio.ensure_future(tm.start())
-        await asyncio.wait({start, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-        if not start.done():  # signalled while the model loads
-            start.cancel()
-            await asyncio.gather(start, return_exceptions=True)
-            return 0
-        start.result()
-        # what start-up built (modules, tokenizer) lives as long as the process: out of the collector's way, so
-        # full collections, which the per-step output objects trigger, walk only the requests' objects
-        gc.freeze()
-        runner = web.AppRunner(create_app(tm), handler_cancellation=True, shutdown_timeout=5.0,
-                               access_log=logging.getLogger("aiohttp.access") if server_args.log_requests else None)
-        await runner.setup()
-        await web.TCPSite(runner, server_args.host, server_args.port).start()
-        logger.info("braid server ready on http://%s:%d (model %s, context %d)", server_args.host, server_args.port,
-                    server_args.model_name, tm.context_len)
-        dead_wait = asyncio.ensure_future(tm.dead_event.wait())
-        await asyncio.wait({stop_wait, dead_wait}, return_when=asyncio.FIRST_COMPLETED)
-        dead_wait.cancel()
-        if tm.dead:
-            logger.error("exiting: %s", tm.dead)
-            # a moment of 503s (health and generation) lets a supervisor or load balancer see why, and lets
-            # in-flight handlers answer their clients before the listener goes away
-            await asyncio.sleep(SCHEDULER_DEATH_GRACE_S)
-            return 1
-        logger.info("shutting down")
-        await tm.shutdown(server_args.shutdown_timeout_s)
-        return 0
-    finally:
-        stop_wait.cancel()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
-        if runner is not None:
-            await _stop_listening(runner)
-            await runner.cleanup()
-        await tm.close()
-
-
-async def _stop_listening(runner: web.AppRunner) -> None:
-    """Close the listening sockets and let the connections accepted just before settle, so that the runner's cleanup
-    then answers or closes every one of them at once, before the slow teardown."""
-    for site in list(runner.sites):
-        await site.stop()
-    # asyncio hands an accepted connection to aiohttp a few loop turns later; one handed over as the cleanup starts
-    # has its request dropped and is held, unanswered, for the whole shutdown timeout
-    await asyncio.sleep(0.1)
-
-
-def launch_server(server_args) -> int:
-    logging.basicConfig(level=getattr(logging, server_args.log_level.upper(), logging.INFO),
-                        format="[server %(asctime)s] %(levelname)s %(message)s")
-    if server_args.node_rank > 0:  # multi-node TP: this host runs its ranks; node 0 serves HTTP
-        from braid.runtime.processes.scheduler_process import run_node_ranks
-
-        return run_node_ranks(server_args)
-    return asyncio.run(serve(server_args))

@@ -12,7 +12,7 @@ import requests
 from conftest import GRAMMAR_TIMEOUT_S, MAX_BODY_BYTES, MAX_PROMPT_CHARS, MAX_QUEUED, MAX_RUNNING
 
 from braid.runtime.config import ServerArgs
-from braid.runtime.server.http_server import resolve_api_key
+from braid.runtime.server.http_middleware import resolve_api_key
 
 
 def _error(resp: requests.Response, status: int) -> dict:
