@@ -31,7 +31,7 @@ def test_bar_only_on_a_terminal_at_info(tmp_path, monkeypatch, caplog):
     server_args = ServerArgs(model_path=str(tmp_path), load_format="safetensors")
     model_config = load_model_config(server_args)
     for terminal, level in ((True, logging.INFO), (False, logging.INFO), (True, logging.WARNING)):
-        caplog.set_level(level, logger="braid.runtime.loader")
+        caplog.set_level(level, logger="braid.runtime.model_executor.model_loader")
         stream = Stream(terminal)
         monkeypatch.setattr(sys, "stderr", stream)
         load_model(model_config, server_args, torch.device("cpu"), torch.float32)
