@@ -6,7 +6,7 @@ import re
 import threading
 
 import requests
-from conftest import API_KEY, keep_screenshot
+from browser_helpers import API_KEY, keep_screenshot
 
 
 def test_dashboard_is_behind_the_key_and_self_contained(server):

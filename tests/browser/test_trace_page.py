@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import API_KEY, keep_screenshot
+from browser_helpers import API_KEY, keep_screenshot
 from traced_program import TOPICS, plan
 
 import braid

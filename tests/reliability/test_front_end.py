@@ -9,7 +9,7 @@ import time
 
 import pytest
 import requests
-from conftest import GRAMMAR_TIMEOUT_S, MAX_BODY_BYTES, MAX_PROMPT_CHARS, MAX_QUEUED, MAX_RUNNING
+from reliability_servers import GRAMMAR_TIMEOUT_S, MAX_BODY_BYTES, MAX_PROMPT_CHARS, MAX_QUEUED, MAX_RUNNING
 
 from braid.runtime.config import ServerArgs
 from braid.runtime.server.http_middleware import resolve_api_key

@@ -8,7 +8,7 @@ import threading
 import time
 
 import requests
-from conftest import start_server
+from reliability_servers import start_server
 
 LONG = {"text": "Count to one thousand: 1, 2, 3,",
         "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0}}

@@ -4,7 +4,7 @@ its kind calls for, the KV pool is fully free at idle; and a per-request deadlin
 import pytest
 
 from braid.runtime.bench import bench_soak
-from conftest import API_KEY, start_server
+from reliability_servers import API_KEY, start_server
 from tiny_families import write_tiny_family
 
 
