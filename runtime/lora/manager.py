@@ -38,7 +38,7 @@ class LoraBatch:
     def __init__(self, scale: torch.Tensor):
         self.scale = scale  # [N] per-slot scaling (0 for an empty slot)
         self.idx: Optional[torch.Tensor] = None
-        self.groups: list[tuple[int, torch.Tensor]] = []
+        self.groups: Optional[list[tuple[int, torch.Tensor]]] = []  # None: the ops derive them from idx
 
 
 class LoraLayer:
@@ -247,9 +247,11 @@ class LoraManager:
             raise RuntimeError(f"LoRA: {len(row_slots)} adapter names for a batch of {len(lens)} requests")
         token_slots = [s for s, n in zip(row_slots, lens) for _ in range(n)]
         idx = torch.tensor(token_slots, dtype=torch.int64)
-        groups = [(s, torch.nonzero(idx == s).flatten().to(self.batch.scale.device)) for s in sorted(set(row_slots))
-                  if s >= 0]
-        self.batch.idx, self.batch.groups = idx.to(self.batch.scale.device), groups
+        device = self.batch.scale.device
+        # the torch ops' per-adapter rows; the CUDA kernels read idx alone, so no row lists are copied there
+        groups = None if device.type == "cuda" else [(s, torch.nonzero(idx == s).flatten())
+                                                     for s in sorted(set(row_slots)) if s >= 0]
+        self.batch.idx, self.batch.groups = idx.to(device), groups
 
     def clear(self) -> None:
         self.batch.idx, self.batch.groups = None, []

@@ -143,13 +143,9 @@ class LeaderScheduler:
         from braid.runtime.ipc import messages as M
 
         command = Command(M.encode(M.message_from_req(req)), req.created_time)
-        self._commands.append(command)
         self._gate.at_once = command.grammars_at_once
         try:
-            self._scheduler.add_request(req)
-        except Exception:
-            command.accepted = False
-            raise
+            self._recorded(command, lambda: self._scheduler.add_request(req))
         finally:
             self._gate.at_once = None
 
