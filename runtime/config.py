@@ -171,10 +171,6 @@ class ServerArgs:
                                     "(Hopper and later; ignored elsewhere)")
     disable_decode_gemv: bool = _opt(False, "decode batches of 1-16 rows through cuBLAS (bf16/fp16) or "
                                             "torch._scaled_mm (fp8) instead of braid's Triton GEMV kernels")
-    disable_fused_kv_store: bool = _opt(False, "on CUDA, store K and V with two copies instead of one fused kernel")
-    disable_fused_rotary_kv_store: bool = _opt(False, "at decode, apply rotary and store K/V in separate launches")
-    disable_gemv_rotary_kv_store: bool = _opt(False, "at batch-1 decode on CUDA, rotate q/k and store K/V in a launch "
-                                                     "of their own instead of in the qkv GEMV's epilogue")
     disable_mla: bool = _opt(False, "MLA models (DeepSeek-V2): keep per-head K and V in the cache and attend in the expanded "
                                     "multi-head form instead of over the compressed latent (the baseline MLA is measured "
                                     "against; ~9x more KV per token)")

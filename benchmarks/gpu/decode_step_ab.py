@@ -3,12 +3,12 @@ with some of them set (the A/B that decides a measured constant or table before 
 captures its own CUDA graphs, so a constant read at capture time (a kernel route, a split rule) takes effect.
 
   python3 benchmarks/gpu/decode_step_ab.py --model gemma2-9b --batch-sizes 1 8 --context 8000 \
-      --server-arg disable_gemv_rotary_kv_store=True
+      --server-arg disable_decode_gemv=True
 
 --set MODULE:NAME=VALUE (a Python literal, or an expression over MODULE's names such as
 `{"NVIDIA H200": {(3584, 4096, ""): (TcTile(64, 128), 8)}}`; repeatable: all in one build, one build each with
 --separately, or builds of the groups that --next separates) and --server-arg NAME=VALUE (a ServerArgs field for the
-changed build, e.g. disable_gemv_rotary_kv_store=True). Prints
+changed build, e.g. disable_decode_gemv=True). Prints
 per batch size the step as committed and as changed (ms, tok/s, and for non-MLA models the share of the weights + KV
 ceiling at 4.28 TB/s, as gemma2_8k_decode.py counts it), and their ratio.
 """

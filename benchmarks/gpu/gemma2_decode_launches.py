@@ -66,10 +66,11 @@ class LaunchCounter(TorchDispatchMode):
 
 
 def count_decode_step(config: dict = TINY_GEMMA2, context: int = 40, decode_steps: int = 1, batch: int = 1,
-                      **server_args) -> LaunchCounter:
+                      qkv_epilogue: bool = True, **server_args) -> LaunchCounter:
     """Builds the tiny model (ServerArgs fields `server_args` on top), prefills `batch` requests of `context` tokens,
     counts the launches of the `decode_steps` decode steps after it; the counter's `output_ids` are the tokens
-    generated."""
+    generated. qkv_epilogue=False: the pool offers the batch-1 qkv GEMV no cache to write, so rotary and the KV
+    store run as their own kernel after it (the path the epilogue replaced, for comparison)."""
     from triton.runtime.interpreter import InterpretedFunction
 
     from braid.runtime.bench.bench_one_batch import StaticBatchRunner
@@ -120,6 +121,9 @@ def count_decode_step(config: dict = TINY_GEMMA2, context: int = 40, decode_step
     hooks.append(runner.model.register_forward_hook(lambda m, a, o: setattr(counter, "scope", "after the model")))
     runner.forward = counted_forward
     is_cuda = torch.Tensor.is_cuda
+    store_target = pools.MHAKVPool.rotary_store_target
+    if not qkv_epilogue:
+        pools.MHAKVPool.rotary_store_target = lambda self, layer_id, loc: None
     InterpretedFunction.run = counted_run
     torch.Tensor.is_cuda = property(lambda self: True)  # the GPU dispatch path, on CPU tensors
     try:
@@ -127,6 +131,7 @@ def count_decode_step(config: dict = TINY_GEMMA2, context: int = 40, decode_step
             counter.output_ids = StaticBatchRunner(runner).run([[5] * context] * batch, decode_steps + 1).output_ids
     finally:
         torch.Tensor.is_cuda = is_cuda
+        pools.MHAKVPool.rotary_store_target = store_target
         InterpretedFunction.run = original_run
         for h in hooks:
             h.remove()

@@ -319,32 +319,28 @@ def _view_as_cache(buffers: list[torch.Tensor], pool: KVPool) -> list[torch.Tens
 class MHAKVPool(KVPool):
     """Separate K and V per layer: [size + 1, head_num, head_dim] and [size + 1, head_num, v_head_dim].
 
-    fused_store: on CUDA, one Triton launch writes a layer's K and V (quantizing into an fp8 cache; else two
-    indexed copies). fused_rotary_store: there, with a cache in the model dtype, rotate_and_set_kv rotates q and
-    stores the rotated k and v in one launch (else rotary, then set_kv); with gemv_rotary_store too, the batch-1
-    qkv GEMV does that in its epilogue (rotary_store_target). All are for A/B timing; the results are the same.
+    The store has one route on CUDA and one fallback. On CUDA one Triton launch writes a layer's K and V
+    (quantizing into an fp8 cache); with a cache in the model dtype rotate_and_set_kv rotates q and stores the
+    rotated k and v in one launch, and the batch-1 qkv GEMV does that in its epilogue (rotary_store_target). The
+    fallback, where a kernel does not apply (CPU; an fp8 cache's rotary), is rotary, then indexed copies.
     """
 
     @_outside_inference_mode
     def __init__(self, size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
                  device: DeviceLike, v_head_dim: Optional[int] = None,
                  kv_cache_dtype: Union[str, torch.dtype, None] = None,
-                 k_scale: ScaleLike = 1.0, v_scale: ScaleLike = 1.0,
-                 fused_store: bool = True, fused_rotary_store: bool = True, gemv_rotary_store: bool = True):
+                 k_scale: ScaleLike = 1.0, v_scale: ScaleLike = 1.0):
         super().__init__(size, dtype, layer_num, device, kv_cache_dtype, k_scale, v_scale)
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
         _check_positive(head_num=head_num, head_dim=head_dim, v_head_dim=v_head_dim)
         self.head_num = head_num
         self.head_dim = head_dim
         self.v_head_dim = v_head_dim
-        self.fused_store = fused_store
-        self.fused_rotary_store = fused_rotary_store
-        self.gemv_rotary_store = gemv_rotary_store
         # Triton kernels need CUDA; the store kernel quantizes into an fp8 cache like _quantized, the rotary + store
         # kernel copies rows as they are (an fp8 cache rotates, then stores in that kernel)
         kernels_usable = _triton_kernels_run_on(self.device)
-        self._store_in_one_launch = fused_store and kernels_usable
-        self._rotate_and_store_in_one_launch = fused_rotary_store and kernels_usable and not self.is_fp8
+        self._store_in_one_launch = kernels_usable
+        self._rotate_and_store_in_one_launch = kernels_usable and not self.is_fp8
         self._k_buffers = [torch.zeros((size + 1, head_num, head_dim), dtype=self.store_dtype, device=self.device)
                            for _ in range(layer_num)]
         self._v_buffers = [torch.zeros((size + 1, head_num, v_head_dim), dtype=self.store_dtype, device=self.device)
@@ -392,7 +388,7 @@ class MHAKVPool(KVPool):
 
     def rotary_store_target(self, layer_id: int, loc: torch.Tensor):
         # (no fp8 cache gets here, so neither does one still calibrating its scales)
-        if self._rotate_and_store_in_one_launch and self.gemv_rotary_store:
+        if self._rotate_and_store_in_one_launch:
             return self._k_buffers[layer_id], self._v_buffers[layer_id], loc
         return None
 
@@ -407,20 +403,19 @@ class MLAKVPool(KVPool):
     The key is the whole row, the value its first kv_lora_rank channels (a view, no copy); so an fp8 e4m3 cache
     has one scale per layer (kv_scale), used for both.
 
-    fused_rotary_store: on CUDA with a cache in the model dtype, store_latent_and_build_query (absorbed MLA decode)
-    is one Triton launch (else the norm, rotary, set_kv and concatenations one by one); the results are the same.
+    On CUDA with a cache in the model dtype, store_latent_and_build_query (absorbed MLA decode) is one Triton
+    launch; elsewhere the norm, rotary, set_kv and concatenations run one by one, with the same results.
     """
 
     @_outside_inference_mode
     def __init__(self, size: int, dtype: torch.dtype, kv_lora_rank: int, qk_rope_head_dim: int, layer_num: int,
                  device: DeviceLike, kv_cache_dtype: Union[str, torch.dtype, None] = None,
-                 kv_scale: ScaleLike = 1.0, fused_rotary_store: bool = True):
+                 kv_scale: ScaleLike = 1.0):
         _check_positive(kv_lora_rank=kv_lora_rank, qk_rope_head_dim=qk_rope_head_dim)
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
         super().__init__(size, dtype, layer_num, device, kv_cache_dtype, kv_scale, kv_scale)
-        self.fused_rotary_store = fused_rotary_store
-        self._decode_store_in_one_launch = fused_rotary_store and not self.is_fp8 and _triton_kernels_run_on(self.device)
+        self._decode_store_in_one_launch = not self.is_fp8 and _triton_kernels_run_on(self.device)
         self.head_num = 1
         self.head_dim = kv_lora_rank + qk_rope_head_dim
         self.v_head_dim = kv_lora_rank

@@ -64,8 +64,7 @@ class HybridKVPool(KVPool):
     def __init__(self, size: int, window_size: int, dtype: torch.dtype, head_num: int, head_dim: int,
                  layer_windows: Sequence[Optional[int]], device: DeviceLike, v_head_dim: Optional[int] = None,
                  kv_cache_dtype: Union[str, torch.dtype, None] = None, k_scale: ScaleLike = 1.0,
-                 v_scale: ScaleLike = 1.0, fused_store: bool = True, fused_rotary_store: bool = True,
-                 gemv_rotary_store: bool = True):
+                 v_scale: ScaleLike = 1.0):
         split = window_layer_split(layer_windows)
         if split is None:
             raise ValueError("HybridKVPool needs both sliding-window and global-attention layers; got windows "
@@ -76,8 +75,7 @@ class HybridKVPool(KVPool):
         self.window = max(int(layer_windows[i]) for i in self.window_layers)
         self.window_size = window_size
         self._where = {}  # layer id -> (sub-pool, its layer index there)
-        common = dict(v_head_dim=v_head_dim, kv_cache_dtype=kv_cache_dtype, fused_store=fused_store,
-                      fused_rotary_store=fused_rotary_store, gemv_rotary_store=gemv_rotary_store)
+        common = dict(v_head_dim=v_head_dim, kv_cache_dtype=kv_cache_dtype)
         self.full_pool = MHAKVPool(size, dtype, head_num, head_dim, len(self.full_layers), device, **common)
         self.window_pool = MHAKVPool(window_size, dtype, head_num, head_dim, len(self.window_layers), device, **common)
         for local, layer_id in enumerate(self.full_layers):

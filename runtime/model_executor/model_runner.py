@@ -159,25 +159,18 @@ class ModelRunner:
             k_scales, v_scales = getattr(self.model, "kv_cache_scales", None) or (1.0, 1.0)
             self.kv_pool = HybridKVPool(
                 self.max_total_tokens, self.window_kv_tokens, self.dtype, heads_kv, mc.head_dim, layer_windows,
-                self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype, k_scale=k_scales, v_scale=v_scales,
-                fused_store=not self.server_args.disable_fused_kv_store,
-                fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store,
-                gemv_rotary_store=not self.server_args.disable_gemv_rotary_kv_store)
+                self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype, k_scale=k_scales, v_scale=v_scales)
             logger.info("KV pool: window layers' KV trimmed to %d token slots beside %d for the global layers "
                         "(--disable-window-kv-trimming keeps one pool)", self.window_kv_tokens, self.max_total_tokens)
         elif mc.attention_arch == "mla":
             self.kv_pool = MLAKVPool(self.max_total_tokens, self.dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
-                                              mc.num_layers, self.device, kv_cache_dtype=kv_dtype,
-                                              fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store)
+                                     mc.num_layers, self.device, kv_cache_dtype=kv_dtype)
         else:
             # an fp8_e4m3 cache takes the checkpoint's per-layer KV scales when it has them (loader), else 1.0
             k_scales, v_scales = getattr(self.model, "kv_cache_scales", None) or (1.0, 1.0)
             self.kv_pool = MHAKVPool(self.max_total_tokens, self.dtype, heads_kv, mc.head_dim, mc.num_layers,
-                                              self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype,
-                                              k_scale=k_scales, v_scale=v_scales,
-                                              fused_store=not self.server_args.disable_fused_kv_store,
-                                              fused_rotary_store=not self.server_args.disable_fused_rotary_kv_store,
-                                              gemv_rotary_store=not self.server_args.disable_gemv_rotary_kv_store)
+                                     self.device, v_head_dim=mc.v_head_dim, kv_cache_dtype=kv_dtype,
+                                     k_scale=k_scales, v_scale=v_scales)
         logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", self.max_total_tokens,
                     self.max_total_tokens * per_token / 2**20, max_reqs)
 

@@ -61,3 +61,14 @@ def test_dashboard_under_load_shows_running_requests_and_plots(page, server):
         stop.set()
         for t in threads:
             t.join()
+
+
+def test_dashboard_fetches_only_its_own_server(page, server):
+    page.set_headers(server.headers)
+    page.goto(server.base_url + "/dashboard")
+    page.wait_for("+document.body.dataset.samples >= 2", timeout=60)
+    fetched = page.eval("performance.getEntriesByType('resource').map(e => e.name)")
+    origin = page.eval("location.origin")
+    assert fetched and all(url.startswith(origin + "/") for url in fetched), fetched
+    assert {url[len(origin):] for url in fetched} == {"/get_server_info", "/metrics"}
+    assert page.eval("document.querySelectorAll('[src], link, img, iframe').length") == 0

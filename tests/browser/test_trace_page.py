@@ -126,3 +126,13 @@ def test_openai_backend_trace_leaves_out_what_it_does_not_give(page, server, tmp
     page.click("#program .span[data-call='0']")
     details = page.eval("document.querySelector('#details-body').textContent")
     assert "no token logprobs" in details and "not reported" in details
+
+
+def test_the_page_fetches_nothing(page, traced):
+    # self-contained as rendered, not only as written: the browser loaded no resource and no element points outside
+    _, html_path = traced
+    page.goto(html_path.as_uri())
+    page.wait_for("document.body.dataset.rendered === 'true'")
+    assert page.eval("performance.getEntriesByType('resource').map(e => e.name)") == []
+    assert page.eval("document.querySelectorAll('[src], [href], link, img, iframe, object, embed').length") == 0
+    assert page.eval("[...document.scripts].every(s => !s.src)")

@@ -16,6 +16,7 @@ from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.rotary import RotaryEmbedding
 from braid.runtime.mem_cache import pools
 from braid.runtime.mem_cache.pools import MLAKVPool
+from kv_pools import fallback_pool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # R = 80 is not a power of two and spans two latent blocks of 64; nope 24 pads to a 32-wide dot
@@ -48,12 +49,14 @@ def test_fused_decode_store_matches_unfused(monkeypatch, dtype, neox, tokens):
     loc = torch.randperm(SLOTS, device=DEVICE, generator=g)[:T] + 1
     outs = {}
     for fused in (True, False):
-        pool = MLAKVPool(SLOTS, dtype, R, P, layer_num=2, device=DEVICE, fused_rotary_store=fused)
+        def make():
+            return MLAKVPool(SLOTS, dtype, R, P, layer_num=2, device=DEVICE)
+        pool = make() if fused else fallback_pool(make)
         q_full = pool.store_latent_and_build_query(1, loc, positions, latent.clone(), k_pe.clone(), norm, rotary,
                                                    q_nope, w_kc, q_pe.clone())
         outs[fused] = (q_full, pool.get_key_buffer(1).clone(), pool.get_key_buffer(0).clone())
     assert calls == [1]
-    (q_f, kv_f, other_f), (q_u, kv_u, other_u) = outs[True], outs[False]
+    (q_f, kv_f, other_f), (q_u, kv_u, _) = outs[True], outs[False]
     assert q_f.shape == (T, H, R + P) and q_f.dtype == dtype
     # the latent query against an fp32 matmul (the unfused bmm rounds like the fused dot, up to summation order)
     q_latent = torch.einsum("thn,hnr->thr", q_nope.float(), w_kc.float())
@@ -115,9 +118,11 @@ def test_fp8_w_kc_and_w_vc_equal_their_dequantized_copies(monkeypatch, dtype):
     positions = torch.arange(T, device=DEVICE)
     loc = torch.arange(1, T + 1, device=DEVICE)
     dense = mla_kernels.dequantized_head_weight(w_kc, kc_scale, dtype)
-    got, want = (MLAKVPool(SLOTS, dtype, R, P, layer_num=1, device=DEVICE, fused_rotary_store=fused)
-                 .store_latent_and_build_query(0, loc, positions, latent, k_pe, norm, rotary, q_nope, w, q_pe, s)
-                 for fused, w, s in ((True, w_kc, kc_scale), (False, dense, None)))
+
+    def make():
+        return MLAKVPool(SLOTS, dtype, R, P, layer_num=1, device=DEVICE)
+    got, want = (pool.store_latent_and_build_query(0, loc, positions, latent, k_pe, norm, rotary, q_nope, w, q_pe, s)
+                 for pool, w, s in ((make(), w_kc, kc_scale), (fallback_pool(make), dense, None)))
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2 ** -7)
     torch.testing.assert_close(got, want, **tol)
 

@@ -14,6 +14,7 @@ from braid.runtime.layers import kv_store_kernels, rotary_kernels
 from braid.runtime.layers.rotary import RotaryEmbedding
 from braid.runtime.mem_cache import pools
 from braid.runtime.mem_cache.pools import MHAKVPool
+from kv_pools import fallback_pool
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 H, HKV, D, DV, LAYERS, SLOTS, T = 4, 2, 16, 8, 2, 40, 5
@@ -31,11 +32,10 @@ def count_calls(monkeypatch, module, name) -> list:
 
 
 def pool_pair(dtype, kv_cache_dtype="auto"):
-    """-> (fused pool, unfused pool), both empty."""
-    def make(fused):
-        return MHAKVPool(SLOTS, dtype, HKV, D, LAYERS, DEVICE, v_head_dim=DV, kv_cache_dtype=kv_cache_dtype,
-                         fused_store=fused, fused_rotary_store=fused)
-    return make(True), make(False)
+    """-> (pool on the Triton route, pool on the fallback route), both empty."""
+    def make():
+        return MHAKVPool(SLOTS, dtype, HKV, D, LAYERS, DEVICE, v_head_dim=DV, kv_cache_dtype=kv_cache_dtype)
+    return make(), fallback_pool(make)
 
 
 def qkv_views(dtype, seed):

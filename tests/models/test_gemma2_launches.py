@@ -43,7 +43,7 @@ def test_qkv_epilogue_decodes_the_tokens_of_the_separate_rotary_store():
     spec = importlib.util.spec_from_file_location("gemma2_decode_launches", SCRIPT)
     harness = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(harness)
-    runs = {off: harness.count_decode_step(decode_steps=3, disable_gemv_rotary_kv_store=off) for off in (False, True)}
+    runs = {off: harness.count_decode_step(decode_steps=3, qkv_epilogue=not off) for off in (False, True)}
     names = {off: {name for _, name in run.launches} for off, run in runs.items()}
     assert "triton._gemv_rotary_store_kernel" in names[False] and "triton._rotary_kernel" not in names[False]
     assert "triton._rotary_kernel" in names[True] and "triton._gemv_rotary_store_kernel" not in names[True]

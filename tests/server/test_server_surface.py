@@ -78,7 +78,6 @@ def test_runtime_endpoint_refuses_images_for_a_text_only_model(server):
 
 def test_server_info_lists_the_kernel_switches(server):
     info = server.get("/get_server_info").json()
-    for switch in ("disable_pdl", "disable_decode_gemv", "disable_fused_kv_store", "disable_fused_rotary_kv_store",
-                   "disable_cpu_prepack", "disable_cpu_malloc_tuning"):
+    for switch in ("disable_pdl", "disable_decode_gemv", "disable_cpu_prepack", "disable_cpu_malloc_tuning"):
         assert info[switch] is False, switch
     assert info["stream_interval"] == 1 and info["tp_size"] == 1 and info["api_key"] == "<redacted>"
