@@ -157,8 +157,10 @@ class Backend(ABC):
         self.require(CAP_SELECT, "select")
         raise NotImplementedError
 
-    def cache_prefix(self, prompt: Prompt) -> None:
-        """Make `prompt` cached for later requests that extend it (a zero-token prefill). Default: nothing."""
+    def cache_prefix(self, prompt: Prompt) -> Optional[dict]:
+        """Make `prompt` cached for later requests that extend it (a zero-token prefill); its meta_info
+        (prompt_tokens, cached_tokens) where the backend reports one. Default: nothing, None."""
+        return None
 
     def flush_cache(self) -> None:
         """Drop every cached prefix. Default: nothing."""

@@ -167,22 +167,28 @@ class NativeApiBackend(Backend):
         out = self._call(self.request_body(prompt, {"max_new_tokens": 0}))
         return out.get("meta_info", {})
 
-    def cache_prefix(self, prompt: Prompt) -> None:
-        self.prefill(prompt)
+    def cache_prefix(self, prompt: Prompt) -> dict:
+        return self.prefill(prompt)
 
     def select(self, prompt: Prompt, choices: list[str], temperature: float, method: ChoicesMethod) -> ChoicesDecision:
-        token_logprobs = self._score_choices(prompt, choices)
+        token_logprobs, prefill_meta = self._score_choices(prompt, choices)
         uncond = None
         if method.requires_unconditional_logprobs:
             context = unconditional_context(prompt.open_role, self.get_chat_template())
-            uncond = self._score_choices(Prompt(text=context), choices)
+            uncond, _ = self._score_choices(Prompt(text=context), choices)
         decision = method(choices, token_logprobs, uncond, temperature=temperature)
+        # the prompt's own tokens and the share the prefix cache served, from the prefill that scored them
+        for key in ("prompt_tokens", "cached_tokens"):
+            if key in prefill_meta:
+                decision.meta_info.setdefault(key, prefill_meta[key])
         return decision
 
-    def _score_choices(self, prompt: Prompt, choices: list[str]) -> list[list[float]]:
-        """Per choice, the logprobs of its tokens after `prompt` (steps 1 and 2 above)."""
+    def _score_choices(self, prompt: Prompt, choices: list[str]) -> tuple[list[list[float]], dict]:
+        """Per choice, the logprobs of its tokens after `prompt` (steps 1 and 2 above); and the meta_info of the
+        prompt's prefill."""
         prefix = self.prompt_text(prompt)
-        prefix_len = int(self.prefill(prompt)["prompt_tokens"])
+        prefill_meta = self.prefill(prompt)
+        prefix_len = int(prefill_meta["prompt_tokens"])
         start = max(prefix_len - 1, 0)
         scoring = {"max_new_tokens": 0, "temperature": 0.0}
 
@@ -192,7 +198,7 @@ class NativeApiBackend(Backend):
             return _choice_logprobs(entries, prefix_len - start, choice)
 
         with ThreadPoolExecutor(max_workers=min(len(choices), _SELECT_PARALLELISM)) as pool:
-            return list(pool.map(score, choices))
+            return list(pool.map(score, choices)), prefill_meta
 
 
 def _one(out: Any) -> dict:

@@ -514,9 +514,9 @@ class StreamExecutor:
         self.backend.require(CAP_FORK, "fork()")
         if cache_prefix and n > 1 and self.text_ and self.backend.supports(CAP_PREFIX_CACHE):
             call = self._trace_call("prefill", None, None) if self.recorder is not None else None
-            self.backend.cache_prefix(self.snapshot())
+            meta = self.backend.cache_prefix(self.snapshot())
             if call is not None:
-                self._trace_done(call, "", None)
+                self._trace_done(call, "", meta)
         children = []
         for i in range(n):
             scope = None

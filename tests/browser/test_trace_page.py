@@ -57,6 +57,11 @@ def test_the_trace_holds_every_call_of_the_batch(traced):
         assert [ch["text"] for ch in c["choices"]] == ["yes", "no"]
         assert all(isinstance(ch["score"], float) and ch["token_logprobs"] for ch in c["choices"])
         assert c["method"] == "token_length_normalized" and c["text"] == ["yes", "no"][c["decision"]]
+        # the prompt the choices were scored after, from the prefill that scored them: all of it in the prefix cache
+        # but what came after the program's last gen
+        assert c["prompt_tokens"] > 0 and 0 < c["cached_tokens"] <= c["prompt_tokens"]
+    for c in _calls(trace, "prefill"):  # a fork's shared prefix
+        assert c["prompt_tokens"] > 0 and 0 <= c["cached_tokens"] <= c["prompt_tokens"]
     s = trace["summary"]
     assert s["calls"] == 10 and s["gens"] == 6 and s["selects"] == 2
     assert 0 < s["cached_share"] < 1 and s["wall_s"] > 0
