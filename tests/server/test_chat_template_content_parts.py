@@ -116,8 +116,10 @@ def test_chat_completions_match_hf(llava, case):
     assert chat.choices[0].message.content == want_text
 
 
-def _dsl_program():
+def _dsl_program(logprobs=True):
     import braid
+
+    extra = {"return_logprob": True, "logprob_start_len": 0} if logprobs else {}
 
     def content(parts):
         node = None
@@ -130,8 +132,7 @@ def _dsl_program():
     def conversation_program(s, conversation):
         for role, parts in conversation:
             s += getattr(braid, role)(content(parts))
-        s += braid.assistant(braid.gen("answer", max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True,
-                                       return_logprob=True, logprob_start_len=0))
+        s += braid.assistant(braid.gen("answer", max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, **extra))
 
     return conversation_program
 
@@ -146,6 +147,20 @@ def test_dsl_program_matches_hf(llava, case):
     state = _dsl_program().run(conversation, backend=backend)
     meta = state.get_meta_info("answer")
     assert [t for _, t, *_ in meta["input_token_logprobs"]] == want_ids
+    assert state["answer"] == want_text
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dsl_program_on_openai_backend_matches_hf(llava, case):
+    """braid.OpenAI sends the role blocks as image_url / video_url content parts to /v1/chat/completions: the
+    prompt the server builds has HF's length and the greedy text is HF's."""
+    import braid
+
+    conversation = _cases()[case]
+    want_ids, want_text = _hf_reference(llava, conversation)
+    backend = braid.OpenAI("default", base_url=llava.srv.base_url + "/v1", api_key=API_KEY, is_chat_model=True)
+    state = _dsl_program(logprobs=False).run(conversation, backend=backend)
+    assert state.get_meta_info("answer")["prompt_tokens"] == len(want_ids)
     assert state["answer"] == want_text
 
 
