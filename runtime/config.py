@@ -431,9 +431,6 @@ class ServerArgs:
             raise ValueError(f"--enable-lora with --quantization {self.quantization} is not supported yet")
         if self.enable_torch_compile:
             raise ValueError("--enable-lora with --enable-torch-compile is not supported yet")
-        if self.resolved_device == "cuda" and not self.disable_cuda_graph:
-            raise ValueError("--enable-lora on CUDA needs --disable-cuda-graph for now (graphs that select "
-                             "adapters by index are not built yet)")
 
     @property
     def lora_adapters(self) -> dict[str, str]:

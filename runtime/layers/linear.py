@@ -105,7 +105,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor, act: Optional[nn.Module] = None) -> torch.Tensor:
         # the bias and act come after the all-reduce of the partial sums
         out = self.linear_method.apply(self, x)
-        if self.lora is not None and self.lora.active:  # tp 1 only (ServerArgs refuses LoRA with tp > 1)
+        if self.lora is not None and self.lora.active:  # this rank's partial delta joins its partial sums
             out = self.lora.add_delta(x, out)
         out = ps.all_reduce(out)  # a no-op without a distributed world
         if self.bias is not None:

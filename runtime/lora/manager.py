@@ -232,26 +232,51 @@ class LoraManager:
                                f"loads it); resident: {sorted(self.slots)}")
         return slot
 
-    def prepare(self, fb) -> None:
-        """Set the batch's per-token slots from fb.lora_paths (one adapter name or None per request)."""
+    def _token_slots(self, fb) -> list[int]:
+        """fb's slot per token (-1: base), from fb.lora_paths (one adapter name or None per request); [] when no
+        request of the batch names an adapter."""
         names = fb.lora_paths
         row_slots = [self.slot_of(name) for name in names] if names is not None else []
         if not any(s >= 0 for s in row_slots):
-            self.batch.idx, self.batch.groups = None, []
-            return
+            return []
         for name in set(names):
             if name is not None:
                 self.lru.move_to_end(name)
         lens = fb.extend_seq_lens_cpu if fb.extend_seq_lens_cpu is not None else [1] * fb.batch_size
         if len(lens) != len(row_slots):
             raise RuntimeError(f"LoRA: {len(row_slots)} adapter names for a batch of {len(lens)} requests")
-        token_slots = [s for s, n in zip(row_slots, lens) for _ in range(n)]
+        return [s for s, n in zip(row_slots, lens) for _ in range(n)]
+
+    def prepare(self, fb) -> None:
+        """Set the eager pass's per-token slots."""
+        token_slots = self._token_slots(fb)
+        if not token_slots:
+            self.batch.idx, self.batch.groups = None, []
+            return
         idx = torch.tensor(token_slots, dtype=torch.int64)
         device = self.batch.scale.device
         # the torch ops' per-adapter rows; the CUDA kernels read idx alone, so no row lists are copied there
         groups = None if device.type == "cuda" else [(s, torch.nonzero(idx == s).flatten())
-                                                     for s in sorted(set(row_slots)) if s >= 0]
+                                                     for s in sorted(set(token_slots)) if s >= 0]
         self.batch.idx, self.batch.groups = idx.to(device), groups
+
+    # ---- CUDA graphs: the captured pass reads its slots from a static index buffer ----
+    def use_static_idx(self, idx: torch.Tensor) -> None:
+        """Every LoraLayer of the pass about to run (or be captured) reads `idx` ([T] int64, a view of a graph
+        runner's buffer); the delta ops run for every pass then, adapter rows or not. A new view per pass, so the
+        kernels' row order is computed inside each capture (sgmv_kernels.row_order keys it by the tensor)."""
+        self.batch.idx, self.batch.groups = idx, None
+
+    def load_static_idx(self, fb, idx: torch.Tensor, rows: int) -> None:
+        """Write fb's per-token slots into idx[:rows] (-1 past them and for a batch without adapters), for a
+        replay that reads that buffer."""
+        token_slots = self._token_slots(fb)
+        idx[len(token_slots):rows].fill_(-1)
+        if token_slots:
+            slots = torch.tensor(token_slots, dtype=torch.int64)
+            if idx.device.type == "cuda":
+                slots = slots.pin_memory()
+            idx[:len(token_slots)].copy_(slots, non_blocking=True)
 
     def clear(self) -> None:
         self.batch.idx, self.batch.groups = None, []

@@ -1,7 +1,9 @@
 """CUDA graphs for decode: capture the model once per padded batch size, replay with the inputs copied in.
 
 A batch of B requests replays the graph of the smallest captured size >= B; padding rows write their KV to the
-pool's dummy slot 0 and attend over one token, and their outputs are dropped.
+pool's dummy slot 0 and attend over one token, and their outputs are dropped. With LoRA adapters served, the
+graphs read each token's adapter slot from a static index buffer ([rows] int64, -1: the base model), so one graph
+serves any mix of adapters and the base model.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=dev)
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
+        self.lora = model_runner.lora_manager
+        self.lora_idx = torch.full((self.max_bs,), -1, dtype=torch.int64, device=dev) if self.lora else None
         self.num_replays = 0  # decode steps served by a graph
         self.num_padded_replays = 0  # of those, steps that ran a larger captured size
         self.compiled = None
@@ -69,6 +73,8 @@ class CudaGraphRunner:
                     ", torch.compile first" if self.compiled is not None else "")  # can take a while: say so first
         start = time.perf_counter()
         self.graphs, self.outputs = capture_graphs(self.batch_sizes, self._prepare_capture)
+        if self.lora is not None:
+            self.lora.clear()
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
     def _enable_compile(self) -> None:
@@ -101,7 +107,12 @@ class CudaGraphRunner:
         fb = self._static_batch(bs)
         self.attn_backend.init_forward_metadata_capture(bs, fb)
         forward = self._forward_fn(bs)
-        return lambda: forward(fb)
+
+        def run():
+            if self.lora is not None:
+                self.lora.use_static_idx(self.lora_idx[:bs])
+            return forward(fb)
+        return run
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.batch_size <= self.max_bs
@@ -122,6 +133,8 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
         self.seq_lens[:bs].copy_(fb.seq_lens)
         self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
+        if self.lora is not None:
+            self.lora.load_static_idx(fb, self.lora_idx, padded)
         static = self._static_batch(padded)
         static.seq_lens_cpu = list(fb.seq_lens_cpu) + [1] * (padded - bs)
         self.attn_backend.init_forward_metadata_replay(padded, static)
@@ -164,6 +177,8 @@ class ExtendCudaGraphRunner:
         self.extend_seq_lens = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
         self.extend_prefix_lens = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
         self.extend_start_loc = torch.zeros(self.max_reqs, dtype=torch.int32, device=dev)
+        self.lora = model_runner.lora_manager
+        self.lora_idx = torch.full((self.max_tokens,), -1, dtype=torch.int64, device=dev) if self.lora else None
         self.attn_backend.init_extend_graph_state(self.max_tokens, self.max_reqs, model_runner.kv_pool,
                                                   model_runner.req_to_token_pool.req_to_token, model_runner.dtype)
         self.num_replays = 0
@@ -175,6 +190,8 @@ class ExtendCudaGraphRunner:
                         len(self.token_buckets), self.max_tokens, self.max_reqs)
             start = time.perf_counter()
             self.graphs, self.outputs = capture_graphs(self.token_buckets, self._prepare_capture)
+            if self.lora is not None:
+                self.lora.clear()
             logger.info("extend CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
     def _reqs(self, tokens: int) -> int:
@@ -198,6 +215,8 @@ class ExtendCudaGraphRunner:
     def _run_static(self, tokens: int) -> torch.Tensor:
         fb = self._static_batch(tokens)
         self.attn_backend.init_extend_graph_metadata(tokens, fb)
+        if self.lora is not None:
+            self.lora.use_static_idx(self.lora_idx[:tokens])
         return self.model(fb)
 
     def _prepare_capture(self, tokens: int):
@@ -241,7 +260,12 @@ class ExtendCudaGraphRunner:
         self.out_cache_loc[tokens:padded].zero_()
         self.req_pool_indices[:fb.batch_size].copy_(fb.req_pool_indices)
         self._load(padded, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)
+        if self.lora is not None:
+            self.lora.load_static_idx(fb, self.lora_idx, padded)
         if self.captured:
             self.graphs[padded].replay()
             return self.outputs[padded][:tokens]
-        return self._run_static(padded)[:tokens]
+        out = self._run_static(padded)[:tokens]
+        if self.lora is not None:
+            self.lora.clear()
+        return out

@@ -244,6 +244,7 @@ class Scheduler:
             effective_max_continuous_decode_steps=self.max_continuous_decode_steps,
             effective_admission_min_extend_tokens=self.admission_min_extend_tokens,
             num_forward_extend_graphed=getattr(getattr(self.runner, "extend_graph_runner", None), "num_replays", 0),
+            num_forward_decode_graphed=getattr(getattr(self.runner, "cuda_graph_runner", None), "num_replays", 0),
             **self.timing.stats(), grammar_mask_time_s_total=self.output.grammar_mask_s,
             grammar=self.intake.grammar_stats(), **(self.spec.stats() if self.spec is not None else {}),
             **(self.lora.stats() if self.lora is not None else {}),

@@ -187,3 +187,48 @@ def test_gpu_gemma2_greedy_equal_with_extend_graphs(tiny_gemma2):
                                                 max_new_tokens=24, attention_backend="triton")
     assert outputs[0] == outputs[1]
     assert graphed[0] == 0 and graphed[1] > 0
+
+
+@torch.inference_mode()
+def test_padded_static_extend_serves_lora_rows_as_the_eager_pass(tmp_path):
+    """LoRA under the graphs: the padded static pass reads each token's adapter slot from the runner's static index
+    buffer (what a captured graph reads on replay) and equals the eager pass, for a batch mixing two adapters and
+    the base model, and for a batch of the base model alone after it (the buffer's old slots must not linger)."""
+    from lora_tiny import ADAPTERS, VOCAB, write_all
+
+    paths = write_all(tmp_path)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = ServerArgs(model_path=paths["base"], device=device, dtype="float32", max_total_tokens=1024,
+                      cuda_graph_max_extend_tokens=64, cuda_graph_max_extend_reqs=4, disable_cuda_graph=True,
+                      lora_paths=[f"{n}={paths[n]}" for n in ADAPTERS], log_level="warning")
+    runner = ModelRunner(args)
+    runner.attn_backend = TritonAttnBackend(runner)
+    graphs = ExtendCudaGraphRunner(runner, max_tokens=64, capture=False)
+    assert graphs.lora_idx is not None and graphs.lora_idx.shape == (64,)
+    gen = torch.Generator().manual_seed(5)
+    rows = [runner.req_to_token_pool.alloc() for _ in range(3)]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (11, 6, 9)]
+
+    def run_both(batch, names):
+        batch.lora_paths = names
+        runner.lora_manager.prepare(batch)
+        expected = _eager(runner, batch)
+        runner.lora_manager.clear()
+        return expected, graphs.replay(batch)
+
+    mixed = _extend_batch(runner, rows, [0, 0, 0], prompts)
+    expected, got = run_both(mixed, ["sql", None, "router"])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    slots = [runner.lora_manager.slot_of(n) for n in ("sql", "router")]
+    assert graphs.lora_idx[:26].tolist() == [slots[0]] * 11 + [-1] * 6 + [slots[1]] * 9
+    assert (graphs.lora_idx[26:32] == -1).all()  # the 32-token bucket's padding rows: the base model
+    runner.lora_manager.prepare(mixed)  # the adapters do change the pass (so the comparison above can fail)
+    with_adapters = _eager(runner, mixed)
+    mixed.lora_paths = None
+    runner.lora_manager.prepare(mixed)
+    assert not torch.allclose(with_adapters[:11], _eager(runner, mixed)[:11], atol=1e-3)
+
+    base_only = _extend_batch(runner, rows[1:2], [6], [[7, 8, 9, 10]])
+    expected, got = run_both(base_only, None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert (graphs.lora_idx[:16] == -1).all() and runner.lora_manager.batch.idx is None
