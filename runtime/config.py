@@ -421,10 +421,6 @@ class ServerArgs:
         if not self.enable_lora:
             return
         self.lora_adapters  # checks the entries
-        if self.dp_size > 1:
-            raise ValueError("--enable-lora with --dp-size > 1 is not supported yet (the data-parallel router does not "
-                             "send adapter loads to every replica); serve adapters with --dp-size 1 (--tp-size "
-                             "splits them over ranks)")
         if self.speculative_algorithm or self.speculative_config:
             raise ValueError("--enable-lora with --speculative-algorithm is not supported yet")
         if self.quantization is not None:

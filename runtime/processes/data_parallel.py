@@ -4,7 +4,9 @@ This controller process sits where the scheduler process would: the server talks
 sockets and the same typed messages. It starts the groups (runtime/processes/scheduler_process.py `spawn`, each with its own
 sockets and its own torch.distributed rendezvous), routes each request to the group with the fewest requests in
 flight, sends aborts to the request's group, and answers queries for all of them: a flush succeeds when every
-group flushed; stats are the groups' totals plus `dp_groups`, each group's own. A group that dies takes the
+group flushed; stats are the groups' totals plus `dp_groups`, each group's own. LoRA adapter loads and unloads go
+to every group (each serves every adapter), answered once all have: ok when all are, else the first refusal, and a
+load that some groups took and others refused is unloaded from the ones that took it. A group that dies takes the
 controller down with a Fatal, so the server goes to its error state.
 
 Started as `python -m braid.runtime.processes.data_parallel` with a JSON config on stdin (no pickle).
@@ -31,13 +33,16 @@ _START_TIMEOUT_S = 900.0
 
 
 def merge_stats(per_group: list[dict]) -> dict:
-    """The groups' stats summed (rates and ratios averaged), with each group's own under `dp_groups`."""
+    """The groups' stats summed (rates and ratios averaged; other values where every group has the same), with each
+    group's own under `dp_groups`."""
     merged: dict = {}
     for key in per_group[0]:
         values = [g.get(key) for g in per_group]
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             total = sum(values)
             merged[key] = total / len(values) if key.endswith(("rate", "ratio")) else total
+        elif all(v == values[0] for v in values):  # what every group agrees on (e.g. the adapters registered)
+            merged[key] = values[0]
     merged["dp_groups"] = per_group
     return merged
 
@@ -89,6 +94,8 @@ class DataParallelController:
             self.poller.register(group.recv, zmq.POLLIN)
         self.owner: dict[str, tuple[Group, int]] = {}  # rid -> (its group, choices not finished yet)
         self.queries: dict[int, list] = {}  # req_id -> the groups' answers so far
+        self.lora_loads: dict[int, M.LoadLoraReq] = {}  # req_id -> a load every group was sent
+        self.rollback_ids = iter(range(-1, -2**62, -1))  # req_ids of the controller's own unloads (never answered)
         self.running = True
 
     # ---- start ----
@@ -146,8 +153,10 @@ class DataParallelController:
                 owner = self.owner.get(msg.rid)
                 for group in [owner[0]] if owner is not None else self.groups:
                     group.send.send(M.encode(msg))
-            elif isinstance(msg, (M.FlushCacheReq, M.GetStatsReq)):
+            elif isinstance(msg, (M.FlushCacheReq, M.GetStatsReq, M.LoadLoraReq, M.UnloadLoraReq)):
                 self.queries[msg.req_id] = [None] * len(self.groups)
+                if isinstance(msg, M.LoadLoraReq):
+                    self.lora_loads[msg.req_id] = msg
                 for group in self.groups:
                     group.send.send(M.encode(msg))
             elif isinstance(msg, M.ShutdownReq):
@@ -171,7 +180,7 @@ class DataParallelController:
             elif isinstance(msg, M.ReqError):
                 self.request_done(msg.rid)
                 self.to_server.send(data)
-            elif isinstance(msg, (M.FlushCacheResult, M.Stats)):
+            elif isinstance(msg, (M.FlushCacheResult, M.Stats, M.LoraResult)):
                 self.answer(group, msg)
             elif isinstance(msg, M.Fatal):
                 raise RuntimeError(f"data-parallel group {group.index} crashed:\n{msg.message}")
@@ -201,9 +210,27 @@ class DataParallelController:
         del self.queries[msg.req_id]
         if isinstance(msg, M.FlushCacheResult):
             self.to_server.send(M.encode(M.FlushCacheResult(msg.req_id, all(a.ok for a in answers))))
+        elif isinstance(msg, M.LoraResult):
+            self.to_server.send(M.encode(self.lora_answer(msg.req_id, answers)))
         else:
             stats = merge_stats([dict(a.stats, dp_rank=i) for i, a in enumerate(answers)])
             self.to_server.send(M.encode(M.Stats(msg.req_id, stats)))
+
+    def lora_answer(self, req_id: int, answers: list) -> M.LoraResult:
+        """The groups' LoraResults as one: ok when every group's is, else the first refusal. A load refused by some
+        groups only is unloaded from the others, so that the groups keep serving the same adapters."""
+        load = self.lora_loads.pop(req_id, None)
+        refused = [a for a in answers if not a.ok]
+        if not refused:
+            return answers[0]
+        if load is not None:
+            took = [g for g, a in zip(self.groups, answers) if a.ok]
+            if took:
+                logger.error("LoRA adapter %r loaded in data-parallel groups %s only; unloading it there",
+                             load.lora_name, [g.index for g in took])
+            for group in took:
+                group.send.send(M.encode(M.UnloadLoraReq(next(self.rollback_ids), load.lora_name)))
+        return refused[0]
 
     # ---- stop ----
     def close(self, timeout_s: float = 10.0) -> None:

@@ -156,8 +156,6 @@ def test_bad_adapters_are_refused(paths, tmp_path):
     assert ServerArgs(model_path=paths["base"], enable_lora=True, max_loras_per_batch=3).max_loaded_loras == 3
     with pytest.raises(ValueError, match="--lora-target-modules"):
         ServerArgs(lora_target_modules=["embed_tokens"])
-    with pytest.raises(ValueError, match="--dp-size > 1"):  # --tp-size splits adapters; data parallelism does not
-        ServerArgs(model_path=paths["base"], enable_lora=True, dp_size=2)
     with pytest.raises(ValueError, match="--max-lora-rank"):
         Engine(model_path=paths["base"], lora_paths=[f"router={paths['router']}"], max_lora_rank=4,
                log_level="warning")
