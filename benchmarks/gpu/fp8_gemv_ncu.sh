@@ -11,7 +11,8 @@ timeout 400 "$NCU" --clock-control none -k "regex:_fp8_gemv_f16_kernel" --launch
   python3 - > "$OUT/ncu.txt" 2>&1 <<'PY'
 import torch
 
-from braid.runtime.layers.quantization.fp8_kernels import fp8_gemv, quantize_weight_per_channel
+from braid.runtime.layers.quantization.fp8_gemv import fp8_gemv
+from braid.runtime.layers.quantization.fp8_quantize import quantize_weight_per_channel
 
 torch.manual_seed(0)
 for n, k, silu in ((28672, 4096, True), (6144, 4096, False), (4096, 14336, False)):

@@ -1,5 +1,5 @@
 """Batch-1 fp8 decode of the Llama-3-8B-shaped dummy (bench_one_batch, 128 in / 512 out) with this card's own fp8
-GEMV choice (its MEASURED_FP8_GEMV_CONFIGS entry, else the first-call tuning) against the configs measured on another
+GEMV choice (its entry of runtime/layers/measured_tiles.py's FP8_GEMV_CONFIGS, else the first-call tuning) against the configs measured on another
 card (default the H200's), each in its own process: whether a measured table carries over between Hopper cards.
 
   python3 benchmarks/gpu/fp8_gemv_table_ab.py [--from-card "NVIDIA H200"] [--out DIR]
@@ -22,11 +22,11 @@ def run_one(from_card: str, result: str) -> int:
     import torch
 
     from braid.runtime.bench.bench_one_batch import main
-    from braid.runtime.layers.quantization import fp8_kernels
+    from braid.runtime.layers.quantization import fp8_gemv
 
     if from_card:
         own = torch.cuda.get_device_name()
-        fp8_kernels.MEASURED_FP8_GEMV_CONFIGS[own] = fp8_kernels.MEASURED_FP8_GEMV_CONFIGS[from_card]
+        fp8_gemv.MEASURED_FP8_GEMV_CONFIGS[own] = fp8_gemv.MEASURED_FP8_GEMV_CONFIGS[from_card]
     return main(BENCH + ["--result-filename", result])
 
 

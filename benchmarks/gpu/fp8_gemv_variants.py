@@ -1,29 +1,33 @@
-"""The batch-1 fp8 GEMV variants (fp8_kernels.fp8_gemv: "f16", "f16bit", "tc") per Llama-3-8B decode shape (H200).
+"""The batch-1 fp8 GEMV variants (fp8_gemv.fp8_gemv: "f16", "tc", "tcq") per Llama-3-8B decode shape (H200).
 
   python3 benchmarks/gpu/fp8_gemv_variants.py sweep OUT.jsonl [SECONDS]   every variant x config per shape:
         max error against the dequantized fp32 matmul (and its ratio to the variant's bound; PASS/FAIL), the time of
         all 32 layers' weights of the shape in one CUDA graph (50 replays x 5, median), TB/s of weight bytes; beside
-        them the old fp32-upcast GEMV and the bf16 GEMV; the fastest f16/f16bit config again on persistent grids
-        (programs = 1, 2, 4, 8 per SM); then what fp8_gemv picks by itself (MEASURED_FP8_GEMV_CONFIGS, else its
-        tuning). Each shape gets a quarter of SECONDS (default 200) to start configs in.
+        them the old fp32-upcast GEMV and the bf16 GEMV; then what fp8_gemv picks by itself (its
+        MEASURED_FP8_GEMV_CONFIGS entry, from runtime/layers/measured_tiles.py, else its tuning). Each shape gets a
+        quarter of SECONDS (default 200) to start configs in.
   python3 benchmarks/gpu/fp8_gemv_variants.py summary DIR                 the table: per shape the best config of
         each variant, the winner, the projected batch-1 step and tok/s, bench_one_batch's figure (DIR/one_batch.jsonl)
-        with PASS/FAIL against 450 tok/s, and the winners as Fp8GemvConfig rows to paste into fp8_gemv_candidates.
+        with PASS/FAIL against 450 tok/s, and the winners as rows to paste into fp8_gemv_candidates and into
+        measured_tiles.FP8_GEMV_CONFIGS.
 
 Error bounds (per output row, Fp8GemvConfig.error_bound): C * sum|w x| + F * max|x| * sum|w| + 2**-8 |y| (the bf16
-output), f16 / f16bit C = (GROUP + 2) * 2**-11, F = GROUP * 2**-23; tc / tcq (x rounded to e4m3 per chunk / row)
+output), f16 C = (GROUP + 2) * 2**-11, F = GROUP * 2**-23; tc / tcq (x rounded to e4m3 per chunk / row)
 C = 2**-4, F = 2**-10 / 448.
+
+Earlier runs (docs/benchmark_history.md) also swept an "f16bit" variant (e4m3 -> fp16 by bit moves) and f16 on
+persistent grids; no measured table chose either, and both were removed from the runtime.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
 import time
 
-from sweep_rows import H200_COPY_BYTES_PER_S, append_row, read_rows, time_or_nan  # benchmarks/gpu, this folder
+from sweep_rows import (H200_COPY_BYTES_PER_S, append_row, config_keywords, read_rows,  # benchmarks/gpu, this folder
+                        time_or_nan)
 
 CONFIG = "benchmarks/configs/llama3-8b.json"
 TARGET_B1_FP8_TOK_S = 450.0
@@ -31,18 +35,16 @@ LM_HEAD_BYTES = 128256 * 4096 * 2
 
 
 def sweep_configs():
-    from braid.runtime.layers.quantization.fp8_kernels import Fp8GemvConfig as C
+    from braid.runtime.layers.quantization.fp8_gemv import Fp8GemvConfig as C
 
     # the runtime candidates first (fp8_gemv_candidates), then their neighbours
     configs = [C("f16", 4, 2048, 4, 3, group=16), C("f16", 8, 1024, 4, 3, group=16), C("f16", 4, 1024, 4, 4, group=8),
-               C("f16", 8, 2048, 8, 3, group=16), C("f16bit", 4, 2048, 4, 3, group=16),
-               C("f16bit", 8, 1024, 4, 3, group=16), C("tc", 64, 256, 4, 4, split_k=0),
+               C("f16", 8, 2048, 8, 3, group=16), C("tc", 64, 256, 4, 4, split_k=0),
                C("tc", 64, 512, 4, 3, split_k=0), C("tc", 128, 256, 4, 3, split_k=0),
                C("tcq", 64, 256, 4, 4, split_k=0), C("tcq", 64, 512, 4, 3, split_k=0),
                C("tcq", 128, 256, 4, 3, split_k=0), C("tcq", 64, 128, 4, 6, split_k=0),
                C("f16", 2, 4096, 4, 2, group=16), C("f16", 16, 512, 4, 4, group=16),
                C("f16", 8, 1024, 4, 4, group=8), C("f16", 4, 4096, 8, 2, group=16), C("f16", 4, 2048, 4, 3, group=32),
-               C("f16bit", 8, 2048, 8, 3, group=16), C("f16bit", 4, 1024, 4, 4, group=16),
                C("tc", 64, 256, 4, 4, split_k=2), C("tc", 64, 256, 4, 4, split_k=8), C("tc", 64, 128, 4, 6, split_k=0),
                C("tc", 128, 128, 4, 4, split_k=0), C("tc", 64, 256, 8, 4, split_k=0),
                C("tc", 128, 256, 8, 3, split_k=0)]
@@ -53,10 +55,10 @@ def sweep(out_path: str, seconds: float) -> None:
     import torch
 
     from braid.runtime.layers import gemv as gemv_module
-    from braid.runtime.layers.quantization import fp8_kernels
+    from braid.runtime.layers.quantization import fp8_gemv as fp8_gemv_module
+    from braid.runtime.layers.quantization.fp8_gemv import fp8_gemv, fp8_gemv_error_excess
+    from braid.runtime.layers.quantization.fp8_quantize import quantize_weight_per_channel
     from braid.runtime.layers.small_batch_gemm import split_k
-    from braid.runtime.layers.quantization.fp8_kernels import (fp8_gemv, fp8_gemv_error_excess,
-                                                               quantize_weight_per_channel)
     from decode_b1 import graph_time_us  # benchmarks/gpu, this script's folder
 
     started = time.time()
@@ -97,30 +99,22 @@ def sweep(out_path: str, seconds: float) -> None:
             row["err_over_bound"], row["max_abs_err"] = fp8_gemv_error_excess(y, x, *fp8[0], silu,
                                                                               config.error_bound)
             row["within_bound"] = row["err_over_bound"] <= 1.0
-            if config.variant in fp8_kernels.TENSOR_CORE_VARIANTS:
+            if config.variant in fp8_gemv_module.TENSOR_CORE_VARIANTS:
                 row["split_k"] = split_k(config.tile, n, k, x.device)
             row["us"] = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu, config=config) for q, s in fp8])
             row["tb_s"] = nbytes / layers / row["us"] / 1e6
             append_row(out_path, row)
             return row
 
-        f16_timed = []
         for config in configs:
             if time.time() > deadline:
                 print(f"sweep: time is up before {name} {config}", flush=True)
                 break
-            row = run_config(config)
-            if config.variant not in fp8_kernels.TENSOR_CORE_VARIANTS and row.get("within_bound") and row["us"] == row["us"]:
-                f16_timed.append((row["us"], config))
-        # the fastest f16 / f16bit config again on persistent grids of 1, 2, 4, 8 programs per SM
-        sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-        for _, config in sorted(f16_timed, key=lambda t: t[0])[:1]:
-            for per_sm in (1, 2, 4, 8):
-                run_config(dataclasses.replace(config, programs=per_sm * sm_count))
+            run_config(config)
         # what fp8_gemv picks by itself (MEASURED_FP8_GEMV_CONFIGS, else its tuning), timed the same way
-        y = fp8_gemv(x, *fp8[0], silu_mul=silu)
-        picked = (fp8_kernels.measured_fp8_gemv_config(x.device, rows, k, silu)
-                  or next((c for key, c in fp8_kernels._tuned.items() if key[1:4] == (n, k, silu)), "not tuned"))
+        fp8_gemv(x, *fp8[0], silu_mul=silu)
+        picked = (fp8_gemv_module.measured_fp8_gemv_config(x.device, rows, k, silu)
+                  or next((c for key, c in fp8_gemv_module._tuned.items() if key[1:4] == (n, k, silu)), "not tuned"))
         us = timed(lambda: [fp8_gemv(x, q, s, silu_mul=silu) for q, s in fp8])
         append_row(out_path, {**base, "variant": "autotuned", "config": repr(picked), "us": us,
                            "tb_s": nbytes / layers / us / 1e6})
@@ -151,7 +145,7 @@ def summary(folder: str) -> int:
             shapes.append(r["shape"])
     winners = {}
     print("\nbatch-1 fp8 GEMV per Llama-3-8B shape, all 32 layers in one CUDA graph: TB/s of weight bytes (us/layer)")
-    variants = ["old-fp32", "f16", "f16bit", "tc", "tcq", "autotuned", "bf16-gemv"]
+    variants = ["old-fp32", "f16", "tc", "tcq", "autotuned", "bf16-gemv"]
     print(f"{'shape':>8} " + " ".join(f"{v:>16}" for v in variants) + "  best config")
     step_us = 0.0
     for shape in shapes:
@@ -161,7 +155,7 @@ def summary(folder: str) -> int:
                      and "tb_s" in r and r.get("within_bound", True)]
             best = max(timed, key=lambda r: r["tb_s"], default=None)
             cells.append(f"{best['tb_s']:7.2f} ({best['us']:6.1f})" if best else f"{'-':>16}")
-            if best and v in ("f16", "f16bit", "tc", "tcq"):
+            if best and v in ("f16", "tc", "tcq"):
                 if shape not in winners or best["tb_s"] > winners[shape]["tb_s"]:
                     winners[shape] = best
         win = winners.get(shape)
@@ -173,10 +167,13 @@ def summary(folder: str) -> int:
         print(f"projected batch-1 step from the winners: {step_us / 1e3:.2f} ms -> {1e6 / step_us:.0f} tok/s "
               f"(linear layers at the winners' rate, LM head at 4.2 TB/s, ~11 us per layer for attention and norms: "
               f"the bf16 step's 3.92 ms less its 3.57 ms of weights)")
-    print("\nrows to paste into fp8_kernels.fp8_gemv_candidates (the measured winner per shape first):")
+    print("\nrows to paste into fp8_gemv.fp8_gemv_candidates (the measured winner per shape first):")
     for shape, r in winners.items():
         extra = f"  # split_k {r['split_k']} here" if "split_k" in r else ""
         print(f"    {r['config']},  # {shape}: {r['tb_s']:.2f} TB/s{extra}")
+    print("\nrows for runtime/layers/measured_tiles.py's FP8_GEMV_CONFIGS (this card's entry):")
+    for shape, r in winners.items():
+        print(f"        ({r['rows']}, {r['k']}, {shape == 'gate_up'}): {config_keywords(r['config'])},  # {shape}")
     one_batch = read_rows(os.path.join(folder, "one_batch.jsonl"))
     b1 = [r for r in one_batch if r.get("batch_size") == 1]
     if not b1:

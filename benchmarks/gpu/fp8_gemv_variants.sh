@@ -2,7 +2,7 @@
 # step gets what is left, capped). carry: .whl
 #   bash benchmarks/gpu/fp8_gemv_variants.sh
 # 1. the gpu tests of the variants (every runtime candidate at the 4 Llama-3-8B shapes within its error bound, all
-#    254 e4m3 values through both dequantizations, CUDA-graph replays); they also fill Triton's cache;
+#    254 e4m3 values through the f16 dequantization, CUDA-graph replays); they also fill Triton's cache;
 # 2. bench_one_batch --quantization fp8, batch 1, 128 in / 512 out (the runtime autotunes over the candidates; only
 #    batch 1's CUDA graph is captured, which saves the other sizes' kernels and captures, not batch 1's time);
 # 3. the sweep (what time is left): per shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096 + SiLU-mul,

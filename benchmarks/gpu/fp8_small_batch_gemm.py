@@ -7,7 +7,7 @@ the weight bytes streamed.
 
 Rows: `bf16` cuBLAS on bf16 weights (twice the bytes: the yardstick; at 1 row also braid's bf16 GEMV, `bf16-gemv`),
 `fp8` what the fp8 Linear runs (fp8_gemv's default: at 1 row the measured or tuned GEMV, above it the tc tile of
-MEASURED_FP8_SMALL_BATCH_CONFIGS or SMALL_BATCH_TC_CONFIG), `tc` fp8_gemv's tensor-core variant over x's rows (x
+measured_tiles.FP8_SMALL_BATCH_CONFIGS or SMALL_BATCH_TC_CONFIG), `tc` fp8_gemv's tensor-core variant over x's rows (x
 rounded to e4m3 per row and chunk in the kernel; every tile below), `tcq` the same tiles on x quantized per row by
 quantize_rows first (two launches), `scaled_mm` quantize_rows + torch._scaled_mm (two launches).
 Each fp8 result is checked against the dequantized fp32 matmul within its error bound before it is timed. The table
@@ -25,13 +25,13 @@ import os
 import sys
 import time
 
-from sweep_rows import append_row, read_rows, time_or_nan  # benchmarks/gpu, this script's folder
+from sweep_rows import append_row, config_keywords, read_rows, time_or_nan  # benchmarks/gpu, this script's folder
 
 CONFIG = "benchmarks/configs/llama3-8b.json"
 
 
 def tc_configs():
-    from braid.runtime.layers.quantization.fp8_kernels import SMALL_BATCH_TC_CONFIG, Fp8GemvConfig as C
+    from braid.runtime.layers.quantization.fp8_gemv import SMALL_BATCH_TC_CONFIG, Fp8GemvConfig as C
 
     configs = [SMALL_BATCH_TC_CONFIG, C("tc", 64, 512, 4, 3, split_k=0), C("tc", 128, 256, 4, 3, split_k=0),
                C("tc", 64, 128, 4, 6, split_k=0), C("tc", 128, 128, 4, 4, split_k=0), C("tc", 64, 256, 8, 4, split_k=0),
@@ -45,8 +45,8 @@ def sweep(args) -> list[dict]:
     import torch.nn.functional as F
 
     from braid.runtime.layers.gemv import gemv
-    from braid.runtime.layers.quantization.fp8_kernels import (Fp8GemvConfig, fp8_gemv, fp8_gemv_error_excess,
-                                                               quantize_rows, quantize_weight_per_channel, scaled_mm)
+    from braid.runtime.layers.quantization.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_error_excess
+    from braid.runtime.layers.quantization.fp8_quantize import quantize_rows, quantize_weight_per_channel, scaled_mm
     from decode_b1 import graph_time_us  # benchmarks/gpu, this script's folder
 
     started = time.time()
@@ -119,7 +119,7 @@ def sweep(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> int:
-    from braid.runtime.layers.quantization.fp8_kernels import TENSOR_CORE_VARIANTS
+    from braid.runtime.layers.quantization.fp8_gemv import TENSOR_CORE_VARIANTS
 
     ok = [r for r in rows if "us" in r and r["us"] == r["us"]]
     if not ok:
@@ -156,10 +156,12 @@ def table(rows: list[dict]) -> int:
               f"fp8 as run {step['fp8']:.0f} us, scaled_mm "
               f"{step['scaled_mm']:.0f} us, tc default tile "
               f"{32 * sum(runtime_tc):.0f} us, best tensor-core configs {32 * sum(best):.0f} us")
-    print("\nMEASURED_FP8_SMALL_BATCH_CONFIGS rows (the best tc / tcq config at 8 rows, where it differs by shape):")
+    print("\nrows for runtime/layers/measured_tiles.py's FP8_SMALL_BATCH_CONFIGS (the best tc / tcq config at 8 rows, "
+          "where it differs by shape):")
     for (shape, m), r in best_tc.items():
         if m == 8:
-            print(f"    ({r['rows']}, {r['k']}, {shape == 'gate_up'}): {r['config']},  # {shape}: {r['tb_s']:.2f} TB/s")
+            print(f"    ({r['rows']}, {r['k']}, {shape == 'gate_up'}): {config_keywords(r['config'])},  # {shape}: "
+                  f"{r['tb_s']:.2f} TB/s")
     return 1 if bad else 0
 
 

@@ -1,11 +1,12 @@
-"""The batch-1 GEMV per weight shape of a model config: cuBLAS, the runtime's pick (gemv.MEASURED_CONFIGS or autotuned) and
-a config sweep, with PDL.
+"""The batch-1 GEMV per weight shape of a model config: cuBLAS, the runtime's pick (measured_tiles.GEMV_CONFIGS or autotuned)
+and a config sweep, with PDL.
 
 For each projection of a decoder layer (qkv, o, gate_up with the model's gated activation fused, down) and the LM
 head, every layer's weight of that shape (random bf16) is multiplied by one x in one CUDA graph, as in a decode
 step; weight bytes / time = TB/s. The sweep gives each shape a share of the time budget, largest shapes first, then
 times its three fastest configs again on persistent grids (1, 2, 4, 8 programs per SM), and prints the best config
-beside the runtime's pick, then the step's GEMV floor both ways and rows for gemv.MEASURED_CONFIGS.
+beside the runtime's pick, then the step's GEMV floor both ways and rows for runtime/layers/measured_tiles.py's
+GEMV_CONFIGS.
 Run on the device: python3 benchmarks/gpu/gemv_shape_sweep.py --model-config benchmarks/configs/gemma2-9b.json
     [--budget-s 240] [--jsonl PATH] [--shapes o,qkv]
 """
@@ -112,7 +113,7 @@ def main():
     print(f"\nGEMV floor of one step: runtime {auto_total:.1f} us ({total_bytes / auto_total / 1e6:.2f} TB/s), "
           f"best per shape {best_total:.1f} us ({total_bytes / best_total / 1e6:.2f} TB/s): "
           f"{auto_total - best_total:.1f} us to gain ({time.time() - started:.0f} s)")
-    print("rows for gemv.MEASURED_CONFIGS (bn, bk, warps, stages), where the sweep beats the runtime by > 2%:")
+    print("rows for measured_tiles.GEMV_CONFIGS (bn, bk, warps, stages), where the sweep beats the runtime by > 2%:")
     for row in rows:
         if row["best"] and row["best_us"] < row["auto_us"] * 0.98:
             b = row["best"]

@@ -6,12 +6,12 @@ activation fused) over its candidate tiles, each timed with all of the model's l
   python3 benchmarks/gpu/small_batch_gemm.py [--models gemma2-9b llama3-8b] [--rows 2 4 8 16] [--budget-s 150]
                                              [--out rows.jsonl] [--step gemma2-9b:8:8000 llama3-8b:8:128]
   python3 benchmarks/gpu/small_batch_gemm.py --table rows.jsonl
-  ... --write-table: then write the winning rows into runtime/layers/small_batch_gemm.py (MEASURED_TILES)
+  ... --write-table: then write the winning rows into runtime/layers/measured_tiles.py (SMALL_BATCH_TILES)
 
 Every tile's result is checked against cuBLAS's (relative error < 1e-2) before it is timed. The table gives per
 (model, shape, rows) cuBLAS, the default tile, the best tile; per (model, rows) the step's linear layers each way; and
-the MEASURED_TILES rows (the shapes whose best tile at 8 rows beats cuBLAS by more than 2% from 2 rows up to some count
->= 8: the dense Linear routes only those shapes, up to that count, here).
+the SMALL_BATCH_TILES rows (the shapes whose best tile at 8 rows beats cuBLAS by more than 2% from 2 rows up to some
+count >= 8: the dense Linear routes only those shapes, up to that count, here).
 
 --step MODEL:BATCH:CONTEXT (dummy weights of benchmarks/configs/MODEL.json, bf16, CUDA graphs): then the decode step of
 that batch at that prompt length, built and timed twice in this process, once with MEASURED_TILES as committed and once
@@ -140,28 +140,36 @@ def step_with_and_without(spec: str, winners: dict) -> None:
     run_ab(model, [int(bs)], int(context), [(module.__name__, "MEASURED_TILES", table)])
 
 
+def tile_keywords(tile) -> str:
+    """A TcTile as the keywords runtime/layers/measured_tiles.py holds for it: dict(block_n=64, ...)."""
+    return "dict(" + ", ".join(f"{name}={value!r}" for name, value in dataclasses.asdict(tile).items()) + ")"
+
+
 def write_table(winners: dict, card: str) -> None:
-    """Rewrite MEASURED_TILES in runtime/layers/small_batch_gemm.py with `winners` as `card`'s entry (the other GPUs'
-    entries kept), so that what runs next in this checkout routes them."""
+    """Rewrite SMALL_BATCH_TILES in runtime/layers/measured_tiles.py with `winners` as `card`'s entry (the other GPUs'
+    entries kept), and small_batch_gemm.MEASURED_TILES with it, so that what runs next in this checkout routes them."""
     import ast
 
+    from braid.runtime.layers import measured_tiles
     from braid.runtime.layers import small_batch_gemm as module
 
-    path = module.__file__
+    path = measured_tiles.__file__
     source = open(path).read()
     node = next(n for n in ast.parse(source).body
-                if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "MEASURED_TILES")
+                if isinstance(n, (ast.Assign, ast.AnnAssign))
+                and "SMALL_BATCH_TILES" in [getattr(t, "id", "") for t in (n.targets if isinstance(n, ast.Assign)
+                                                                            else [n.target])])
     tables = {**module.MEASURED_TILES, card: winners}
     body = "".join(f"    {json.dumps(gpu)}: {{\n"
-                   + "".join(f"        ({n}, {k}, {json.dumps(act)}): ({tile!r}, {up_to}),\n"
+                   + "".join(f"        ({n}, {k}, {json.dumps(act)}): ({tile_keywords(tile)}, {up_to}),\n"
                              for (n, k, act), (tile, up_to) in sorted(entries.items())) + "    },\n"
                    for gpu, entries in tables.items() if entries)
     lines = source.splitlines(keepends=True)
-    lines[node.lineno - 1:node.end_lineno] = [f"MEASURED_TILES: dict = {{\n{body}}}\n" if body
-                                              else "MEASURED_TILES: dict = {}\n"]
+    lines[node.lineno - 1:node.end_lineno] = [f"SMALL_BATCH_TILES = {{\n{body}}}\n" if body
+                                              else "SMALL_BATCH_TILES: dict = {}\n"]
     open(path, "w").write("".join(lines))
     module.MEASURED_TILES = tables
-    print(f"wrote {len(winners)} MEASURED_TILES entries for {card!r} into {path}", flush=True)
+    print(f"wrote {len(winners)} SMALL_BATCH_TILES entries for {card!r} into {path}", flush=True)
 
 
 def table(rows: list[dict]) -> int:
@@ -198,11 +206,11 @@ def table(rows: list[dict]) -> int:
             print(f"{model} m={m:>2}: the step's linear layers ({layers} x qkv, o, gate_up, down): cuBLAS "
                   f"{sums[0]:.0f} us, default tile {sums[1]:.0f} us ({sums[0] / sums[1]:.2f}x), best tiles {sums[2]:.0f} us "
                   f"({sums[0] / sums[2]:.2f}x)")
-    print("\nMEASURED_TILES rows (the best tile at 8 rows where it beats cuBLAS by more than 2% from 2 rows up to the "
-          "last count given):")
+    print("\nrows for runtime/layers/measured_tiles.py's SMALL_BATCH_TILES (the best tile at 8 rows where it beats "
+          "cuBLAS by more than 2% from 2 rows up to the last count given):")
     print(f"    {ok[0].get('card', '?')!r}: {{")
     for (rows_, k, act), (tile, up_to) in winning_tiles(rows).items():
-        print(f"        ({rows_}, {k}, {act!r}): ({tile!r}, {up_to}),")
+        print(f"        ({rows_}, {k}, {act!r}): ({tile_keywords(tile)}, {up_to}),")
     print("    },")
     return 1 if bad else 0
 
@@ -217,7 +225,7 @@ def main() -> int:
     p.add_argument("--table", default=None)
     p.add_argument("--step", nargs="*", default=[], metavar="MODEL:BATCH:CONTEXT")
     p.add_argument("--write-table", action="store_true",
-                   help="then write the winning rows into runtime/layers/small_batch_gemm.py's MEASURED_TILES")
+                   help="then write the winning rows into runtime/layers/measured_tiles.py's SMALL_BATCH_TILES")
     args = p.parse_args()
     if args.table:
         return table(read_rows(args.table))

@@ -31,6 +31,12 @@ def time_or_nan(time_us: Callable, fn) -> float:
         return float("nan")
 
 
+def config_keywords(config_repr: str) -> str:
+    """An Fp8GemvConfig's repr as the keywords runtime/layers/measured_tiles.py holds for it:
+    "Fp8GemvConfig(variant='f16', block_n=4, ...)" -> "dict(variant='f16', block_n=4, ...)"."""
+    return config_repr.replace("Fp8GemvConfig(", "dict(", 1)
+
+
 H200_COPY_BYTES_PER_S = 4.28e12  # the H200's device-to-device copy rate (KINDS.md; docs/benchmarks.md)
 
 

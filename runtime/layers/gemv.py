@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from braid.runtime.layers import pdl
+from braid.runtime.layers import measured_tiles, pdl
 from braid.runtime.layers.activation_kernels import gelu_tanh
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
@@ -236,18 +236,9 @@ def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin
         store_v_row(y, v_cols, v_mask, loc_ptr, v_cache_ptr, v_cache_stride, q_ptr.dtype.element_ty)
 
 
-# The fastest config per (weight rows, K, fused activation) on an H200, from benchmarks/gpu/gemv_shape_sweep.py (every
-# layer's weight of the shape chained in one CUDA graph with PDL, as in a decode step). The autotuner times one
-# launch with L2 flushed, which misjudges the short GEMVs of the smaller projections (Gemma-2-9B's o_proj: its pick
-# 454.6 us per step, this one 332.4). Shapes not listed are autotuned. (BLOCK_N, BLOCK_K, num_warps, num_stages[,
-# PROGRAMS: a persistent grid of that many programs])
-MEASURED_CONFIGS = {
-    "NVIDIA H200": {
-        (3584, 4096, ""): (2, 4096, 4, 1),  # Gemma-2-9B o_proj: 2.71 -> 3.71 TB/s
-        (28672, 3584, "gelu"): (4, 512, 8, 1),  # Gemma-2-9B gate_up + GELU-and-mul: 4.19 -> 4.23 TB/s
-        (4096, 4096, ""): (4, 2048, 4, 4),  # Llama-3-8B o_proj: autotuned 2.62 TB/s, 3.90 (Gemma's pick: 3.76)
-    },
-}
+# measured_tiles.GEMV_CONFIGS, the tuples measured_config turns into gemv's `config`: (BLOCK_N, BLOCK_K, num_warps,
+# num_stages[, PROGRAMS]) per GPU name and (weight rows, K, fused activation). Shapes not listed are autotuned.
+MEASURED_CONFIGS = measured_tiles.GEMV_CONFIGS
 
 
 @functools.lru_cache(maxsize=None)
@@ -406,7 +397,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_
     optionally PROGRAMS: a persistent grid of that many programs) skips the autotuner (benchmarks sweep configs with
     it). weight_scale: an fp8 e4m3 weight's fp32 scale per row
     [N] (or [2N]); W is then weight * weight_scale[:, None], upcast to fp32, and x stays in its own dtype (the
-    reference fp8 kernel; the runtime's fp8 batch-1 path is quantization/fp8_kernels.fp8_gemv)."""
+    reference fp8 kernel; the runtime's fp8 batch-1 path is quantization/fp8_gemv.fp8_gemv)."""
     if weight_scale is not None:
         if not fp8_supports(x, weight, weight_scale):
             raise ValueError(f"fp8 gemv needs x [1, K] bf16/fp16, an e4m3 weight [N, K] and an fp32 scale [N], got "

@@ -5,7 +5,7 @@
 At these batch sizes a decode step is still a stream over the weights, but cuBLAS streams some shapes well below the
 rate the batch-1 GEMV reaches (docs/benchmark_history.md). The fp8
 Linear runs every 2..16-row matmul here; the dense Linear only the shapes and row counts of MEASURED_TILES (measured
-faster than cuBLAS on that GPU).
+faster than cuBLAS on that GPU: measured_tiles.SMALL_BATCH_TILES).
 Program (pid_n, pid_k) owns BLOCK_N rows of W (and the up rows N further with a gated act) over the pid_k-th of SPLIT_K
 ranges of K, and dots each [BLOCK_N, BLOCK_K] weight tile with x's rows as the columns of a [BLOCK_K, 16] operand
 (one wgmma: BLOCK_N >= 64). With SPLIT_K > 1 the programs of a row tile store their sums in a workspace and the last
@@ -14,7 +14,7 @@ With PDL the first weight tile streams before the wait for x, as in the batch-1 
 
 Weights: bf16/fp16 with x in the same dtype, or e4m3 with one fp32 scale per row (FP8_W: each row of x rounded to
 e4m3 with its own scale per BLOCK_K chunk, an fp8 dot; or X_PREQUANT: x e4m3 already, its row scales applied in the
-epilogue; the fp8 LinearMethod through fp8_kernels.fp8_gemv).
+epilogue; the fp8 LinearMethod through quantization/fp8_gemv.fp8_gemv).
 Gated outputs round gate and up (and GELU's result) to the output dtype where the unfused path rounds them.
 """
 
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from braid.runtime.layers import gemv, pdl
+from braid.runtime.layers import gemv, measured_tiles, pdl
 from braid.runtime.layers.activation_kernels import gelu_tanh
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
@@ -66,24 +66,10 @@ CANDIDATE_TILES = (DEFAULT_TILE, TcTile(64, 256, 4, 2), TcTile(64, 256, 4, 3), T
                    TcTile(128, 64, 4, 4), TcTile(64, 64, 4, 6), TcTile(256, 64, 8, 3), TcTile(128, 256, 8, 2),
                    TcTile(64, 512, 4, 2), TcTile(64, 128, 4, 4, split_k=1))
 _INTERPRET_TILE = TcTile(64, 32, 4, 1)
-# bf16/fp16 weights: per GPU name, {(weight rows, K, act): (tile, up to rows)} for the shapes on which a tile streamed
-# faster than cuBLAS (with the activation as its own kernel after it) at every measured count of x rows from 2 up to
-# `up to rows` in benchmarks/gpu/small_batch_gemm.py. The dense Linear routes 2..up-to rows of these shapes here;
-# larger batches and every other shape stay on cuBLAS. Empty until measured.
-MEASURED_TILES: dict = {
-    "NVIDIA H100 80GB HBM3": {
-        (3584, 14336, ""): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0), 8),
-        (28672, 3584, "gelu"): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1), 8),
-    },
-    # Gemma-2-9B: alone no tile beats cuBLAS clearly, but together in the batch-8 decode step at 8K these three do
-    # (they stream their first tiles during the kernel before); qkv gains too little on the tile and stays on cuBLAS
-    # (docs/benchmark_history.md, H200 sessions 21 and 22)
-    "NVIDIA H200": {
-        (28672, 3584, "gelu"): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=1), 8),
-        (3584, 14336, ""): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0), 8),
-        (3584, 4096, ""): (TcTile(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=0), 8),
-    },
-}
+# bf16/fp16 weights: per GPU name, {(weight rows, K, act): (tile, up to rows)}, measured_tiles.SMALL_BATCH_TILES as
+# tiles: the dense Linear routes 2..up-to rows of these shapes here, larger batches and every other shape to cuBLAS
+MEASURED_TILES: dict = {gpu: {shape: (TcTile(**tile), up_to_rows) for shape, (tile, up_to_rows) in entries.items()}
+                        for gpu, entries in measured_tiles.SMALL_BATCH_TILES.items()}
 
 
 @triton.jit

@@ -14,7 +14,7 @@ from torch import nn
 from braid.runtime.layers.linear import Linear
 from braid.runtime.layers.moe import FusedMoE
 from braid.runtime.layers.quantization.fp8 import Fp8LinearMethod
-from braid.runtime.layers.quantization.fp8_kernels import check_fp8_device
+from braid.runtime.layers.quantization.fp8_quantize import check_fp8_device
 
 __all__ = ["use_fp8_linears"]
 

@@ -65,5 +65,14 @@ def markdown() -> str:
     return "\n".join([BEGIN, *rows, END])
 
 
+def rewrite_docs() -> None:
+    """Replace the index between BEGIN and END in docs/architecture.md with the current one."""
+    doc = ROOT / "docs" / "architecture.md"
+    text = doc.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    doc.write_text(text[:start] + markdown() + text[end:])
+
+
 if __name__ == "__main__":
-    sys.stdout.write(markdown() + "\n")
+    rewrite_docs()
+    sys.stdout.write("docs/architecture.md's module index rewritten\n")

@@ -1,14 +1,14 @@
-"""The batch-1 fp8 GEMV variants (fp8_kernels.fp8_gemv: "f16", "f16bit", "tc", "tcq") against the fp32 matmul of the
-dequantized weight with the unrounded x, within each variant's stated bound:
+"""The batch-1 fp8 GEMV variants (fp8_gemv.fp8_gemv: "f16", "tc", "tcq") against the fp32 matmul of the dequantized
+weight with the unrounded x, within each variant's stated bound:
 
     |y - ref| <= C * sum_k |w_k x_k| + F * max|x| * sum_k |w_k| + the output's rounding,
-    "f16"/"f16bit" (fp16 products and group sums): C = (GROUP + 2) * 2**-11, F = GROUP * 2**-23;
+    "f16" (fp16 products and group sums): C = (GROUP + 2) * 2**-11, F = GROUP * 2**-23;
     "tc" / "tcq" (x rounded to e4m3 per chunk / per row): C = 2**-4, F = 2**-10 / 448.
 
 Small Llama-shaped cases (row counts and K not multiples of the tiles, SiLU-and-mul fused) run under
 TRITON_INTERPRET=1 on CPU tensors (tests/kernels/conftest.py), compiled on a GPU; the `gpu` cases take the
-Llama-3-8B shapes with each runtime candidate config, every e4m3 value through both dequantizations (the inline PTX
-of f16bit runs on GPUs only) and CUDA graphs.
+Llama-3-8B shapes with each runtime candidate config, every e4m3 value through the f16 variant's dequantization and
+CUDA graphs.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from braid.runtime.layers.quantization import fp8_kernels
-from braid.runtime.layers.quantization.fp8_kernels import (FP8_GEMV_VARIANTS, TENSOR_CORE_VARIANTS, Fp8GemvConfig,
-                                                           fp8_gemv, fp8_gemv_candidates, fp8_gemv_error_excess,
-                                                           quantize_weight_per_channel)
+from braid.runtime.layers.quantization import fp8_gemv as fp8_gemv_module
+from braid.runtime.layers.quantization.fp8_gemv import (FP8_GEMV_VARIANTS, TENSOR_CORE_VARIANTS, Fp8GemvConfig,
+                                                        fp8_gemv, fp8_gemv_candidates, fp8_gemv_error_excess)
+from braid.runtime.layers.quantization.fp8_quantize import quantize_rows_triton, quantize_weight_per_channel
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -108,8 +108,7 @@ def test_fp8_gemv_variant_within_bound(variant, rows, k, silu_mul):
     check(y, x, w_q, w_scale, silu_mul, error_bound(config))
 
 
-@pytest.mark.parametrize("variant", ["f16", "f16bit"])
-def test_fp8_gemv_f16_scales_x_per_group(variant):
+def test_fp8_gemv_f16_scales_x_per_group():
     """x far outside fp16's range in some columns (products would overflow fp16 unscaled), tiny in others, and one
     outlier among ordinary values (products of a shared scale fall below fp16's normals: the floor F): each group
     of GROUP columns gets its own scale, so all stay within the bound."""
@@ -117,8 +116,8 @@ def test_fp8_gemv_f16_scales_x_per_group(variant):
     x[0, :32] *= 3e4
     x[0, 40] = 5e4
     x[0, 64:] *= 1e-6
-    check(fp8_gemv(x, w_q, w_scale, config=first_config(variant)), x, w_q, w_scale, False,
-          error_bound(first_config(variant)))
+    check(fp8_gemv(x, w_q, w_scale, config=first_config("f16")), x, w_q, w_scale, False,
+          error_bound(first_config("f16")))
 
 
 @pytest.mark.parametrize("variant", TENSOR_CORE_VARIANTS)
@@ -143,7 +142,7 @@ def test_tcq_is_the_product_of_x_quantized_per_row(m, silu_mul):
     if m > 1:
         x[1] *= 300.0
     y = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=first_config("tcq"))
-    x_q, x_scale = fp8_kernels.quantize_rows_triton(x)
+    x_q, x_scale = quantize_rows_triton(x)
     ref = (x_q.double() * x_scale.double()) @ (w_q.double() * w_scale.double()[:, None]).t()
     if silu_mul:
         gate, up = ref.chunk(2, dim=-1)
@@ -194,8 +193,8 @@ def test_gpu_fp8_gemv_candidates_llama3_8b_shapes(name):
 @pytest.mark.skipif(not HAS_FP8_GPU, reason="needs a CUDA GPU of sm90")
 def test_gpu_fp8_gemv_dequantizes_every_e4m3_value():
     """Each of the 254 non-NaN e4m3 bit patterns alone in its row, x all ones: y is that value within fp16 products
-    and the bf16 output (2**-7), where a wrong bit move (inline PTX of f16bit, the cvt of f16) is off by at least an
-    e4m3 step (2**-3) or a power of two."""
+    and the bf16 output (2**-7), where a wrong conversion (the cvt of f16) is off by at least an e4m3 step (2**-3) or
+    a power of two."""
     codes = torch.arange(256, dtype=torch.int32, device="cuda")
     codes = codes[(codes & 0x7F) != 0x7F].to(torch.uint8)  # 0x7F / 0xFF are NaN in e4m3fn
     rows, k = codes.numel(), 256
@@ -204,9 +203,8 @@ def test_gpu_fp8_gemv_dequantizes_every_e4m3_value():
     w_q = w_q.view(torch.float8_e4m3fn)
     x = torch.ones(1, k, dtype=torch.bfloat16, device="cuda")
     expected = codes.view(torch.float8_e4m3fn).float()
-    for variant in ("f16", "f16bit"):
-        y = fp8_gemv(x, w_q, torch.ones(rows, device="cuda"), config=Fp8GemvConfig(variant, 4, 256, group=16))
-        torch.testing.assert_close(y.float()[0], expected, rtol=2 ** -7, atol=0)
+    y = fp8_gemv(x, w_q, torch.ones(rows, device="cuda"), config=Fp8GemvConfig("f16", 4, 256, group=16))
+    torch.testing.assert_close(y.float()[0], expected, rtol=2 ** -7, atol=0)
 
 
 @pytest.mark.gpu
@@ -232,10 +230,8 @@ def test_fp8_gemv_tuner_takes_the_fastest_within_its_bound(monkeypatch):
     are dropped however fast; the fastest of the rest wins and is remembered per key."""
     import triton.testing
 
-    from braid.runtime.layers.quantization import fp8_kernels
-
     wrong, broken, slow, fast = (Fp8GemvConfig("f16", 4, 64), Fp8GemvConfig("f16", 8, 64),
-                                 Fp8GemvConfig("tc", 64, 64), Fp8GemvConfig("f16bit", 4, 64))
+                                 Fp8GemvConfig("tc", 64, 64), Fp8GemvConfig("f16", 4, 128))
     times = {wrong: 1.0, slow: 9.0, fast: 3.0}
     current = []
 
@@ -246,10 +242,10 @@ def test_fp8_gemv_tuner_takes_the_fastest_within_its_bound(monkeypatch):
 
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), times[current[0]])[1])
     key = ("test", 1, 2, False)
-    chosen = fp8_kernels._tune(key, [wrong, broken, slow, fast], run, lambda c: 5.0 if c is wrong else 0.5)
-    assert chosen is fast and fp8_kernels._tuned.pop(key) is fast
+    chosen = fp8_gemv_module._tune(key, [wrong, broken, slow, fast], run, lambda c: 5.0 if c is wrong else 0.5)
+    assert chosen is fast and fp8_gemv_module._tuned.pop(key) is fast
     with pytest.raises(RuntimeError, match="no fp8 GEMV config"):
-        fp8_kernels._tune(key, [wrong, broken], run, lambda c: 5.0)
+        fp8_gemv_module._tune(key, [wrong, broken], run, lambda c: 5.0)
 
 
 
@@ -263,11 +259,11 @@ def distinct_tables(tables: dict) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize("device_name", distinct_tables(fp8_kernels.MEASURED_FP8_GEMV_CONFIGS))
+@pytest.mark.parametrize("device_name", distinct_tables(fp8_gemv_module.MEASURED_FP8_GEMV_CONFIGS))
 def test_measured_fp8_gemv_configs_are_valid_tiles_within_their_bound(device_name):
     """Every measured (device, shape) entry is one of fp8_gemv's configs and, run at its Llama-3-8B shape (under the
     interpreter rows cut to a few tiles and K to two chunks), within its error bound."""
-    for (rows, k, silu_mul), config in fp8_kernels.MEASURED_FP8_GEMV_CONFIGS[device_name].items():
+    for (rows, k, silu_mul), config in fp8_gemv_module.MEASURED_FP8_GEMV_CONFIGS[device_name].items():
         assert isinstance(config, Fp8GemvConfig) and (rows, k) in LLAMA3_8B_SHAPES.values()
         if not HAS_CUDA:
             rows = 4 * config.block_n if silu_mul else 3 * config.block_n
@@ -286,28 +282,12 @@ def test_measured_fp8_gemv_config_by_device_name_and_shape(monkeypatch):
     monkeypatch.setattr(gemv_module, "_INTERPRET", False)
     names = {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB", 2: "NVIDIA H100 80GB HBM3"}
     monkeypatch.setattr(gemv_module, "_device_name", names.__getitem__)
-    h200 = fp8_kernels.MEASURED_FP8_GEMV_CONFIGS["NVIDIA H200"]
-    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 0), 4096, 14336, False) == h200[(4096, 14336, False)]
-    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 0), 28672, 4096, True) == h200[(28672, 4096, True)]
-    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 0), 28672, 4096, False) is None
-    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 1), 4096, 14336, False) is None
+    h200 = fp8_gemv_module.MEASURED_FP8_GEMV_CONFIGS["NVIDIA H200"]
+    measured = fp8_gemv_module.measured_fp8_gemv_config
+    assert measured(torch.device("cuda", 0), 4096, 14336, False) == h200[(4096, 14336, False)]
+    assert measured(torch.device("cuda", 0), 28672, 4096, True) == h200[(28672, 4096, True)]
+    assert measured(torch.device("cuda", 0), 28672, 4096, False) is None
+    assert measured(torch.device("cuda", 1), 4096, 14336, False) is None
     # the H100 runs the H200's rows (measured faster end to end there than its own sweep's or its tuning's)
-    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cuda", 2), 6144, 4096, False) == h200[(6144, 4096, False)]
-    assert fp8_kernels.measured_fp8_gemv_config(torch.device("cpu"), 4096, 14336, False) is None
-
-
-@pytest.mark.parametrize("variant", ["f16", "f16bit"])
-@pytest.mark.parametrize("rows,programs,silu_mul", [(70, 3, False), (2 * 40, 4, True), (24, 64, False)])
-def test_fp8_gemv_persistent_grid_equals_one_program_per_block(variant, rows, programs, silu_mul):
-    """programs: that many programs take the row blocks in turn (fewer than the blocks, not dividing them, more than
-    them): bit-identical to one program per block."""
-    if variant == "f16bit" and not HAS_CUDA:
-        pytest.skip("f16bit's inline PTX runs on GPUs only")
-    x, w_q, w_scale = make_case(rows, 160, seed=rows)
-    config = first_config(variant)
-    base = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=config)
-    persistent = fp8_gemv(x, w_q, w_scale, silu_mul=silu_mul, config=Fp8GemvConfig(**{**config.__dict__,
-                                                                                       "programs": programs}))
-    assert torch.equal(persistent, base)
-    with pytest.raises(ValueError, match="persistent grid"):
-        Fp8GemvConfig("tc", 64, 256, programs=4)
+    assert measured(torch.device("cuda", 2), 6144, 4096, False) == h200[(6144, 4096, False)]
+    assert measured(torch.device("cpu"), 4096, 14336, False) is None

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from braid.runtime.layers.activation import SiluAndMul
 from braid.runtime.layers.gemv import gemv
-from braid.runtime.layers.quantization.fp8_kernels import (FP8_DTYPE, FP8_MAX, SMALL_BATCH_TC_CONFIG, fp8_gemv,
-                                                           fp8_gemv_error_excess, quantize_rows_reference,
-                                                           quantize_rows_triton, quantize_weight_per_channel,
-                                                           scaled_mm)
+from braid.runtime.layers.quantization.fp8_gemv import SMALL_BATCH_TC_CONFIG, fp8_gemv, fp8_gemv_error_excess
+from braid.runtime.layers.quantization.fp8_quantize import (FP8_DTYPE, FP8_MAX, quantize_rows_reference,
+                                                            quantize_rows_triton, quantize_weight_per_channel,
+                                                            scaled_mm)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

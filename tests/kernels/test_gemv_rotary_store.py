@@ -1,5 +1,5 @@
 """The batch-1 qkv GEMV with rotary and the KV write as its epilogue (gemv.gemv_rotary_store, and on an e4m3 weight
-fp8_kernels.fp8_gemv_rotary_store) against the path it replaces: the GEMV, then the pool's rotate_and_set_kv (rotary +
+fp8_gemv.fp8_gemv_rotary_store) against the path it replaces: the GEMV, then the pool's rotate_and_set_kv (rotary +
 store kernel). Same q, same cache contents, other slots untouched; every program layout (BLOCK_N 2..16), GQA, a value
 head narrower than the key head, the hybrid window pool's translated slots; and the cases it leaves to the unfused
 path.
@@ -17,12 +17,13 @@ from braid.runtime.layers import gemv as gemv_module
 from braid.runtime.layers.gemv import RotaryKVStore, gemv, gemv_rotary_store
 from braid.runtime.layers.quantization import fp8 as fp8_module
 from braid.runtime.layers.quantization.dense import DenseLinearMethod
-from braid.runtime.layers.quantization.fp8_kernels import (Fp8GemvConfig, fp8_gemv, fp8_gemv_rotary_store,
-                                                           quantize_weight_per_channel)
+from braid.runtime.layers.quantization.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_rotary_store
+from braid.runtime.layers.quantization.fp8_quantize import quantize_weight_per_channel
 from braid.runtime.layers.rotary import RotaryEmbedding
 from braid.runtime.mem_cache import pools
 from braid.runtime.mem_cache.pools import MHAKVPool
 from braid.runtime.mem_cache.window_pool import HybridKVPool
+from kv_pools import PoolWithoutEpilogueTarget
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SLOTS, K = 48, 96
@@ -98,7 +99,7 @@ def test_autotuned_epilogue_and_the_dense_method_route_to_it(monkeypatch):
     x, w = qkv_weight(h, h_kv, d, dv, dtype, seed=5)
     rope = rope_of(d)
     fused = MHAKVPool(SLOTS, dtype, h_kv, d, 1, DEVICE)
-    unfused = MHAKVPool(SLOTS, dtype, h_kv, d, 1, DEVICE, gemv_rotary_store=False)
+    unfused = PoolWithoutEpilogueTarget(SLOTS, dtype, h_kv, d, 1, DEVICE)
     loc = torch.tensor([3], device=DEVICE)
     layer = torch.nn.Module()
     layer.weight, layer.cpu_packed_weight = torch.nn.Parameter(w, requires_grad=False), None
@@ -139,14 +140,14 @@ def test_hybrid_pool_writes_window_layers_at_their_translated_slots():
     assert made[0].window_pool.get_key_buffer(0)[window_slot].abs().sum() > 0
 
 
-@pytest.mark.parametrize("case", ["interleaved", "partial", "fp8 cache", "head_dim 8", "two tokens", "switched off"])
+@pytest.mark.parametrize("case", ["interleaved", "partial", "fp8 cache", "head_dim 8", "two tokens", "no target"])
 def test_cases_left_to_the_unfused_path(case):
     h, h_kv, d = 2, 1, 8 if case == "head_dim 8" else 32
     dtype = torch.bfloat16
     x, w = qkv_weight(h, h_kv, d, d, dtype, seed=3)
     rope = rope_of(d, rotary_dim=d // 2 if case == "partial" else None, neox=case != "interleaved")
-    pool = MHAKVPool(SLOTS, dtype, h_kv, d, 1, DEVICE, kv_cache_dtype="fp8_e5m2" if case == "fp8 cache" else None,
-                     gemv_rotary_store=case != "switched off")
+    pool = (PoolWithoutEpilogueTarget if case == "no target" else MHAKVPool)(
+        SLOTS, dtype, h_kv, d, 1, DEVICE, kv_cache_dtype="fp8_e5m2" if case == "fp8 cache" else None)
     loc = torch.tensor([5, 6] if case == "two tokens" else [5], device=DEVICE)
     store = epilogue(pool, 0, loc, 9, rope, h, h_kv, d, d)
     if case == "two tokens":
@@ -157,7 +158,7 @@ def test_cases_left_to_the_unfused_path(case):
         assert torch.equal(got, want)  # nothing written
 
 
-# ---- the same epilogue on an e4m3 weight with row scales (fp8_kernels.fp8_gemv_rotary_store, the "f16" products)
+# ---- the same epilogue on an e4m3 weight with row scales (fp8_gemv.fp8_gemv_rotary_store, the "f16" products)
 
 
 def fp8_qkv_weight(h, h_kv, d, dv, seed):
@@ -166,17 +167,16 @@ def fp8_qkv_weight(h, h_kv, d, dv, seed):
     return x, w_q, scale
 
 
-@pytest.mark.parametrize("variant,h,h_kv,d,dv,block_n", [("f16", 4, 2, 32, 32, 2), ("f16", 6, 2, 32, 16, 4),
-                                                         ("f16bit", 6, 2, 32, 16, 2)])
-def test_fp8_epilogue_equals_fp8_gemv_then_rotate_and_store(variant, h, h_kv, d, dv, block_n):
-    # both products, one and two pairs a program, GQA, a value head narrower than the key head
+@pytest.mark.parametrize("h,h_kv,d,dv,block_n", [(4, 2, 32, 32, 2), (6, 2, 32, 16, 4), (6, 2, 32, 16, 2)])
+def test_fp8_epilogue_equals_fp8_gemv_then_rotate_and_store(h, h_kv, d, dv, block_n):
+    # one and two pairs a program, GQA, a value head narrower than the key head
     x, w_q, scale = fp8_qkv_weight(h, h_kv, d, dv, seed=h * 10 + dv + block_n)
     rope = rope_of(d)
     dtype = torch.bfloat16
     fused = MHAKVPool(SLOTS, dtype, h_kv, d, 2, DEVICE, v_head_dim=dv)
     unfused = MHAKVPool(SLOTS, dtype, h_kv, d, 2, DEVICE, v_head_dim=dv)
     loc, position = torch.tensor([17], device=DEVICE), 45
-    config = Fp8GemvConfig(variant, block_n, 32, 1 if DEVICE == "cpu" else 4, 1, group=8)
+    config = Fp8GemvConfig("f16", block_n, 32, 1 if DEVICE == "cpu" else 4, 1, group=8)
 
     q = fp8_gemv_rotary_store(x, w_q, scale, epilogue(fused, 1, loc, position, rope, h, h_kv, d, dv), config=config)
     y = fp8_gemv(x, w_q, scale, config=config)
@@ -219,7 +219,7 @@ def test_gpu_fp8_method_routes_a_decode_qkv_to_the_fused_kernel(monkeypatch):
     x, w_q, scale = fp8_qkv_weight(h, h_kv, d, d, seed=2)
     rope = rope_of(d)
     fused = MHAKVPool(SLOTS, torch.bfloat16, h_kv, d, 1, DEVICE)
-    unfused = MHAKVPool(SLOTS, torch.bfloat16, h_kv, d, 1, DEVICE, gemv_rotary_store=False)
+    unfused = PoolWithoutEpilogueTarget(SLOTS, torch.bfloat16, h_kv, d, 1, DEVICE)
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(w_q, requires_grad=False)
     layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)

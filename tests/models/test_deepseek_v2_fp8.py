@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from braid.runtime.layers.quantization import fp8 as fp8_method
-from braid.runtime.layers.quantization.fp8_kernels import FP8_DTYPE, quantize_weight_per_channel
+from braid.runtime.layers.quantization.fp8_quantize import FP8_DTYPE, quantize_weight_per_channel
 from test_deepseek_v2_parity import PROMPT_LEN, Driver, _checkpoint, _hf_sequence, _prompt, _runner
 
 DECODE_STEPS = 10

@@ -30,7 +30,7 @@ from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.layers.moe.expert_inputs import SUPPORTED_ACTIVATIONS
 from braid.runtime.layers.moe.experts import fused_experts
 from braid.runtime.layers.moe.router import check_routing_supported, norm_and_route, route_hidden
-from braid.runtime.layers.quantization.fp8_kernels import FP8_DTYPE, quantize_weight_per_channel
+from braid.runtime.layers.quantization.fp8_quantize import FP8_DTYPE, quantize_weight_per_channel
 from braid.runtime.loader.config_specs import MoESpec
 
 logger = logging.getLogger(__name__)

@@ -14,11 +14,11 @@ per shard by writing each shard's scale on its rows: exact, no requantization. A
 `input_scale`s (one per shard) become one: their maximum (the shards read the same input).
 
 Multiplication (`apply`), y = act(x @ W^T + b) in x's dtype:
-- CUDA, one row of x (batch-1 decode), no bias: fp8_kernels.fp8_gemv (a variant of gemv.py's Triton GEMV) streams
+- CUDA, one row of x (batch-1 decode), no bias: fp8_gemv.fp8_gemv (a variant of gemv.py's Triton GEMV) streams
   the fp8 weight and multiplies by the row scales, SiLU-and-mul fused for a [gate; up] weight (and for a decode step's qkv rotary and
-  the KV write, where the pool lets a kernel write: fp8_kernels.fp8_gemv_rotary_store), launched with PDL; x stays
+  the KV write, where the pool lets a kernel write: fp8_gemv.fp8_gemv_rotary_store), launched with PDL; x stays
   bf16.
-- CUDA, 2..16 rows (small decode batches), no bias: fp8_kernels.fp8_gemv's tensor-core variant, one launch that
+- CUDA, 2..16 rows (small decode batches), no bias: fp8_gemv.fp8_gemv's tensor-core variant, one launch that
   streams W once through fp8 dots against x's rows (each rounded to e4m3 per row and chunk in the kernel),
   SiLU-and-mul fused. Both follow --disable-decode-gemv (then _scaled_mm below).
 - CUDA otherwise: x quantized per token (or by the static scale) in one Triton launch, then torch._scaled_mm
@@ -45,9 +45,9 @@ from torch import nn
 from braid.runtime.layers import cpu_gemm, gemv
 from braid.runtime.layers.activation import SiluAndMul
 from braid.runtime.layers.quantization.base import LinearMethod
-from braid.runtime.layers.quantization.fp8_kernels import (FP8_DTYPE, SMALL_BATCH_MAX_ROWS, fp8_gemv,
-                                                           fp8_gemv_rotary_store, quantize_rows,
-                                                           quantize_weight_per_channel, scaled_mm)
+from braid.runtime.layers.quantization.fp8_gemv import SMALL_BATCH_MAX_ROWS, fp8_gemv, fp8_gemv_rotary_store
+from braid.runtime.layers.quantization.fp8_quantize import (FP8_DTYPE, quantize_rows, quantize_weight_per_channel,
+                                                            scaled_mm)
 
 __all__ = ["Fp8LinearMethod", "split_kv_cache_scales"]
 

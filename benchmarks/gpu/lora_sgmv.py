@@ -4,14 +4,14 @@ The Triton kernels (runtime/lora/sgmv_kernels.py; shrink + expand as lora_shrink
 the torch reference (one matmul per adapter present, host groups precomputed as the manager does), and both against
 torch.matmul of the base linear of the same shape.
 
-  python benchmarks/lora_sgmv.py [--rows 1 4 16 64 256] [--adapters 8 64] [--rank 16] [--linears qkv gate_up down]
+  python3 benchmarks/gpu/lora_sgmv.py [--rows 1 4 16 64 256] [--adapters 8 64] [--rank 16] [--linears qkv gate_up down]
 
 Llama-3-8B linears, bf16: qkv (in 4096, out 4096 + 1024 + 1024), gate_up (in 4096, out 2 x 14336), down (in 14336,
 out 4096). Every row is on an adapter drawn at random from --adapters. Each op runs over several copies of its
 weights (one per "layer", enough that L2 holds none between uses) inside one CUDA graph, so times are per layer
 without launch overhead; the sort of idx (once per forward pass) is outside them. GB/s counts the unique bytes a
-layer must move: the A and B of the adapters present, x read, y read and written (the base: W, x, y written). The
-last column is the LoRA delta's time over the base matmul's.
+layer must move: the A and B of the adapters present, x read, y read and written (the base: W, x, y written), and is
+set against the card's copy rate measured first. The last column is the LoRA delta's time over the base matmul's.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+
+from sweep_rows import copy_bandwidth  # benchmarks/gpu, this script's folder
 
 LINEARS = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336]), "down": (14336, [4096])}
 L2_BYTES = 50 * 2**20
@@ -118,7 +120,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("lora_sgmv: needs a CUDA device", file=sys.stderr)
         return 1
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, rank {args.rank}, bf16", flush=True)
+    copy_gbs = copy_bandwidth() / 1e9
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, rank {args.rank}, bf16, "
+          f"copy rate {copy_gbs:.0f} GB/s", flush=True)
     results = []
     for name in args.linears:
         for adapters in args.adapters:
@@ -128,12 +132,13 @@ def main(argv=None) -> int:
                 print(f"  {name} T={rows} adapters={adapters}: sgmv {r['sgmv_us']:.1f} us, torch {r['torch_us']:.1f}"
                       f" us, base {r['base_us']:.1f} us", flush=True)
     head = (f"{'linear':<8} {'T':>4} {'adap':>4} {'used':>4} {'sgmv us':>8} {'torch us':>9} {'torch/sgmv':>10} "
-            f"{'sgmv GB/s':>9} {'base us':>8} {'base GB/s':>9} {'sgmv/base':>9}")
+            f"{'sgmv GB/s':>9} {'of copy':>7} {'base us':>8} {'base GB/s':>9} {'sgmv/base':>9}")
     print(head)
     print("-" * len(head))
     for r in results:
         print(f"{r['linear']:<8} {r['rows']:>4} {r['adapters']:>4} {r['present']:>4} {r['sgmv_us']:>8.1f} "
               f"{r['torch_us']:>9.1f} {r['torch_us'] / r['sgmv_us']:>10.2f} {r['sgmv_gbs']:>9.0f} "
+              f"{r['sgmv_gbs'] / copy_gbs:>7.0%} "
               f"{r['base_us']:>8.1f} {r['base_gbs']:>9.0f} {r['sgmv_us'] / r['base_us']:>9.1%}")
     return 0
 
