@@ -19,6 +19,8 @@
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1 || echo "wheel install failed"
+elif [ -d /tmp/site ]; then
+  echo "no wheels in .whl/: using those an earlier call installed in /tmp/site on this machine"
 else
   echo "no wheels in .whl/ (carry .whl)"
 fi
