@@ -9,11 +9,13 @@ from braid.runtime.processes.data_parallel import merge_stats
 from real_server import start_server
 
 
-def test_merge_stats_sums_counts_averages_rates_and_keeps_each_group():
-    merged = merge_stats([{"kv_used_tokens": 3, "cache_hit_rate": 0.2, "model": "a"},
-                          {"kv_used_tokens": 5, "cache_hit_rate": 0.4, "model": "a"}])
+def test_merge_stats_sums_counts_averages_rates_keeps_agreed_values_and_each_group():
+    merged = merge_stats([{"kv_used_tokens": 3, "cache_hit_rate": 0.2, "model": "a", "lora_slots": ["x", None]},
+                          {"kv_used_tokens": 5, "cache_hit_rate": 0.4, "model": "a", "lora_slots": [None, "x"]}])
     assert merged["kv_used_tokens"] == 8 and abs(merged["cache_hit_rate"] - 0.3) < 1e-9
-    assert "model" not in merged and [g["kv_used_tokens"] for g in merged["dp_groups"]] == [3, 5]
+    # what every group agrees on stays; what differs only in each group's own stats
+    assert merged["model"] == "a" and "lora_slots" not in merged
+    assert [g["kv_used_tokens"] for g in merged["dp_groups"]] == [3, 5]
 
 
 def test_two_groups_serve_64_concurrent_requests_each_answered_once():
