@@ -77,6 +77,9 @@ class LocalEngine(NativeApiBackend):
         for chunk in out:
             yield self._token_texts(chunk, body)
 
+    def _apply_chat_template(self, messages: list[dict]) -> str:
+        return self.engine.apply_chat_template(messages)
+
     def get_model_info(self) -> dict:
         engine = self.engine
         getter = getattr(engine, "get_model_info", None)

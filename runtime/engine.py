@@ -14,6 +14,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from braid.runtime.chat_format import in_content_format, resolve_content_format
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import Req
 from braid.runtime.error_kind import exception_for
@@ -67,6 +68,10 @@ class Engine:
             raise value
         self.scheduler = value
         self.tokenizer = self.scheduler.tokenizer
+        template = getattr(self.tokenizer, "chat_template", None)
+        # how the chat template takes a message's content (runtime/chat_format.py), as the server resolves it
+        self.chat_content_format = resolve_content_format(self.server_args.chat_template_content_format,
+                                                          template if isinstance(template, str) else None)
 
     # ---- context manager ----
     def __enter__(self):
@@ -233,7 +238,15 @@ class Engine:
 
     def get_model_info(self) -> dict:
         """What GET /get_model_info answers."""
-        return self.served_model().public_info()
+        return dict(self.served_model().public_info(), chat_template_content_format=self.chat_content_format)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The model's chat template over `messages` ({"role", "content"}: text, or template parts {"type": "text" |
+        "image" | "video"}) in the template's content format: what the server's POST /apply_chat_template answers."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; give its tokenizer one, or prompt with text")
+        return self.tokenizer.apply_chat_template(in_content_format(messages, self.chat_content_format),
+                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def _next_event(self, p: _Pending):
         kind, value = p.events.get()

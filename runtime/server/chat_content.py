@@ -1,31 +1,19 @@
-"""Message content in the shape a chat template takes it.
-
-A template takes a message's content in one of two formats (vLLM's names):
-- "openai": the list of content parts, which the template iterates ({% for part in message['content'] %}); text parts
-  are {"type": "text", "text": ...}, media parts {"type": "image"} / {"type": "video"} as HF processors pass them, and
-  the template writes each medium's placeholder (`<image>`, `<video>`) where the model was trained to see it.
-- "string": one text per message; media parts become a bare `<image>` / `<video>` where they were, text parts are
-  joined as they are.
-`detect_content_format` reads the template's Jinja syntax tree for a loop over a message's content.
+"""OpenAI chat messages as a chat template takes them: content parts to template parts and the media they carry, the
+placeholders a rendered prompt holds, and /apply_chat_template's messages checked (the formats themselves:
+runtime/chat_format.py).
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Optional, Union
+from typing import Any
 
+from braid.runtime.chat_format import Content
 from braid.runtime.multimodal.prompt import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from braid.runtime.server.errors import bad_request
-
-CONTENT_FORMATS = ("string", "openai")
 
 # content part type -> (its payload key, prepare_request's keyword, the part the template sees)
 _MEDIA_PARTS = {"image_url": ("image_url", "image_data", "image"), "video_url": ("video_url", "video_data", "video"),
                 "input_audio": ("input_audio", "audio_data", None)}
-# a template part's placeholder in string format (runtime/multimodal/prompt.py fills them in order)
-_PLACEHOLDERS = {"image": IMAGE_PLACEHOLDER, "video": VIDEO_PLACEHOLDER}
-
-Content = Union[str, list]  # a message's content: text, or template parts [{"type": "text" | "image" | "video", ...}]
 
 
 def template_messages(messages: list) -> tuple[list[dict], dict[str, list]]:
@@ -62,29 +50,6 @@ def template_messages(messages: list) -> tuple[list[dict], dict[str, list]]:
     return out, media
 
 
-def in_content_format(messages: list[dict], content_format: str) -> list[dict]:
-    """Messages whose content is text or template parts -> every content as `content_format` wants it."""
-    if content_format not in CONTENT_FORMATS:
-        raise ValueError(f"content format {content_format!r} is not one of {', '.join(CONTENT_FORMATS)}")
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if content_format == "openai" and isinstance(content, str):
-            content = [{"type": "text", "text": content}] if content else []
-        elif content_format == "string" and isinstance(content, list):
-            content = content_text(content, placeholders=True)
-        out.append({**m, "content": content})
-    return out
-
-
-def content_text(content: Optional[Content], placeholders: bool = False) -> str:
-    """A content's text: its text parts joined as they are (with `placeholders`, media parts as <image> / <video>)."""
-    if not isinstance(content, list):
-        return content or ""
-    return "".join(p["text"] if p["type"] == "text" else _PLACEHOLDERS[p["type"]] if placeholders else ""
-                   for p in content)
-
-
 def add_text(content: Content, text: str, before: bool = False) -> Content:
     """`text` after (or before) the content: a string grows, parts get a text part."""
     if isinstance(content, list):
@@ -96,81 +61,6 @@ def add_text(content: Content, text: str, before: bool = False) -> Content:
 def count_placeholders(prompt: str) -> dict[str, int]:
     """How many <image> / <video> placeholders a rendered prompt holds, by media keyword."""
     return {"image_data": prompt.count(IMAGE_PLACEHOLDER), "video_data": prompt.count(VIDEO_PLACEHOLDER)}
-
-
-# ---- detecting the format from the template -------------------------------------------------------------------
-def resolve_content_format(option: str, chat_template: Optional[str]) -> str:
-    """--chat-template-content-format: "string" / "openai" as given; "auto" detected from the template."""
-    if option != "auto":
-        return option
-    return detect_content_format(chat_template) if chat_template else "string"
-
-
-@functools.lru_cache(maxsize=16)
-def detect_content_format(chat_template: str) -> str:
-    """"openai" when the template loops over a message's content (`for x in message['content']`, also through
-    filters, tests, slices or a variable set from it, with messages reached through variables set from `messages`),
-    else "string". A template Jinja cannot parse is "string"; rendering it reports the syntax error."""
-    try:
-        tree = _jinja_environment().parse(chat_template)
-    except Exception:  # noqa: BLE001 - jinja2.TemplateSyntaxError and friends
-        return "string"
-    import jinja2.nodes as n
-
-    loops = list(tree.find_all(n.For))
-    assigns = list(tree.find_all(n.Assign))
-    message_lists = _grow({"messages"}, assigns, lambda node, names: _reads(node, names))
-    messages = {loop.target.name for loop in loops
-                if isinstance(loop.target, n.Name) and _reads(loop.iter, message_lists)}
-    # a message picked by index (`set last = messages[-1]`) is a message too
-    messages |= {a.target.name for a in assigns if isinstance(a.target, n.Name) and isinstance(a.node, n.Getitem)
-                 and not isinstance(a.node.arg, n.Slice) and _reads(a.node.node, message_lists)}
-    contents = _grow(set(), assigns, lambda node, names: _reads(node, messages, "content") or _reads(node, names))
-    return "openai" if any(_reads(loop.iter, messages, "content") or _reads(loop.iter, contents)
-                           for loop in loops) else "string"
-
-
-def _jinja_environment():
-    """The environment HF renders chat templates in (its extensions, e.g. {% generation %}, parse)."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    return _compile_jinja_template("").environment
-
-
-def _grow(names: set, assigns: list, reads) -> set:
-    """`names` plus every variable set (transitively) from an expression `reads(expr, names)` accepts."""
-    import jinja2.nodes as n
-
-    names = set(names)
-    changed = True
-    while changed:
-        changed = False
-        for a in assigns:
-            if isinstance(a.target, n.Name) and a.target.name not in names and reads(a.node, names):
-                names.add(a.target.name)
-                changed = True
-    return names
-
-
-def _reads(node: Any, names: set, key: Optional[str] = None) -> bool:
-    """Whether `node` is one of `names` (with `key`: its `key` item, x['key'] or x.key), seen through filters
-    (x | selectattr(...)), tests and slices (x[1:])."""
-    import jinja2.nodes as n
-
-    while True:
-        if isinstance(node, (n.Filter, n.Test)) and node.node is not None:
-            node = node.node
-        elif isinstance(node, n.Getitem) and isinstance(node.arg, n.Slice):
-            node = node.node
-        else:
-            break
-    if key is None:
-        return isinstance(node, n.Name) and node.ctx == "load" and node.name in names
-    if isinstance(node, n.Getitem) and isinstance(node.arg, n.Const) and node.arg.value == key:
-        return _reads(node.node, names)
-    if isinstance(node, n.Getattr) and node.attr == key:
-        return _reads(node.node, names)
-    return False
 
 
 # ---- messages already in the template's shape (the native /apply_chat_template route) ----------------------------

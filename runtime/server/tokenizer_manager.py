@@ -31,7 +31,7 @@ from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.ipc import messages as M
 from braid.runtime.processes import scheduler_process
-from braid.runtime.server.chat_content import content_text, in_content_format, resolve_content_format
+from braid.runtime.chat_format import content_text, in_content_format, resolve_content_format
 from braid.runtime.server.errors import APIError, bad_request, for_kind, internal, too_many_requests, unavailable
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.request_io.prepare import RequestError, ServedModel, prepare_request
@@ -101,7 +101,7 @@ class TokenizerManager:
         # /unload_lora_adapter (an adapter being unloaded is gone from here at once)
         self.lora_adapters: dict[str, str] = dict(server_args.lora_adapters) if server_args.enable_lora else {}
         self.lora_unloading: set[str] = set()
-        self.chat_content_format = "string"  # how the chat template takes content (runtime/server/chat_content.py)
+        self.chat_content_format = "string"  # how the chat template takes content (runtime/chat_format.py)
         self.metrics = ServerMetrics(server_args.model_name)
         self.handles: dict[str, RequestHandle] = {}
         self.proc = None

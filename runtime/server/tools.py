@@ -16,7 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from braid.runtime.server.chat_content import add_text, content_text
+from braid.runtime.chat_format import content_text
+from braid.runtime.server.chat_content import add_text
 from braid.runtime.server.errors import bad_request
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

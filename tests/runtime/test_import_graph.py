@@ -161,7 +161,7 @@ LAYERS = [
     {"core"},
     {"request_checks", "loader"},
     {"layers", "multimodal", "request_io"},
-    {"constrained", "lora", "models", "ipc"},
+    {"constrained", "lora", "models", "ipc", "chat_format"},
     {"speculative", "mem_cache"},
     {"config"},
     {"model_executor"},

@@ -5,7 +5,7 @@ SmolLM2's, Gemma's and Qwen's templates render content parts exactly as the text
 import pytest
 from real_server import start_server
 
-from braid.runtime.server.chat_content import detect_content_format, in_content_format, resolve_content_format
+from braid.runtime.chat_format import detect_content_format, in_content_format, resolve_content_format
 
 API_KEY = "format-key"
 # takes either shape and says which it got

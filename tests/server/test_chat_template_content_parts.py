@@ -1,7 +1,7 @@
 """Chat templates that iterate over content parts get them, on a real server of a tiny random LLaVA-OneVision checkpoint
 with its own tokenizer and chat template: prompt token ids equal to HF's LlavaOnevisionProcessor after its
 apply_chat_template, and greedy text equal to HF's generate, through /v1/chat/completions (the official openai client)
-and through a DSL program on RuntimeEndpoint; for a template that renders parts in place with a newline after each
+and through a DSL program on RuntimeEndpoint, LocalEngine and OpenAI; for a template that renders parts in place with a newline after each
 image, and for the published OneVision-HF template (all images, then videos, then the text)."""
 
 import base64
@@ -42,8 +42,17 @@ def llava(request, tmp_path_factory):
     hf, processor = make_tiny_llava_with_processor(folder, template)
     srv = start_server(["--model-path", str(folder), "--max-total-tokens", "4096", "--api-key", API_KEY,
                        "--log-level", "warning", "--chunked-prefill-size", "-1"], API_KEY, "braid-parts-server-")
-    yield SimpleNamespace(hf=hf, processor=processor, srv=srv, name=request.param)
+    yield SimpleNamespace(hf=hf, processor=processor, srv=srv, name=request.param, folder=str(folder))
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def local_engine(llava):
+    import braid
+
+    backend = braid.LocalEngine(llava.folder, max_total_tokens=4096, chunked_prefill_size=-1, log_level="warning")
+    yield backend
+    backend.shutdown()
 
 
 def _data_url(img) -> str:
@@ -145,6 +154,19 @@ def test_dsl_program_matches_hf(llava, case):
     want_ids, want_text = _hf_reference(llava, conversation)
     backend = braid.RuntimeEndpoint(llava.srv.base_url, api_key=API_KEY)
     state = _dsl_program().run(conversation, backend=backend)
+    meta = state.get_meta_info("answer")
+    assert [t for _, t, *_ in meta["input_token_logprobs"]] == want_ids
+    assert state["answer"] == want_text
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dsl_program_on_the_in_process_engine_matches_hf(llava, local_engine, case):
+    """braid.LocalEngine renders the role blocks with the model's template through Engine.apply_chat_template, as
+    RuntimeEndpoint does through the server: HF's prompt ids and greedy text."""
+    conversation = _cases()[case]
+    want_ids, want_text = _hf_reference(llava, conversation)
+    assert local_engine.get_model_info()["chat_template_content_format"] == "openai"
+    state = _dsl_program().run(conversation, backend=local_engine)
     meta = state.get_meta_info("answer")
     assert [t for _, t, *_ in meta["input_token_logprobs"]] == want_ids
     assert state["answer"] == want_text
