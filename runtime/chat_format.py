@@ -6,16 +6,54 @@ A template takes a message's content in one of two formats (vLLM's names):
   the template writes each medium's placeholder (`<image>`, `<video>`) where the model was trained to see it.
 - "string": one text per message; media parts become a bare `<image>` / `<video>` where they were, text parts are
   joined as they are.
-`detect_content_format` reads the template's Jinja syntax tree for a loop over a message's content. The server and
-the in-process Engine both render through these.
+`detect_content_format` reads the template's Jinja syntax tree for a loop over a message's content; `load_chat_template`
+reads --chat-template (a name, a file, or the template's text). The server and the in-process Engine both render
+through these.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import os
 from typing import Any, Optional, Union
 
 from braid.runtime.multimodal.prompt import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+
+# --chat-template NAME: SGLang's names for the formats most checkpoints use
+_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_LLAMA_3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+            "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+_GEMMA_IT = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+             "{{ raise_exception('Gemma has no system role') }}{% endif %}"
+             "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}"
+             "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+NAMED_CHAT_TEMPLATES = {"chatml": _CHATML, "qwen": _CHATML, "llama-3-instruct": _LLAMA_3, "gemma-it": _GEMMA_IT}
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a name in NAMED_CHAT_TEMPLATES, a file holding a Jinja template, or the template's text."""
+    if value in NAMED_CHAT_TEMPLATES:
+        return NAMED_CHAT_TEMPLATES[value]
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a known name ({', '.join(sorted(NAMED_CHAT_TEMPLATES))}), "
+                     "a file, nor a Jinja template (no {{ or {% in it)")
+
+
+def with_chat_template(tokenizer, chat_template: Optional[str]):
+    """The tokenizer with --chat-template in place of its own; a copy, since tokenizers are cached and shared."""
+    if chat_template is None:
+        return tokenizer
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = load_chat_template(chat_template)
+    return tokenizer
+
 
 CONTENT_FORMATS = ("string", "openai")
 

@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from braid.runtime.chat_format import in_content_format, resolve_content_format
+from braid.runtime.chat_format import in_content_format, resolve_content_format, with_chat_template
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import Req
 from braid.runtime.error_kind import exception_for
@@ -67,7 +67,7 @@ class Engine:
             self._thread.join()
             raise value
         self.scheduler = value
-        self.tokenizer = self.scheduler.tokenizer
+        self.tokenizer = with_chat_template(self.scheduler.tokenizer, self.server_args.chat_template)
         template = getattr(self.tokenizer, "chat_template", None)
         # how the chat template takes a message's content (runtime/chat_format.py), as the server resolves it
         self.chat_content_format = resolve_content_format(self.server_args.chat_template_content_format,

@@ -29,7 +29,7 @@ def check_before_start(server_args) -> None:
     """Refuse in one line, before the scheduler process starts, what this process can already see is wrong."""
     from braid.runtime.layers.attention.registry import check_backend_device
     from braid.runtime.models.registry import check_model_source
-    from braid.runtime.server.tokenizer_manager import load_chat_template
+    from braid.runtime.chat_format import load_chat_template
 
     if server_args.trust_remote_code:
         logger.info("--trust-remote-code has no effect: braid never runs code from a model folder")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import dataclasses
 import functools
 import itertools
@@ -31,7 +30,7 @@ from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.ipc import messages as M
 from braid.runtime.processes import scheduler_process
-from braid.runtime.chat_format import content_text, in_content_format, resolve_content_format
+from braid.runtime.chat_format import content_text, in_content_format, resolve_content_format, with_chat_template
 from braid.runtime.server.errors import APIError, bad_request, for_kind, internal, too_many_requests, unavailable
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.request_io.prepare import RequestError, ServedModel, prepare_request
@@ -46,41 +45,6 @@ ABORT_GRACE_S = DEADLINE_GRACE_S  # how long /abort_request waits for the schedu
 
 class SchedulerStartError(RuntimeError):
     pass
-
-
-# --chat-template NAME: SGLang's names for the formats most checkpoints use
-_CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-_LLAMA_3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-            "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-            "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-_GEMMA_IT = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
-             "{{ raise_exception('Gemma has no system role') }}{% endif %}"
-             "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}"
-             "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
-NAMED_CHAT_TEMPLATES = {"chatml": _CHATML, "qwen": _CHATML, "llama-3-instruct": _LLAMA_3, "gemma-it": _GEMMA_IT}
-
-
-def load_chat_template(value: str) -> str:
-    """--chat-template: a name in NAMED_CHAT_TEMPLATES, a file holding a Jinja template, or the template's text."""
-    if value in NAMED_CHAT_TEMPLATES:
-        return NAMED_CHAT_TEMPLATES[value]
-    if os.path.isfile(value):
-        with open(value) as f:
-            return f.read()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"--chat-template {value!r} is neither a known name ({', '.join(sorted(NAMED_CHAT_TEMPLATES))}), "
-                     "a file, nor a Jinja template (no {{ or {% in it)")
-
-
-def with_chat_template(tokenizer, chat_template: Optional[str]):
-    """The tokenizer with --chat-template in place of its own; a copy, since tokenizers are cached and shared."""
-    if chat_template is None:
-        return tokenizer
-    tokenizer = copy.copy(tokenizer)
-    tokenizer.chat_template = load_chat_template(chat_template)
-    return tokenizer
 
 
 def last_line(traceback_text: str) -> str:

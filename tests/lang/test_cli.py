@@ -62,7 +62,7 @@ def test_served_model_name_defaults_to_the_folder_name():
 def test_chat_template_from_a_file_or_inline(tmp_path):
     import pytest
 
-    from braid.runtime.server.tokenizer_manager import load_chat_template, with_chat_template
+    from braid.runtime.chat_format import load_chat_template, with_chat_template
 
     inline = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
     path = tmp_path / "template.jinja"
@@ -101,7 +101,7 @@ def test_serve_without_the_runtime_extra_names_what_is_missing():
 
 def test_named_chat_templates_render_their_formats():
     from braid.runtime.loader.tokenizer import load_tokenizer
-    from braid.runtime.server.tokenizer_manager import with_chat_template
+    from braid.runtime.chat_format import with_chat_template
 
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                 {"role": "user", "content": "Bye"}]

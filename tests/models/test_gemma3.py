@@ -282,7 +282,7 @@ def test_gemma3_270m_serves_chat_completions(gemma3_270m):
     import jinja2
     import openai
 
-    from braid.runtime.server.tokenizer_manager import NAMED_CHAT_TEMPLATES
+    from braid.runtime.chat_format import NAMED_CHAT_TEMPLATES
     from real_server import start_server
 
     _, tok, hf = gemma3_270m

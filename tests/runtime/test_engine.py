@@ -157,3 +157,19 @@ def test_bad_input_raises_clear_errors(engine):
     ok = engine.generate("hi", _greedy(2))
     assert ok["meta_info"]["completion_tokens"] == 2
     assert engine.get_stats()["kv_used_tokens"] == 0
+
+
+def test_chat_template_and_its_content_format_as_the_server_takes_them(engine):
+    """--chat-template reaches the in-process Engine (a named one here), and apply_chat_template renders content
+    parts in the template's format: a string-format template gets the parts' text joined."""
+    from braid.runtime.chat_format import NAMED_CHAT_TEMPLATES
+
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": " there"}]}]
+    own = engine.get_model_info()
+    assert own["chat_template_content_format"] == "string" and own["chat_template"] != NAMED_CHAT_TEMPLATES["chatml"]
+    assert "Hi there" in engine.apply_chat_template(messages)
+    with Engine(model_path="smollm2", chat_template="chatml", log_level="warning", max_total_tokens=1024) as chatml:
+        info = chatml.get_model_info()
+        assert info["chat_template"] == NAMED_CHAT_TEMPLATES["chatml"]
+        assert chatml.apply_chat_template(messages) == "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+        assert chatml.apply_chat_template(messages, add_generation_prompt=False).endswith("<|im_end|>\n")

@@ -27,7 +27,7 @@ PARTS = [{"type": "text", "text": "Name a color"}, {"type": "text", "text": " of
 
 def test_detection_from_the_jinja_tree():
     from braid.runtime.loader.tokenizer import load_tokenizer
-    from braid.runtime.server.tokenizer_manager import NAMED_CHAT_TEMPLATES
+    from braid.runtime.chat_format import NAMED_CHAT_TEMPLATES
 
     strings = [load_tokenizer("smollm2").chat_template, QWEN25, *NAMED_CHAT_TEMPLATES.values(),
                "{% for m in messages %}{{ m['content'] | trim }}{% endfor %}", "{% for x in"]
@@ -48,7 +48,7 @@ def test_string_templates_render_parts_as_the_joined_text():
     """SmolLM2's, Gemma's (gemma-it) and Qwen's templates are string-format: parts reach them as the text joined,
     so the prompt is the one the same text as a string gives."""
     from braid.runtime.loader.tokenizer import load_tokenizer
-    from braid.runtime.server.tokenizer_manager import NAMED_CHAT_TEMPLATES
+    from braid.runtime.chat_format import NAMED_CHAT_TEMPLATES
 
     tokenizer = load_tokenizer("smollm2")
     for template in (tokenizer.chat_template, NAMED_CHAT_TEMPLATES["gemma-it"], NAMED_CHAT_TEMPLATES["qwen"], QWEN25):

@@ -148,7 +148,8 @@ def test_a_template_that_reads_tools_renders_them_and_the_history():
 
     from braid.runtime.config import ServerArgs
     from braid.runtime.loader.tokenizer import get_tokenizer
-    from braid.runtime.server.tokenizer_manager import TokenizerManager, with_chat_template
+    from braid.runtime.chat_format import with_chat_template
+    from braid.runtime.server.tokenizer_manager import TokenizerManager
 
     tm = TokenizerManager(ServerArgs())
     tm.tokenizer = with_chat_template(get_tokenizer(ServerArgs()), TOOLS_TEMPLATE)

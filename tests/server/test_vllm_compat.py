@@ -324,7 +324,8 @@ def test_chat_template_kwargs_reach_the_template():
     from braid.runtime.config import ServerArgs
     from braid.runtime.loader.tokenizer import get_tokenizer
     from braid.runtime.server.openai_protocol import ChatCompletionRequest, chat_template_options, parse_openai
-    from braid.runtime.server.tokenizer_manager import TokenizerManager, with_chat_template
+    from braid.runtime.chat_format import with_chat_template
+    from braid.runtime.server.tokenizer_manager import TokenizerManager
 
     tm = TokenizerManager(ServerArgs())
     tm.tokenizer = with_chat_template(get_tokenizer(ServerArgs()),
