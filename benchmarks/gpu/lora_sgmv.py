@@ -1,8 +1,8 @@
 """LoRA delta at decode shapes on one GPU: Triton SGMV kernels vs the torch reference vs the base matmul.
 
 The Triton kernels (runtime/lora/sgmv_kernels.py; shrink + expand as lora_shrink / lora_expand launch them) against
-the torch reference (one matmul per adapter present, host groups precomputed as the manager does), and both against
-torch.matmul of the base linear of the same shape.
+the torch reference (one matmul per adapter present, host groups precomputed as the manager does), the per-row
+candidate of lora_bgmv.py (this folder), and all against torch.matmul of the base linear of the same shape.
 
   python3 benchmarks/gpu/lora_sgmv.py [--rows 1 4 16 64 256] [--adapters 8 64] [--rank 16] [--linears qkv gate_up down]
 
@@ -20,7 +20,8 @@ import argparse
 import math
 import sys
 
-from sweep_rows import copy_bandwidth  # benchmarks/gpu, this script's folder
+from lora_bgmv import bgmv_expand, bgmv_shrink  # benchmarks/gpu, this script's folder
+from sweep_rows import copy_bandwidth
 
 LINEARS = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336]), "down": (14336, [4096])}
 L2_BYTES = 50 * 2**20
@@ -52,7 +53,7 @@ def _layers_for(bytes_per_layer: int) -> int:
     return max(2, min(32, math.ceil(4 * L2_BYTES / max(bytes_per_layer, 1))))
 
 
-def _lora_times(name: str, rows: int, adapters: int, rank: int, iters: int, gen) -> tuple[float, float, int]:
+def _lora_times(name: str, rows: int, adapters: int, rank: int, iters: int, gen) -> tuple[float, float, float, int]:
     """-> (sgmv us, torch reference us, adapters present) per layer."""
     import torch
 
@@ -75,11 +76,14 @@ def _lora_times(name: str, rows: int, adapters: int, rank: int, iters: int, gen)
     want = expand_reference(y.clone(), shrink_reference(x, a[0], idx, groups), b[0], scale, idx, groups)
     got = lora_expand(y.clone(), lora_shrink(x, a[0], idx), b[0], scale, idx)
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+    got = bgmv_expand(y.clone(), bgmv_shrink(x, a[0], idx), b[0], scale, idx)
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
 
     sgmv_us = _graph_time_us(lambda l: lora_expand(y, lora_shrink(x, a[l], idx), b[l], scale, idx), layers, iters)
     torch_us = _graph_time_us(lambda l: expand_reference(y, shrink_reference(x, a[l], idx, groups), b[l], scale, idx,
                                                          groups), layers, iters)
-    return sgmv_us, torch_us, len(groups)
+    bgmv_us = _graph_time_us(lambda l: bgmv_expand(y, bgmv_shrink(x, a[l], idx), b[l], scale, idx), layers, iters)
+    return sgmv_us, torch_us, bgmv_us, len(groups)
 
 
 def _base_time(name: str, rows: int, iters: int, gen) -> float:
@@ -98,12 +102,12 @@ def bench_case(name: str, rows: int, adapters: int, rank: int, iters: int) -> di
     d_in, outs = LINEARS[name]
     d_out, esize = sum(outs), 2
     gen = torch.Generator(device="cuda").manual_seed(rows * 1000 + adapters)
-    sgmv_us, torch_us, present = _lora_times(name, rows, adapters, rank, iters, gen)
+    sgmv_us, torch_us, bgmv_us, present = _lora_times(name, rows, adapters, rank, iters, gen)
     base_us = _base_time(name, rows, iters, gen)
     torch.cuda.empty_cache()
     moved = present * rank * esize * (len(outs) * d_in + d_out) + rows * esize * (d_in + 2 * d_out)
     base_moved = esize * (d_out * d_in + rows * (d_in + d_out))
-    return dict(linear=name, rows=rows, adapters=adapters, present=present, sgmv_us=sgmv_us, torch_us=torch_us,
+    return dict(linear=name, rows=rows, adapters=adapters, present=present, sgmv_us=sgmv_us, torch_us=torch_us, bgmv_us=bgmv_us,
                 sgmv_gbs=moved / sgmv_us / 1e3, base_us=base_us, base_gbs=base_moved / base_us / 1e3)
 
 
@@ -130,16 +134,18 @@ def main(argv=None) -> int:
                 r = bench_case(name, rows, adapters, args.rank, args.iters)
                 results.append(r)
                 print(f"  {name} T={rows} adapters={adapters}: sgmv {r['sgmv_us']:.1f} us, torch {r['torch_us']:.1f}"
-                      f" us, base {r['base_us']:.1f} us", flush=True)
+                      f" us, bgmv {r['bgmv_us']:.1f} us, base {r['base_us']:.1f} us", flush=True)
     head = (f"{'linear':<8} {'T':>4} {'adap':>4} {'used':>4} {'sgmv us':>8} {'torch us':>9} {'torch/sgmv':>10} "
-            f"{'sgmv GB/s':>9} {'of copy':>7} {'base us':>8} {'base GB/s':>9} {'sgmv/base':>9}")
+            f"{'sgmv GB/s':>9} {'of copy':>7} {'base us':>8} {'base GB/s':>9} {'sgmv/base':>9} {'bgmv us':>8} "
+            f"{'bgmv/base':>9}")
     print(head)
     print("-" * len(head))
     for r in results:
         print(f"{r['linear']:<8} {r['rows']:>4} {r['adapters']:>4} {r['present']:>4} {r['sgmv_us']:>8.1f} "
               f"{r['torch_us']:>9.1f} {r['torch_us'] / r['sgmv_us']:>10.2f} {r['sgmv_gbs']:>9.0f} "
               f"{r['sgmv_gbs'] / copy_gbs:>7.0%} "
-              f"{r['base_us']:>8.1f} {r['base_gbs']:>9.0f} {r['sgmv_us'] / r['base_us']:>9.1%}")
+              f"{r['base_us']:>8.1f} {r['base_gbs']:>9.0f} {r['sgmv_us'] / r['base_us']:>9.1%} {r['bgmv_us']:>8.1f} "
+              f"{r['bgmv_us'] / r['base_us']:>9.1%}")
     return 0
 
 
