@@ -87,11 +87,20 @@ def content_text(content: Optional[Content], placeholders: bool = False) -> str:
 
 
 # ---- detecting the format from the template -------------------------------------------------------------------
-def resolve_content_format(option: str, chat_template: Optional[str]) -> str:
-    """--chat-template-content-format: "string" / "openai" as given; "auto" detected from the template."""
+def resolve_content_format(option: str, chat_template: Any) -> str:
+    """--chat-template-content-format: "string" / "openai" as given; "auto" detected from the template (a tokenizer's
+    chat_template as it is: one that is not a Jinja string, none or a dict of named templates, is "string")."""
     if option != "auto":
         return option
-    return detect_content_format(chat_template) if chat_template else "string"
+    return detect_content_format(chat_template) if isinstance(chat_template, str) and chat_template else "string"
+
+
+def render_chat_template(tokenizer, messages: list[dict], content_format: str, add_generation_prompt: bool = True,
+                         **template_kwargs: Any) -> str:
+    """The tokenizer's chat template over `messages` (content: text, or template parts) in `content_format`, as text;
+    template_kwargs are further template variables (tools, continue_final_message, ...)."""
+    return tokenizer.apply_chat_template(in_content_format(messages, content_format), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **template_kwargs)
 
 
 @functools.lru_cache(maxsize=16)

@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from braid.runtime.chat_format import in_content_format, resolve_content_format, with_chat_template
+from braid.runtime.chat_format import render_chat_template, resolve_content_format, with_chat_template
 from braid.runtime.config import ServerArgs
 from braid.runtime.core import Req
 from braid.runtime.error_kind import exception_for
@@ -68,10 +68,9 @@ class Engine:
             raise value
         self.scheduler = value
         self.tokenizer = with_chat_template(self.scheduler.tokenizer, self.server_args.chat_template)
-        template = getattr(self.tokenizer, "chat_template", None)
         # how the chat template takes a message's content (runtime/chat_format.py), as the server resolves it
         self.chat_content_format = resolve_content_format(self.server_args.chat_template_content_format,
-                                                          template if isinstance(template, str) else None)
+                                                          getattr(self.tokenizer, "chat_template", None))
 
     # ---- context manager ----
     def __enter__(self):
@@ -245,8 +244,7 @@ class Engine:
         "image" | "video"}) in the template's content format: what the server's POST /apply_chat_template answers."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template; give its tokenizer one, or prompt with text")
-        return self.tokenizer.apply_chat_template(in_content_format(messages, self.chat_content_format),
-                                                  tokenize=False, add_generation_prompt=add_generation_prompt)
+        return render_chat_template(self.tokenizer, messages, self.chat_content_format, add_generation_prompt)
 
     def _next_event(self, p: _Pending):
         kind, value = p.events.get()

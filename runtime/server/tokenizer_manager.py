@@ -30,7 +30,7 @@ from braid.runtime.core import Req
 from braid.runtime.sampling_params import SamplingParams, SamplingParamsError
 from braid.runtime.ipc import messages as M
 from braid.runtime.processes import scheduler_process
-from braid.runtime.chat_format import content_text, in_content_format, resolve_content_format, with_chat_template
+from braid.runtime.chat_format import content_text, render_chat_template, resolve_content_format, with_chat_template
 from braid.runtime.server.errors import APIError, bad_request, for_kind, internal, too_many_requests, unavailable
 from braid.runtime.server.metrics import ServerMetrics
 from braid.runtime.request_io.prepare import RequestError, ServedModel, prepare_request
@@ -112,9 +112,8 @@ class TokenizerManager:
         try:
             ready = await self._wait_ready(timeout_s)
             self.tokenizer = with_chat_template(await tokenizer_task, self.server_args.chat_template)
-            template = getattr(self.tokenizer, "chat_template", None)
             self.chat_content_format = resolve_content_format(self.server_args.chat_template_content_format,
-                                                              template if isinstance(template, str) else None)
+                                                              getattr(self.tokenizer, "chat_template", None))
             logger.info("chat template content format: %s (--chat-template-content-format %s)",
                         self.chat_content_format, self.server_args.chat_template_content_format)
             release_gguf_readers()  # a GGUF's tokenizer conversion is on disk now
@@ -227,14 +226,13 @@ class TokenizerManager:
                               "/v1/completions", param="messages")
         tool_chars = len(json.dumps(tools)) if tools else 0
         self.check_prompt_chars(sum(len(content_text(m.get("content"))) for m in messages) + tool_chars, "messages")
-        messages = in_content_format(messages, self.chat_content_format)
         extra = dict(template_kwargs or {})
         if tools:
             extra["tools"] = tools
         if continue_final_message:
             extra["continue_final_message"] = True
-        apply = functools.partial(self.tokenizer.apply_chat_template, messages, tokenize=False,
-                                  add_generation_prompt=add_generation_prompt, **extra)
+        apply = functools.partial(render_chat_template, self.tokenizer, messages, self.chat_content_format,
+                                  add_generation_prompt, **extra)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, apply)
         except Exception as e:  # jinja errors from a template that rejects the conversation
