@@ -154,6 +154,10 @@ class ServerArgs:
     disable_cuda_graph: bool = _opt(False, "run decode eagerly")
     cuda_graph_max_bs: int = _opt(512, "largest decode batch captured in a CUDA graph; also the most requests "
                                        "decoding at once when --max-running-requests is unset")
+    cuda_graph_bs: Optional[tuple[int, ...]] = _opt(
+        None, "the decode batch sizes captured in CUDA graphs, e.g. --cuda-graph-bs 1 8 32 (default: 1-4, then every "
+        "4 to 32, every 8 to 160, every 16 to --cuda-graph-max-bs); a batch replays the smallest captured size that "
+        "holds it, and sets --cuda-graph-max-bs to the largest")
     cuda_graph_max_extend_tokens: Optional[int] = _opt(
         None, "on CUDA, extend (prefill) passes of up to this many new tokens replay CUDA graphs captured at padded "
         "token counts instead of launching each kernel from Python (Triton attention; other backends run them "
@@ -344,6 +348,11 @@ class ServerArgs:
             raise ValueError("max_continuous_decode_steps must be >= 1 and >= num_continuous_decode_steps")
         if self.admission_min_extend_tokens is not None and self.admission_min_extend_tokens < 0:
             raise ValueError("admission_min_extend_tokens must be >= 0")
+        if self.cuda_graph_bs is not None:
+            if not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1:
+                raise ValueError("cuda_graph_bs must list batch sizes >= 1")
+            object.__setattr__(self, "cuda_graph_bs", tuple(sorted(set(self.cuda_graph_bs))))
+            object.__setattr__(self, "cuda_graph_max_bs", self.cuda_graph_bs[-1])
         if (self.cuda_graph_max_extend_tokens or 0) < 0 or self.cuda_graph_max_extend_reqs < 1:
             raise ValueError("cuda_graph_max_extend_tokens must be >= 0 and cuda_graph_max_extend_reqs >= 1")
         if self.triton_attention_num_kv_splits is not None and not 1 <= self.triton_attention_num_kv_splits <= 64:

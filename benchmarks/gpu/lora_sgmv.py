@@ -1,8 +1,9 @@
 """LoRA delta at decode shapes on one GPU: Triton SGMV kernels vs the torch reference vs the base matmul.
 
-The Triton kernels (runtime/lora/sgmv_kernels.py; shrink + expand as lora_shrink / lora_expand launch them) against
-the torch reference (one matmul per adapter present, host groups precomputed as the manager does), the per-row
-candidate of lora_bgmv.py (this folder), and all against torch.matmul of the base linear of the same shape.
+The row-block Triton kernels (runtime/lora/sgmv_kernels.py) and the per-row ones (runtime/lora/bgmv_kernels.py,
+which lora_shrink / lora_expand launch up to ops.BGMV_MAX_ROWS rows) against the torch reference (one matmul per
+adapter present, host groups precomputed as the manager does), and all against torch.matmul of the base linear of
+the same shape.
 
   python3 benchmarks/gpu/lora_sgmv.py [--rows 1 4 16 64 256] [--adapters 8 64] [--rank 16] [--linears qkv gate_up down]
 
@@ -20,7 +21,7 @@ import argparse
 import math
 import sys
 
-from lora_bgmv import bgmv_expand, bgmv_shrink  # benchmarks/gpu, this script's folder
+from braid.runtime.lora.bgmv_kernels import bgmv_expand, bgmv_shrink
 from sweep_rows import copy_bandwidth
 
 LINEARS = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336]), "down": (14336, [4096])}
@@ -57,8 +58,8 @@ def _lora_times(name: str, rows: int, adapters: int, rank: int, iters: int, gen)
     """-> (sgmv us, torch reference us, adapters present) per layer."""
     import torch
 
-    from braid.runtime.lora.ops import (adapter_groups, expand_reference, lora_expand, lora_shrink,
-                                        shrink_reference)
+    from braid.runtime.lora.ops import adapter_groups, expand_reference, shrink_reference
+    from braid.runtime.lora.sgmv_kernels import row_order, sgmv_expand, sgmv_shrink
 
     d_in, outs = LINEARS[name]
     dev, dt = "cuda", torch.bfloat16
@@ -74,12 +75,14 @@ def _lora_times(name: str, rows: int, adapters: int, rank: int, iters: int, gen)
     y = torch.randn(rows, sum(outs), device=dev, dtype=dt, generator=gen)
 
     want = expand_reference(y.clone(), shrink_reference(x, a[0], idx, groups), b[0], scale, idx, groups)
-    got = lora_expand(y.clone(), lora_shrink(x, a[0], idx), b[0], scale, idx)
+    order = row_order(idx)
+    got = sgmv_expand(y.clone(), sgmv_shrink(x, a[0], idx, order), b[0], scale, idx, order)
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
     got = bgmv_expand(y.clone(), bgmv_shrink(x, a[0], idx), b[0], scale, idx)
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
 
-    sgmv_us = _graph_time_us(lambda l: lora_expand(y, lora_shrink(x, a[l], idx), b[l], scale, idx), layers, iters)
+    sgmv_us = _graph_time_us(lambda l: sgmv_expand(y, sgmv_shrink(x, a[l], idx, order), b[l], scale, idx, order),
+                             layers, iters)
     torch_us = _graph_time_us(lambda l: expand_reference(y, shrink_reference(x, a[l], idx, groups), b[l], scale, idx,
                                                          groups), layers, iters)
     bgmv_us = _graph_time_us(lambda l: bgmv_expand(y, bgmv_shrink(x, a[l], idx), b[l], scale, idx), layers, iters)

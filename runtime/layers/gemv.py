@@ -26,7 +26,6 @@ Runs on CPU tensors under TRITON_INTERPRET=1 (the tests).
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -241,9 +240,18 @@ def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin
 MEASURED_CONFIGS = measured_tiles.GEMV_CONFIGS
 
 
-@functools.lru_cache(maxsize=None)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
+# device.index (None: the current device) -> the GPU's name. A plain dict rather than a cached call: a compiled
+# region reads a filled entry as a constant, where a call of torch.cuda.get_device_name there breaks the graph (and
+# its resumed frame recompiles on every step); CudaGraphRunner fills it before compiling.
+_DEVICE_NAMES: dict = {}
+
+
+def device_name(device: torch.device) -> str:
+    name = _DEVICE_NAMES.get(device.index)
+    if name is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        name = _DEVICE_NAMES[device.index] = torch.cuda.get_device_name(index)
+    return name
 
 
 def measured_table(tables: dict, device: torch.device) -> dict:
@@ -251,7 +259,7 @@ def measured_table(tables: dict, device: torch.device) -> dict:
     for CPU tensors and under the interpreter)."""
     if _INTERPRET or device.type != "cuda":
         return {}
-    return tables.get(_device_name(device.index if device.index is not None else torch.cuda.current_device()), {})
+    return tables.get(device_name(device), {})
 
 
 def measured_config(device: torch.device, rows: int, k: int, activation: str) -> Optional[dict]:

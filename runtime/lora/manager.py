@@ -263,13 +263,14 @@ class LoraManager:
     # ---- CUDA graphs: the captured pass reads its slots from a static index buffer ----
     def use_static_idx(self, idx: torch.Tensor) -> None:
         """Every LoraLayer of the pass about to run (or be captured) reads `idx` ([T] int64, a view of a graph
-        runner's buffer); the delta ops run for every pass then, adapter rows or not. A new view per pass, so the
+        runner's buffer); the delta ops run for every such pass, adapter rows or not (a decode batch on the base model
+        alone replays graphs captured without them). A new view per pass, so the
         kernels' row order is computed inside each capture (sgmv_kernels.row_order keys it by the tensor)."""
         self.batch.idx, self.batch.groups = idx, None
 
-    def load_static_idx(self, fb, idx: torch.Tensor, rows: int) -> None:
+    def load_static_idx(self, fb, idx: torch.Tensor, rows: int) -> bool:
         """Write fb's per-token slots into idx[:rows] (-1 past them and for a batch without adapters), for a
-        replay that reads that buffer."""
+        replay that reads that buffer. -> whether any row is on an adapter."""
         token_slots = self._token_slots(fb)
         idx[len(token_slots):rows].fill_(-1)
         if token_slots:
@@ -277,6 +278,7 @@ class LoraManager:
             if idx.device.type == "cuda":
                 slots = slots.pin_memory()
             idx[:len(token_slots)].copy_(slots, non_blocking=True)
+        return bool(token_slots)
 
     def clear(self) -> None:
         self.batch.idx, self.batch.groups = None, []

@@ -1,7 +1,7 @@
 """The LoRA delta as two SGMV-shaped ops: y += scale * (x @ A^T) @ B^T per row, each row on its own adapter. `idx`
-holds one adapter slot per row (-1: the base model, no delta). CUDA tensors take the Triton kernels of
-sgmv_kernels.py (one launch per op, adapters gathered by `idx` on the device, `groups` unused); other devices the
-torch reference below.
+holds one adapter slot per row (-1: the base model, no delta). CUDA tensors take Triton kernels (one launch per op,
+adapters gathered by `idx` on the device, `groups` unused): the per-row ones of bgmv_kernels.py for batches of up to
+BGMV_MAX_ROWS rows, the row-block ones of sgmv_kernels.py above; other devices the torch reference below.
 
 `groups` is the host's list of (slot, row indices) for the batch, computed once per forward pass by the manager so
 that each layer's call of the torch path needs no device-to-host sync; without it the ops derive it from `idx`."""
@@ -12,9 +12,14 @@ from typing import Optional, Sequence
 
 import torch
 
+from braid.runtime.lora.bgmv_kernels import bgmv_expand, bgmv_shrink
 from braid.runtime.lora.sgmv_kernels import row_order, sgmv_expand, sgmv_shrink
 
 Groups = Sequence[tuple[int, torch.Tensor]]
+
+# Rows up to which a batch takes the per-row kernels: SGMV's loop over the adapters present in a row block is what
+# costs at a few rows on many adapters, its row tiles what pays on long batches (docs/benchmarks.md, LoRA kernels).
+BGMV_MAX_ROWS = 32
 
 
 def adapter_groups(idx: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -32,6 +37,8 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, idx: torch.Tensor,
     h[t] = A[idx[t]] @ x[t] (zeros on base rows). On CUDA h comes as the kernel's fp32 partial sums [P, T, R]
     (h = their sum over dim 0), which lora_expand takes as they are."""
     if x.is_cuda:
+        if x.shape[0] <= BGMV_MAX_ROWS:
+            return bgmv_shrink(x, a_stack, idx)
         return sgmv_shrink(x, a_stack, idx, row_order(idx))
     return shrink_reference(x, a_stack, idx, groups)
 
@@ -44,6 +51,8 @@ def lora_expand(y: torch.Tensor, h: torch.Tensor, b_stacks: Sequence[torch.Tenso
     Sub-matrix s: y[:, off_s : off_s + out_s] += scale[idx] * h[:, s*R : (s+1)*R] @ B_s[idx]^T.
     h may also be lora_shrink's CUDA partial sums [P, T, S * R]."""
     if y.is_cuda and len(b_stacks) <= 3:
+        if y.shape[0] <= BGMV_MAX_ROWS:
+            return bgmv_expand(y, h, b_stacks, scale, idx)
         return sgmv_expand(y, h, b_stacks, scale, idx, row_order(idx))
     if h.dim() == 3:
         h = h.sum(0).to(y.dtype)

@@ -156,7 +156,8 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _programs_wanted(device: torch.device) -> int:
+def programs_wanted(device: torch.device) -> int:
+    """The SM count of `device`: how many programs keep it busy (4 for the interpreter's CPU tensors)."""
     if device.type != "cuda":
         return 4  # the interpreter: enough to run the split path in tests
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
@@ -185,11 +186,14 @@ def row_order(idx: torch.Tensor, block_t: Optional[int] = None) -> Optional[torc
     the first call after the idx buffer was last written."""
     if idx.shape[0] <= (block_t or _row_block(idx.shape[0])):
         return None
+    # an inference tensor (a CUDA graph's idx buffer made under inference_mode) keeps no version counter: the same
+    # object then stands for the same contents, which holds within one forward pass
+    version = None if idx.is_inference() else idx._version
     cached = _order_cache[0]
-    if cached is not None and cached[0]() is idx and cached[1] == idx._version:
+    if cached is not None and cached[0]() is idx and cached[1] == version:
         return cached[2]
     order = torch.sort(idx, stable=True).indices
-    _order_cache[0] = (weakref.ref(idx), idx._version, order)
+    _order_cache[0] = (weakref.ref(idx), version, order)
     return order
 
 
@@ -210,7 +214,7 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, order: Opti
     programs = triton.cdiv(t, block_t) * triton.cdiv(rt, block_r)
     # one program per SM where the row and rank blocks leave them idle; at most 512 partial rows per row block,
     # since every column block of expand reads all of them
-    split = split_k or max(1, min(64, chunks, _programs_wanted(x.device) // programs, 512 // min(t, block_t)))
+    split = split_k or max(1, min(64, chunks, programs_wanted(x.device) // programs, 512 // min(t, block_t)))
     k_per_split = triton.cdiv(chunks, split) * block_k
     split = triton.cdiv(k, k_per_split)  # no empty split
     h = torch.empty(split, t, rt, dtype=torch.float32, device=x.device)

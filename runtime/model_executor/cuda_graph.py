@@ -3,7 +3,8 @@
 A batch of B requests replays the graph of the smallest captured size >= B; padding rows write their KV to the
 pool's dummy slot 0 and attend over one token, and their outputs are dropped. With LoRA adapters served, the
 graphs read each token's adapter slot from a static index buffer ([rows] int64, -1: the base model), so one graph
-serves any mix of adapters and the base model.
+serves any mix of adapters and the base model; a decode batch on the base model alone replays a second set captured
+without the delta ops.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Optional
 
 import torch
 
@@ -20,11 +22,12 @@ logger = logging.getLogger(__name__)
 
 
 @torch.inference_mode()
-def capture_graphs(sizes: list[int], prepare) -> tuple[dict, dict]:
-    """One CUDA graph per size, the largest first, all in one memory pool. prepare(size) fills the static inputs
-    and returns the pass to capture (a no-argument callable), which runs twice outside the graph first (warm-up:
-    Triton compiles and picks its kernels, torch.compile traces). -> ({size: graph}, {size: its output})."""
-    graphs, outputs, pool = {}, {}, None
+def capture_graphs(sizes: list[int], prepare, pool=None) -> tuple[dict, dict]:
+    """One CUDA graph per size, the largest first, all in one memory pool (`pool`, else a new one). prepare(size)
+    fills the static inputs and returns the pass to capture (a no-argument callable), which runs twice outside the
+    graph first (warm-up: Triton compiles and picks its kernels, torch.compile traces). -> ({size: graph}, {size: its
+    output})."""
+    graphs, outputs = {}, {}
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -42,9 +45,11 @@ def capture_graphs(sizes: list[int], prepare) -> tuple[dict, dict]:
     return graphs, outputs
 
 
-def capture_batch_sizes(max_bs: int) -> list[int]:
-    sizes = [1, 2, 3, 4] + list(range(8, 33, 4)) + list(range(40, 161, 8)) + list(range(176, 513, 16))
-    return [s for s in sizes if s <= max_bs]
+def capture_batch_sizes(max_bs: int, chosen: Optional[tuple[int, ...]] = None) -> list[int]:
+    """The decode batch sizes to capture: `chosen` (--cuda-graph-bs) or the default ladder, none above max_bs."""
+    sizes = chosen or [1, 2, 3, 4] + list(range(8, 33, 4)) + list(range(40, 161, 8)) + list(range(176, 513, 16))
+    kept = [s for s in sizes if s <= max_bs]
+    return kept or [max_bs]
 
 
 class CudaGraphRunner:
@@ -53,7 +58,8 @@ class CudaGraphRunner:
         self.model = model_runner.model
         self.attn_backend = model_runner.attn_backend
         max_reqs = model_runner.req_to_token_pool.size
-        self.batch_sizes = capture_batch_sizes(min(model_runner.server_args.cuda_graph_max_bs, max_reqs))
+        self.batch_sizes = capture_batch_sizes(min(model_runner.server_args.cuda_graph_max_bs, max_reqs),
+                                               model_runner.server_args.cuda_graph_bs)
         self.max_bs = self.batch_sizes[-1]
         dev = model_runner.device
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=dev)
@@ -73,13 +79,23 @@ class CudaGraphRunner:
                     ", torch.compile first" if self.compiled is not None else "")  # can take a while: say so first
         start = time.perf_counter()
         self.graphs, self.outputs = capture_graphs(self.batch_sizes, self._prepare_capture)
+        # with adapters served, a second set without the delta ops for batches on the base model alone (they would
+        # launch every LoRA kernel to add nothing); in the same pool, as no two graphs replay at once
+        self.base_graphs = self.base_outputs = None
+        self.num_base_replays = 0  # of the replays, those of a batch without adapter rows
         if self.lora is not None:
+            self.base_graphs, self.base_outputs = capture_graphs(
+                self.batch_sizes, self._prepare_base_capture, pool=self.graphs[self.max_bs].pool())
             self.lora.clear()
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
     def _enable_compile(self) -> None:
         import torch._dynamo
 
+        from braid.runtime.layers.gemv import device_name
+
+        dev = self.runner.device  # tensors name their index: fill that key, read as a constant in the compiled region
+        device_name(dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device()))
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         limit = self.runner.server_args.torch_compile_max_bs
         self.batch_sizes_compiled = {b for b in self.batch_sizes if b <= limit}
@@ -114,6 +130,16 @@ class CudaGraphRunner:
             return forward(fb)
         return run
 
+    def _prepare_base_capture(self, bs: int):
+        fb = self._static_batch(bs)
+        self.attn_backend.init_forward_metadata_capture(bs, fb)
+        forward = self._forward_fn(bs)
+
+        def run():
+            self.lora.clear()
+            return forward(fb)
+        return run
+
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.batch_size <= self.max_bs
 
@@ -133,13 +159,15 @@ class CudaGraphRunner:
         self.req_pool_indices[:bs].copy_(fb.req_pool_indices)
         self.seq_lens[:bs].copy_(fb.seq_lens)
         self.out_cache_loc[:bs].copy_(fb.out_cache_loc)
-        if self.lora is not None:
-            self.lora.load_static_idx(fb, self.lora_idx, padded)
+        graphs, outputs = self.graphs, self.outputs
+        if self.lora is not None and not self.lora.load_static_idx(fb, self.lora_idx, padded):
+            graphs, outputs = self.base_graphs, self.base_outputs
+            self.num_base_replays += 1
         static = self._static_batch(padded)
         static.seq_lens_cpu = list(fb.seq_lens_cpu) + [1] * (padded - bs)
         self.attn_backend.init_forward_metadata_replay(padded, static)
-        self.graphs[padded].replay()
-        return self.outputs[padded][:bs]
+        graphs[padded].replay()
+        return outputs[padded][:bs]
 
 
 def extend_token_buckets(max_tokens: int) -> list[int]:

@@ -334,7 +334,8 @@ def test_gpu_decode_cuda_graph_capture_and_padded_replay(name):
     s = Setup(h, h_kv, d, layer_opts, **dict(zip(("kv_cache_dtype", "kv_scales"), kv)))
     model = TinyModel(s, max_bs)
     runner = runner_for(h, h_kv, d, kv_pool=s.pool, model=model, req_to_token_pool=s.r2t,
-                        server_args=SimpleNamespace(cuda_graph_max_bs=max_bs, enable_torch_compile=False))
+                        server_args=SimpleNamespace(cuda_graph_max_bs=max_bs, cuda_graph_bs=None,
+                                                    enable_torch_compile=False))
     fi = runner.attn_backend = FlashInferAttnBackend(runner)
     assert len(fi._variants) == len(set(layer_opts))  # read from the model's RadixAttention layers
 

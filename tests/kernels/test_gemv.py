@@ -190,7 +190,7 @@ def test_measured_config_by_device_name_and_shape(monkeypatch):
     """A listed device and shape give the entry as gemv's config; another device, shape or activation, or a CPU
     tensor, nothing (gemv then autotunes)."""
     monkeypatch.setattr(gemv_module, "_INTERPRET", False)
-    monkeypatch.setattr(gemv_module, "_device_name", {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"}.__getitem__)
+    monkeypatch.setattr(gemv_module, "_DEVICE_NAMES", {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"})
     bn, bk, warps, stages = gemv_module.MEASURED_CONFIGS["NVIDIA H200"][(3584, 4096, "")]
     assert gemv_module.measured_config(torch.device("cuda", 0), 3584, 4096, "") == dict(
         BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
@@ -198,6 +198,21 @@ def test_measured_config_by_device_name_and_shape(monkeypatch):
     assert gemv_module.measured_config(torch.device("cuda", 0), 28672, 3584, "silu") is None
     assert gemv_module.measured_config(torch.device("cuda", 1), 3584, 4096, "") is None
     assert gemv_module.measured_config(torch.device("cpu"), 3584, 4096, "") is None
+
+
+def test_measured_table_reads_in_a_compiled_region_without_a_graph_break(monkeypatch):
+    """torch.compile'd decode (--enable-torch-compile) calls the GEMV dispatch in the compiled region: the table
+    lookup must trace as a constant once the device's name is known (fullgraph raises on a graph break)."""
+    monkeypatch.setattr(gemv_module, "_INTERPRET", False)
+    monkeypatch.setattr(gemv_module, "_DEVICE_NAMES", {0: "NVIDIA H200"})
+    tables = {"NVIDIA H200": {(8, 16, ""): (4, 16, 1, 1)}}
+
+    def step(x):
+        found = gemv_module.measured_table(tables, torch.device("cuda", 0)).get((8, 16, ""))
+        return x * found[0]
+
+    torch._dynamo.reset()
+    assert torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2)).tolist() == [4.0, 4.0]
 
 
 @pytest.mark.parametrize("rows,k,programs,silu", [(40, 64, 3, False), (37, 200, 2, True), (64, 96, 16, False)])
@@ -214,6 +229,6 @@ def test_persistent_grid_takes_every_row_block(rows, k, programs, silu):
 
 def test_measured_config_may_name_a_persistent_grid(monkeypatch):
     monkeypatch.setattr(gemv_module, "_INTERPRET", False)
-    monkeypatch.setattr(gemv_module, "_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(gemv_module, "_DEVICE_NAMES", {0: "NVIDIA H200"})
     monkeypatch.setitem(gemv_module.MEASURED_CONFIGS, "NVIDIA H200", {(64, 32, ""): (4, 32, 1, 1, 264)})
     assert gemv_module.measured_config(torch.device("cuda", 0), 64, 32, "")["PROGRAMS"] == 264

@@ -1,8 +1,8 @@
-"""The LoRA SGMV kernels (runtime/lora/sgmv_kernels.py) against the torch reference ops (runtime/lora/ops.py): rows
-on different adapters mixed with base rows (-1), an adapter of rank 4 padded in a rank-16 stack, 1 to 3 output
-slices of different widths (column blocks straddling slice borders), in_features not a power of two, split-K
-partials, row blocks visited in sorted order; base rows of y stay bit for bit. Under TRITON_INTERPRET=1 on CPU with
-small blocks, compiled on a GPU."""
+"""The LoRA SGMV kernels (runtime/lora/sgmv_kernels.py) and the per-row BGMV ones (bgmv_kernels.py) against the
+torch reference ops (runtime/lora/ops.py): rows on different adapters mixed with base rows (-1), an adapter of rank 4
+padded in a rank-16 stack, 1 to 3 output slices of different widths (column blocks straddling slice borders),
+in_features not a power of two, split-K partials, row blocks visited in sorted order; base rows of y stay bit for
+bit. Under TRITON_INTERPRET=1 on CPU with small blocks, compiled on a GPU."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 
 from braid.runtime.lora import ops
 from braid.runtime.lora.ops import lora_expand, lora_shrink
+from braid.runtime.lora.bgmv_kernels import bgmv_expand, bgmv_shrink
 from braid.runtime.lora.sgmv_kernels import row_order, sgmv_expand, sgmv_shrink
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,6 +78,31 @@ def test_kernels_match_the_torch_ops(t, outs, dtype):
     assert h.shape[0] == 2  # IN = 48 over 3 chunks of 16: splits of 2 chunks and 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("outs", [[48], [32, 24], [40, 8, 8]], ids=["S1", "S2", "S3"])
+@pytest.mark.parametrize("t", [1, 7, 20])
+def test_per_row_kernels_match_the_torch_ops(t, outs, dtype):
+    """bgmv: each row on its own adapter (rank 4 padded to 16 among them), base rows bit for bit, K split in
+    partials; its partials feed sgmv_expand too, and sgmv_shrink's feed bgmv_expand (the two share h's layout)."""
+    a, bs, scale = _weights(outs, dtype)
+    x, y0, idx = _batch(t, outs, dtype, len(scale))
+    want_h = lora_shrink(x, a, idx)
+    want_y = lora_expand(y0.clone(), want_h, bs, scale, idx)
+    x_d, y_d, idx_d, a_d, scale_d = (v.to(DEVICE) for v in (x, y0, idx, a, scale))
+    bs_d = [b.to(DEVICE) for b in bs]
+    h = bgmv_shrink(x_d, a_d, idx_d, split_k=2, block_k=16)
+    assert h.dtype == torch.float32 and h.shape == (2, t, want_h.shape[1])
+    torch.testing.assert_close(h.sum(0).cpu().to(dtype), want_h, **TOL[dtype])
+    assert torch.all(h[:, idx_d < 0] == 0)
+    y = bgmv_expand(y_d.clone(), h, bs_d, scale_d, idx_d, block_n=16)
+    torch.testing.assert_close(y.cpu(), want_y, **TOL[dtype])
+    assert torch.equal(y.cpu()[idx < 0], y0[idx < 0])
+    crossed = sgmv_expand(y_d.clone(), h, bs_d, scale_d, idx_d, block_n=16)
+    torch.testing.assert_close(crossed.cpu(), want_y, **TOL[dtype])
+    crossed = bgmv_expand(y_d.clone(), sgmv_shrink(x_d, a_d, idx_d, block_k=16), bs_d, scale_d, idx_d)
+    torch.testing.assert_close(crossed.cpu(), want_y, **TOL[dtype])
+
+
 def test_row_blocks_of_mixed_adapters_in_batch_order():
     """Without the sorted order every row block holds rows of several adapters and base rows."""
     outs = [32, 24]
@@ -120,6 +146,11 @@ def test_all_base_rows_and_empty_batch():
     empty = torch.empty(0, dtype=torch.int64, device=DEVICE)
     h = sgmv_shrink(x[:0].to(DEVICE), a.to(DEVICE), empty)
     assert sgmv_expand(y0[:0].to(DEVICE), h, [b.to(DEVICE) for b in bs], scale.to(DEVICE), empty).shape == (0, 16)
+    h = bgmv_shrink(x[:0].to(DEVICE), a.to(DEVICE), empty)
+    assert bgmv_expand(y0[:0].to(DEVICE), h, [b.to(DEVICE) for b in bs], scale.to(DEVICE), empty).shape == (0, 16)
+    h = bgmv_shrink(x.to(DEVICE), a.to(DEVICE), idx)
+    assert torch.all(h == 0)
+    assert torch.equal(bgmv_expand(y0.to(DEVICE), h, [b.to(DEVICE) for b in bs], scale.to(DEVICE), idx).cpu(), y0)
 
 
 def test_row_order_is_sorted_stable_and_kept_per_idx_tensor():
@@ -135,7 +166,7 @@ def test_row_order_is_sorted_stable_and_kept_per_idx_tensor():
 
 def test_ops_take_the_torch_path_on_cpu(monkeypatch):
     """CPU tensors (the CPU runtime) keep the torch reference, never the interpreter."""
-    for name in ("sgmv_shrink", "sgmv_expand"):
+    for name in ("sgmv_shrink", "sgmv_expand", "bgmv_shrink", "bgmv_expand"):
         monkeypatch.setattr(ops, name, lambda *a, **k: pytest.fail("kernel on a CPU tensor"))
     a, bs, scale = _weights([16], torch.float32)
     x, y0, idx = _batch(4, [16], torch.float32, 3)
@@ -143,11 +174,12 @@ def test_ops_take_the_torch_path_on_cpu(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_ops_on_the_device_at_llama_shapes():
+@pytest.mark.parametrize("t", [200, ops.BGMV_MAX_ROWS, 3])
+def test_ops_on_the_device_at_llama_shapes(t):
     """lora_shrink / lora_expand on CUDA tensors (the kernels, default blocks) equal the torch path on the CPU:
-    a qkv-shaped linear, 200 decode rows over 8 adapters and base rows, bf16."""
+    a qkv-shaped linear, decode rows over 8 adapters and base rows, bf16; SGMV above BGMV_MAX_ROWS, BGMV up to it."""
     gen = torch.Generator().manual_seed(0)
-    t, d_in, rank, outs, n = 200, 4096, 16, [4096, 1024, 1024], 8
+    d_in, rank, outs, n = 4096, 16, [4096, 1024, 1024], 8
     x = torch.randn(t, d_in, generator=gen).bfloat16()
     a = (torch.randn(n, 3 * rank, d_in, generator=gen) * 0.02).bfloat16()
     bs = [(torch.randn(n, o, rank, generator=gen) * 0.05).bfloat16() for o in outs]

@@ -24,7 +24,8 @@ def greedy_run(prompts, **server_args) -> tuple[list[list[int]], dict]:
         results = engine.generate(prompts, GREEDY)
         stats = engine.get_stats()
         graphs = engine.scheduler.runner.cuda_graph_runner
-        counters = None if graphs is None else {"replays": graphs.num_replays, "padded": graphs.num_padded_replays}
+        counters = None if graphs is None else {"replays": graphs.num_replays, "padded": graphs.num_padded_replays,
+                                                "sizes": list(graphs.batch_sizes)}
     assert stats["kv_used_tokens"] == 0 and stats["num_running_reqs"] == 0
     assert all(len(r["output_ids"]) == GREEDY["max_new_tokens"] for r in results)
     return [r["output_ids"] for r in results], counters
@@ -79,3 +80,11 @@ def test_torch_compile_with_graphs_equals_torch_fp32(parity_prompts, torch_fp32)
                                enable_torch_compile=True, torch_compile_max_bs=1)
     assert counters["replays"] >= GREEDY["max_new_tokens"] - 1
     assert out == torch_fp32[:1]
+
+
+def test_chosen_graph_batch_sizes_pad_to_the_next_one(parity_prompts, torch_fp32):
+    # --cuda-graph-bs 1 3 6: three prompts replay 3, five replay 6; nothing else is captured
+    out, counters = greedy_run(parity_prompts[:5], dtype="float32", attention_backend="triton", cuda_graph_bs=(6, 1, 3))
+    assert counters["sizes"] == [1, 3, 6]
+    assert counters["padded"] >= GREEDY["max_new_tokens"] - 1
+    assert out == torch_fp32[:5]

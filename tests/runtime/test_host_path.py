@@ -2,6 +2,7 @@
 the largest CUDA-graph batch) when unset, and --num-continuous-decode-steps (the waiting queue looked at once per N decode steps, so that the
 overlapped schedule keeps chaining while requests wait). Runs the real Scheduler on a one-layer dummy Llama."""
 
+import argparse
 import json
 
 import pytest
@@ -40,6 +41,23 @@ def run_to_end(sched: Scheduler, on_step) -> dict:
                 done[out.rid] = out
         on_step()
     return done
+
+
+def test_chosen_cuda_graph_batch_sizes():
+    from braid.runtime.model_executor.cuda_graph import capture_batch_sizes
+
+    args = ServerArgs(model_path="smollm2", cuda_graph_bs=(32, 8, 1, 8))
+    assert args.cuda_graph_bs == (1, 8, 32) and args.cuda_graph_max_bs == 32  # the largest sets the cap
+    assert capture_batch_sizes(32, args.cuda_graph_bs) == [1, 8, 32]
+    assert capture_batch_sizes(16, args.cuda_graph_bs) == [1, 8]  # a smaller request pool drops the rest
+    assert capture_batch_sizes(12) == [1, 2, 3, 4, 8, 12]
+    for bad in ((), (0, 4)):
+        with pytest.raises(ValueError, match="cuda_graph_bs"):
+            ServerArgs(model_path="smollm2", cuda_graph_bs=bad)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    parsed = ServerArgs.from_cli_args(parser.parse_args(["--model-path", "smollm2", "--cuda-graph-bs", "4", "2"]))
+    assert parsed.cuda_graph_bs == (2, 4)
 
 
 def test_running_requests_cap_from_the_kv_pool():

@@ -194,9 +194,9 @@ def test_only_targeted_linears_carry_adapters(paths):
 
 @pytest.mark.gpu
 def test_cuda_graphs_serve_adapters_as_the_eager_engine(paths):
-    """On CUDA at the defaults (decode and extend CUDA graphs, the batch-1 GEMV, the SGMV kernels): a batch mixing
-    the base model and two adapters, then each request alone at batch 1, gives the greedy tokens of the same engine
-    without graphs, and the graphed prefill gives peft's prompt logprobs; the graphs served the passes."""
+    """On CUDA at the defaults (decode and extend CUDA graphs, the batch-1 GEMV, the BGMV / SGMV kernels): a batch
+    mixing the base model and two adapters, then each request alone at batch 1, gives the greedy tokens of the same
+    engine without graphs, and the graphed prefill gives peft's prompt logprobs; the graphs served the passes."""
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (7, 30, 19, 12)]
     adapters = [None, "sql", "router", "sql"]
@@ -208,8 +208,12 @@ def test_cuda_graphs_serve_adapters_as_the_eager_engine(paths):
                                     logprob_start_len=0, lora_path=adapters)
             alone = [engine.generate(input_ids=p, sampling_params=GREEDY, lora_path=a)
                      for p, a in zip(prompts, adapters)]
+            runner = engine.scheduler.runner.cuda_graph_runner
+            base_replays = runner.num_base_replays if graphs else None
             runs[graphs] = (batch, [r["output_ids"] for r in batch + alone], engine.scheduler.get_stats())
     (batch, tokens, stats), (_, eager_tokens, eager_stats) = runs[True], runs[False]
+    # the base request alone replayed the graphs without delta ops; the others the graphs with them
+    assert GREEDY["max_new_tokens"] - 1 <= base_replays < stats["num_forward_decode_graphed"]
     assert stats["num_forward_decode_graphed"] > 0 and stats["num_forward_extend_graphed"] > 0
     assert eager_stats["num_forward_decode_graphed"] == 0
     assert tokens == eager_tokens

@@ -1,24 +1,25 @@
-"""A per-row (BGMV-shaped) LoRA delta, the candidate lora_sgmv.py measures beside the runtime's SGMV kernels: every
-row of a decode batch gathers its own adapter's A and B, so a batch whose rows are on many adapters costs no more
-passes than one whose rows share one. Not wired into the runtime: the measurement decides.
+"""Per-row (BGMV-shaped) LoRA kernels for decode-sized batches: every row gathers its own adapter's A and B, so a
+batch whose rows sit on many adapters costs no more passes than one whose rows share one (the SGMV kernels of
+sgmv_kernels.py loop over the adapters present in each row block, which dominates at a few rows on many adapters).
 
   shrink: h[P, T, RT] fp32 partial sums, h[:, t] summed = A[idx[t]] @ x[t] (zeros where idx[t] < 0);
           grid (T, RT blocks, P splits of K)
   expand: y[t, cols] += scale[idx[t]] * B_s[idx[t]][cols - off_s] @ h[t, s*R : (s+1)*R] for the slice s of each
           column; grid (T, column blocks); rows with idx < 0 untouched
 
-Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (`python benchmarks/gpu/lora_bgmv.py` checks it against
-the torch reference there).
+The partials have sgmv_shrink's layout, so either expand takes either shrink's output. Runs on CUDA, or on CPU
+tensors under TRITON_INTERPRET=1 (the tests).
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
+
+from braid.runtime.lora.sgmv_kernels import programs_wanted
 
 
 @triton.jit
@@ -74,19 +75,21 @@ def _bgmv_expand_kernel(y_ptr, h_ptr, b0_ptr, b1_ptr, b2_ptr, scale_ptr, idx_ptr
         tl.store(at, (y.to(tl.float32) + scale * acc).to(y.dtype), mask=mask)
 
 
-def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, split_k: int = 0) -> torch.Tensor:
-    """x [T, K], a [N, RT, K], idx [T] -> h partials [P, T, RT] fp32."""
+def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, split_k: int = 0,
+                block_k: int = 256) -> torch.Tensor:
+    """x [T, K], a [N, RT, K], idx [T] -> h partials [P, T, RT] fp32 (split_k 0: enough splits to fill the SMs)."""
     t, k = x.shape
     rt = a.shape[1]
     block_r = min(64, max(16, triton.next_power_of_2(rt)))
-    block_k = 256
     chunks = triton.cdiv(k, block_k)
     if not split_k:  # enough programs for every SM at small T
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        sms = programs_wanted(x.device)
         split_k = max(1, min(chunks, 2 * sms // max(1, t * triton.cdiv(rt, block_r))))
     k_per_split = triton.cdiv(chunks, split_k) * block_k
     split = triton.cdiv(k, k_per_split)
     h = torch.empty(split, t, rt, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return h
     _bgmv_shrink_kernel[(t, triton.cdiv(rt, block_r), split)](
         x, a, idx, h, k, rt, k_per_split, x.stride(0), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
         BLOCK_R=block_r, BLOCK_K=block_k)
@@ -94,9 +97,12 @@ def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, split_k: in
 
 
 def bgmv_expand(y: torch.Tensor, h: torch.Tensor, b_stacks: Sequence[torch.Tensor], scale: torch.Tensor,
-                idx: torch.Tensor, block_n: int = 128) -> torch.Tensor:
+                idx: torch.Tensor, block_n: int = 0) -> torch.Tensor:
     """y [T, sum(out_s)] += scale[idx] * h_s @ B_s[idx]^T per slice s (S <= 3), in place; h [P, T, S * R]."""
     t = y.shape[0]
+    if t == 0:
+        return y
+    block_n = block_n or (32 if not y.is_cuda else 128)
     rank = h.shape[2] // len(b_stacks)
     outs = [b.shape[1] for b in b_stacks] + [0] * (3 - len(b_stacks))
     pad = list(b_stacks) + [b_stacks[0]] * (3 - len(b_stacks))
@@ -106,29 +112,3 @@ def bgmv_expand(y: torch.Tensor, h: torch.Tensor, b_stacks: Sequence[torch.Tenso
         pad[1].stride(1), pad[2].stride(0), pad[2].stride(1), S=len(b_stacks), BLOCK_N=block_n,
         BLOCK_R=max(16, triton.next_power_of_2(rank)))
     return y
-
-
-def main() -> int:
-    """Checks bgmv against the runtime's torch reference on a few shapes (CPU under TRITON_INTERPRET=1, or CUDA)."""
-    from braid.runtime.lora.ops import expand_reference, shrink_reference
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator().manual_seed(0)
-    for t, n, outs, k, r in ((1, 4, [48], 96, 8), (5, 3, [32, 16, 16], 80, 4), (9, 6, [40, 24], 64, 16)):
-        idx = torch.randint(-1, n, (t,), generator=gen).to(dev)
-        x = torch.randn(t, k, generator=gen).to(dev)
-        a = torch.randn(n, len(outs) * r, k, generator=gen).to(dev) * 0.1
-        b = [torch.randn(n, o, r, generator=gen).to(dev) * 0.1 for o in outs]
-        scale = torch.rand(n, generator=gen).to(dev) + 0.5
-        y = torch.randn(t, sum(outs), generator=gen).to(dev)
-        want = expand_reference(y.clone(), shrink_reference(x, a, idx), b, scale, idx)
-        got = bgmv_expand(y.clone(), bgmv_shrink(x, a, idx), b, scale, idx, block_n=32)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        base = idx < 0
-        assert torch.equal(got[base], y[base])
-        print(f"T={t} adapters={n} slices={outs} K={k} R={r}: equal to the reference")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
