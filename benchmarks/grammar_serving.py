@@ -2,7 +2,8 @@
 
   1. a burst of --num-schemas new JSON schemas from one client (max_tokens 1): how many are served, in what time;
   2. --num-requests requests at once, request i under schema i % num_schemas, then the same prompts unconstrained
-     with each one's output length (max_new_tokens = that length, ignore_eos): output tokens per second of both;
+     with each one's output length (max_new_tokens = that length, ignore_eos): output tokens per second of both,
+     each phase from an empty prefix cache (both prefill the same prompts);
   3. the same at --tpot-batch requests at once, streamed: mean time per output token of both.
 
 Every constrained output that ends by the grammar is checked against its schema (jsonschema).
@@ -101,7 +102,25 @@ def server_timing(port: int) -> dict:
     return {k: info.get(k, 0) for k in TIMING_KEYS}
 
 
+def flush_prefix_cache(port: int) -> None:
+    """Empty the server's prefix cache (GET /flush_cache; the server is idle between phases), so that each phase
+    prefills its prompts itself rather than the second one reading the first one's KV."""
+    import urllib.error
+    import urllib.request
+
+    for _ in range(50):  # the last responses can arrive a step before the scheduler is idle
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/flush_cache"):
+                return
+        except urllib.error.HTTPError as e:
+            if e.code != 400:
+                raise
+            time.sleep(0.1)
+    raise RuntimeError("/flush_cache kept answering 400: requests still running")
+
+
 def timed_phase(port: int, url: str, prompts, params, stream: bool) -> tuple[float, list[dict], dict]:
+    flush_prefix_cache(port)
     before = server_timing(port)
     seconds, outs = asyncio.run(run_all(url, prompts, params, stream))
     after = server_timing(port)

@@ -199,8 +199,12 @@ class ServerArgs:
 
     # ---- constrained decoding ----
     constrained_json_whitespace_pattern: Optional[str] = _opt(None, "regex for whitespace allowed in JSON output (default: compact)")
-    disable_jump_forward: bool = _opt(False, "sample every token of a constrained output",
+    disable_jump_forward: bool = _opt(False, "sample every token of a constrained output (the default on CUDA)",
                                       aliases=("--disable-regex-jump-forward",))
+    enable_jump_forward: bool = _opt(
+        False, "append the text a grammar forces without sampling it on CUDA too (on by default elsewhere): each jump "
+        "re-enters the request through an extend pass, which on CUDA breaks the chained graphed decode steps of the "
+        "whole batch and measured slower there (docs/benchmarks.md)")
     grammar_backend: str = _opt("llguidance", "grammar engine: llguidance (regex, JSON schema, Lark / GBNF grammars, "
                                               "structural tags), outlines (regex and JSON schema on outlines-core), "
                                               "auto (llguidance; a regex or schema it refuses goes to outlines)",
@@ -348,6 +352,8 @@ class ServerArgs:
             raise ValueError("max_continuous_decode_steps must be >= 1 and >= num_continuous_decode_steps")
         if self.admission_min_extend_tokens is not None and self.admission_min_extend_tokens < 0:
             raise ValueError("admission_min_extend_tokens must be >= 0")
+        if self.enable_jump_forward and self.disable_jump_forward:
+            raise ValueError("enable_jump_forward and disable_jump_forward contradict each other; drop one")
         if self.cuda_graph_bs is not None:
             if not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1:
                 raise ValueError("cuda_graph_bs must list batch sizes >= 1")

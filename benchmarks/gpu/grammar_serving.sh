@@ -3,7 +3,7 @@
 # each one's output length; the same at 64, streamed, for the time per output token), once per grammar engine named
 # (default: llguidance), each optionally with server flags after commas. Prints the card's copy rate first.
 # carry: .whl .gpu/tok
-#   bash benchmarks/gpu/grammar_serving.sh llguidance outlines llguidance,--disable-jump-forward
+#   bash benchmarks/gpu/grammar_serving.sh llguidance outlines llguidance,--enable-jump-forward
 set -o pipefail
 [ $# -gt 0 ] || set -- llguidance
 source benchmarks/gpu/setup.sh

@@ -59,8 +59,8 @@ def main(argv=None) -> dict:
             toks = sum(r["meta_info"]["completion_tokens"] for r in res)
             rows[name] = {"seconds": t, "tokens": toks, "tok_s": toks / t, **extra}
     json_prompts = [f"Book record {i} as JSON: " for i in range(args.batch_size)]
-    for name, disable in (("json+jump_forward", False), ("json", True)):
-        with Engine(model_path=server_args.model_path, disable_jump_forward=disable,
+    for name, jump in (("json+jump_forward", True), ("json", False)):
+        with Engine(model_path=server_args.model_path, enable_jump_forward=jump, disable_jump_forward=not jump,
                     **{k: v for k, v in kw.items() if v is not None}) as engine:
             sp = {"temperature": 1.0, "max_new_tokens": 256, "seed": 1, "json_schema": json.dumps(FIXED_KEYS_SCHEMA)}
             engine.generate(json_prompts[:1], sp)  # compile

@@ -88,6 +88,13 @@ class NextStep(enum.Enum):
     FINISHED = "finished"
 
 
+def jump_forward_enabled(server_args, device: torch.device) -> bool:
+    """--enable-jump-forward / --disable-jump-forward, else on except on CUDA."""
+    if server_args.enable_jump_forward or server_args.disable_jump_forward:
+        return server_args.enable_jump_forward
+    return device.type != "cuda"
+
+
 class OutputProcessor:
     def __init__(self, server_args, tokenizer, eos_token_ids: set[int], context_len: int, vocab_size: int,
                  prefix_cache, device: torch.device):
@@ -97,7 +104,7 @@ class OutputProcessor:
         self.vocab_size = vocab_size
         self.prefix_cache = prefix_cache
         self.device = device
-        self.jump_forward_enabled = not server_args.disable_jump_forward
+        self.jump_forward_enabled = jump_forward_enabled(server_args, device)
         self.stream_interval = server_args.stream_interval
         self.num_generated_tokens = 0
         self.grammar_mask_s = 0.0  # host time filling grammar masks, summed

@@ -114,3 +114,20 @@ def test_bad_grammars_are_rejected(engine):
             engine.generate("x", {"max_new_tokens": 4, **sp})
     ok = engine.generate("x", {"max_new_tokens": 3, "regex": "[0-9]{3}", "temperature": 0})
     assert re.fullmatch("[0-9]{3}", ok["text"])
+
+
+def test_jump_forward_is_on_except_on_cuda_unless_asked():
+    import torch
+
+    from braid.runtime.config import ServerArgs
+    from braid.runtime.scheduler.output import jump_forward_enabled
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    default = ServerArgs(model_path="smollm2")
+    assert jump_forward_enabled(default, cpu) and not jump_forward_enabled(default, cuda)
+    enabled, disabled = (ServerArgs(model_path="smollm2", **{k: True}) for k in ("enable_jump_forward",
+                                                                                 "disable_jump_forward"))
+    assert jump_forward_enabled(enabled, cuda) and jump_forward_enabled(enabled, cpu)
+    assert not jump_forward_enabled(disabled, cpu) and not jump_forward_enabled(disabled, cuda)
+    with pytest.raises(ValueError, match="contradict"):
+        ServerArgs(model_path="smollm2", enable_jump_forward=True, disable_jump_forward=True)

@@ -27,7 +27,7 @@ class _Tokenizer:
 
 
 def _processor():
-    args = SimpleNamespace(disable_jump_forward=True, stream_interval=1)
+    args = SimpleNamespace(disable_jump_forward=True, enable_jump_forward=False, stream_interval=1)
     return OutputProcessor(args, _Tokenizer(), set(EOS), CONTEXT_LEN, VOCAB, prefix_cache=None, device=torch.device("cpu"))
 
 

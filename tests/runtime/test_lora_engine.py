@@ -208,8 +208,8 @@ def test_cuda_graphs_serve_adapters_as_the_eager_engine(paths):
                                     logprob_start_len=0, lora_path=adapters)
             alone = [engine.generate(input_ids=p, sampling_params=GREEDY, lora_path=a)
                      for p, a in zip(prompts, adapters)]
-            runner = engine.scheduler.runner.cuda_graph_runner
-            base_replays = runner.num_base_replays if graphs else None
+            if graphs:
+                base_replays = engine.scheduler.runner.cuda_graph_runner.num_base_replays
             runs[graphs] = (batch, [r["output_ids"] for r in batch + alone], engine.scheduler.get_stats())
     (batch, tokens, stats), (_, eager_tokens, eager_stats) = runs[True], runs[False]
     # the base request alone replayed the graphs without delta ops; the others the graphs with them
