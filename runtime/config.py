@@ -166,8 +166,8 @@ class ServerArgs:
     enable_torch_compile: bool = _opt(
         False, "torch.compile (Inductor) the model's non-attention parts for the decode batch sizes captured in CUDA "
         "graphs up to --torch-compile-max-bs; nothing changes without CUDA graphs (CPU, --disable-cuda-graph). Not "
-        "faster than the default path where measured so far: batch 1 0.84-0.91x, batch 8 and 16 0.99x (Inductor "
-        "launches the compiled kernels without PDL; docs/benchmarks.md)")
+        "faster than the default path where measured, at batch 1, 8 and 32 (Inductor launches the compiled kernels "
+        "without PDL; docs/benchmarks.md, row 5)")
     torch_compile_max_bs: int = _opt(32, "largest decode batch that replays the compiled forward (with "
                                          "--enable-torch-compile); larger ones replay the eager one",
                                      aliases=("--max-torch-compile-bs",))
