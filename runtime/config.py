@@ -245,10 +245,14 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: Optional[int] = _opt(
         None, "NGRAM: the longest suffix looked up; longer matches are tried first (default 8; vLLM's "
         "prompt_lookup_max)")
+    speculative_disable_by_batch_size: Optional[int] = _opt(
+        None, "NGRAM: a step with more running requests than this decodes without drafts, where a verify pass of "
+        "every request's draft would cost more than it saves (default: speculate at every batch size; vLLM's "
+        "disable_by_batch_size)")
     speculative_config: Optional[str] = _opt(
         None, "vLLM's form, mapped onto the flags above: JSON such as '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 8}' (method ngram, eagle or eagle3; model, "
-        "prompt_lookup_min)")
+        "prompt_lookup_min, disable_by_batch_size)")
 
     # ---- LoRA adapters (docs/api.md, "LoRA adapters") ----
     enable_lora: bool = _opt(False, "serve LoRA adapters on the base model: a request picks one by native "

@@ -9,7 +9,8 @@ ALGORITHMS = ("NGRAM", "EAGLE", "EAGLE3")
 # vLLM's `method` values braid has an algorithm for
 VLLM_METHODS = {"ngram": "NGRAM", "eagle": "EAGLE", "eagle3": "EAGLE3"}
 # vLLM `speculative_config` keys -> the ServerArgs field each sets (num_speculative_tokens is mapped by algorithm)
-VLLM_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max")
+VLLM_KEYS = ("method", "num_speculative_tokens", "model", "prompt_lookup_min", "prompt_lookup_max",
+             "disable_by_batch_size")
 
 # NGRAM: tokens verified per request per pass, counting the request's last token (so 4 draft tokens)
 DEFAULT_NGRAM_NUM_DRAFT_TOKENS = 5
@@ -19,7 +20,7 @@ MAX_NUM_DRAFT_TOKENS = 64
 
 FIELDS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
           "speculative_num_draft_tokens", "speculative_ngram_min_match_window_size",
-          "speculative_ngram_max_match_window_size")
+          "speculative_ngram_max_match_window_size", "speculative_disable_by_batch_size")
 
 
 def resolve(values: dict, tp_size: int = 1) -> dict:
@@ -42,7 +43,8 @@ def resolve(values: dict, tp_size: int = 1) -> dict:
                          f"{', '.join(ALGORITHMS)}")
     out["speculative_algorithm"] = algo
     for name in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-                 "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size"):
+                 "speculative_ngram_min_match_window_size", "speculative_ngram_max_match_window_size",
+                 "speculative_disable_by_batch_size"):
         if out[name] is not None and out[name] < 1:
             raise ValueError(f"{_flag(name)} must be >= 1")
     if out["speculative_num_draft_tokens"] is not None and not \
@@ -84,6 +86,9 @@ def _resolve_ngram(out: dict) -> None:
 
 
 def _resolve_eagle(out: dict, algo: str) -> None:
+    if out["speculative_disable_by_batch_size"] is not None:
+        raise ValueError(f"--speculative-disable-by-batch-size is not supported with {algo} yet (its draft head "
+                         "reads the target's features at every step, so it cannot sit out steps); NGRAM takes it")
     if out["speculative_draft_model_path"] is None:
         raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the draft head's "
                          "folder: config.json and its weights)")
@@ -131,7 +136,8 @@ def _apply_vllm_config(out: dict, text: str) -> None:
     algo = VLLM_METHODS[method]
     mapped = {"speculative_algorithm": algo, "speculative_draft_model_path": cfg.get("model"),
               "speculative_ngram_min_match_window_size": cfg.get("prompt_lookup_min"),
-              "speculative_ngram_max_match_window_size": cfg.get("prompt_lookup_max")}
+              "speculative_ngram_max_match_window_size": cfg.get("prompt_lookup_max"),
+              "speculative_disable_by_batch_size": cfg.get("disable_by_batch_size")}
     n = cfg.get("num_speculative_tokens")
     if n is not None:
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -59,6 +59,8 @@ class SpeculativeDecoder:
                         self.max_draft, self.proposer.min_match, self.proposer.max_match)
         else:
             self.eagle = EagleProposer(server_args, runner, context_len)
+        self.disable_by_batch_size = server_args.speculative_disable_by_batch_size
+        self.num_steps_too_large = 0  # steps past --speculative-disable-by-batch-size, decoded without drafts
         self.num_verify_forward = 0
         self.num_drafts = 0  # drafts verified (one per request with a draft per pass)
         self.num_draft_tokens = 0
@@ -89,6 +91,7 @@ class SpeculativeDecoder:
     def stats(self) -> dict:
         drafts = self.num_drafts
         return dict(spec_num_verify_forward=self.num_verify_forward, spec_num_drafts_total=drafts,
+                    spec_num_steps_disabled_by_batch_size=self.num_steps_too_large,
                     spec_num_draft_tokens_total=self.num_draft_tokens,
                     spec_num_accepted_tokens_total=self.num_accepted_tokens,
                     # tokens a verified draft yields (its accepted tokens + the target's own; 1.0: no gain), as vLLM
@@ -100,7 +103,11 @@ class SpeculativeDecoder:
     def step(self, sched, reqs: list[Req]) -> bool:
         """One speculative step for the running requests `reqs` (taken out of sched.running); each goes back to
         sched.running, to sched.resume_queue (jump-forward) or is finished. False (nothing done): no request has a
-        draft, or the pool cannot hold the drafts; the caller runs a plain decode step."""
+        draft, the pool cannot hold the drafts, or more requests run than --speculative-disable-by-batch-size; the
+        caller runs a plain decode step."""
+        if self.disable_by_batch_size is not None and len(reqs) > self.disable_by_batch_size:
+            self.num_steps_too_large += 1
+            return False
         drafts, masks = self._propose(reqs)
         lens = [len(d) + 1 for d in drafts]
         total = sum(lens)

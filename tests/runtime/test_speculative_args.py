@@ -54,6 +54,10 @@ def test_vllm_config_maps_onto_the_flags():
     assert sa.replace(port=1).speculative_num_draft_tokens == 4
     # agreeing flags are fine
     assert parse("--speculative-config", json.dumps(cfg), "--speculative-algorithm", "NGRAM").speculative_num_steps == 3
+    sa = parse("--speculative-config", json.dumps({"method": "ngram", "disable_by_batch_size": 16}))
+    assert sa.speculative_disable_by_batch_size == 16
+    assert parse("--speculative-algorithm", "NGRAM", "--speculative-disable-by-batch-size", "8") \
+        .speculative_disable_by_batch_size == 8
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -80,6 +84,11 @@ def test_vllm_config_maps_onto_the_flags():
      "is not supported with EAGLE yet: braid runs EAGLE chain drafts, --speculative-eagle-topk 1"),
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_num_steps=70),
      "--speculative-num-steps must be below 64"),
+    (dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=0),
+     "--speculative-disable-by-batch-size must be >= 1"),
+    (dict(speculative_disable_by_batch_size=4), "no effect without --speculative-algorithm"),
+    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", speculative_disable_by_batch_size=4),
+     "not supported with EAGLE yet"),
     (dict(speculative_config="{not json"), "is not JSON"),
     (dict(speculative_config="[1]"), "must be a JSON object"),
     (dict(speculative_config='{"method": "medusa"}'), "method 'medusa' is not one braid runs"),

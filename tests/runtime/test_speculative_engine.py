@@ -99,3 +99,15 @@ def test_sampled_load_leaves_the_kv_pool_free():
     assert stats["spec_num_accepted_tokens_total"] > 0
     assert stats["kv_used_tokens"] == 0 and stats["num_running_reqs"] == 0
     assert stats["kv_free_tokens"] + stats["kv_cached_tokens"] == stats["kv_total_tokens"]
+
+
+def test_steps_past_the_batch_size_limit_decode_without_drafts(runs):
+    """--speculative-disable-by-batch-size 2: the batch of every case decodes plainly (same greedy tokens) until at
+    most two requests run; the cases alone speculate."""
+    plain, _, _ = runs
+    limited, stats = run_cases(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=2)
+    assert [r["output_ids"] for r in limited] == [r["output_ids"] for r in plain]
+    assert stats["spec_num_steps_disabled_by_batch_size"] > 0
+    assert stats["spec_num_verify_forward"] > 0  # the requests alone (and the batch's last two) still speculate
+    assert limited[-ALONE]["meta_info"]["spec_accept_length"] > 1.5
+    assert stats["kv_used_tokens"] == 0
