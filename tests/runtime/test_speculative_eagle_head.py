@@ -4,7 +4,6 @@ weights; the loader refuses a checkpoint that does not fit the target, naming wh
 
 import pytest
 import torch
-from safetensors.torch import save_file
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm,
