@@ -5,14 +5,20 @@ batch-1 GEMV, the SGMV kernels), against the same engine serving the base model 
   on an adapter request;
 - throughput of a batch of --num-requests requests at once (--input-len in, --output-len out, ignore_eos), each on
   one of --num-adapters adapters (round robin) in the LoRA engine, the same prompts on the base model in the base
-  engine.
+  engine; every adapter gets a device slot (--max-loaded-loras = --max-loras-per-batch = --num-adapters), so no
+  request waits on admission;
+- with --serving-adapters A1 A2 ...: --serving-requests ShareGPT-shaped requests at once (synthetic, the lengths of
+  bench_serving's ShareGPT set, seed 7; output lengths kept, ignore_eos), spread round robin over A adapters, in a
+  LoRA engine at the default --max-loras-per-batch and --max-loaded-loras (adapters paged into the slots on demand),
+  against the same requests on the base engine; the prefix cache is flushed before each run.
 
 Adapters are PEFT folders of rank --rank on all seven projections (q/k/v/o, gate/up/down), written with random
-weights (one weights file, hard-linked into every folder: the kernels read each slot separately whatever the values).
-Every adapter gets a device slot (--max-loaded-loras = --max-loras-per-batch = --num-adapters), so no request waits
-on admission. The card's copy rate is printed first.
+weights (one weights file, hard-linked into every folder: the kernels read each slot separately whatever the values);
+each registered adapter is read into host memory (about 84 MB at rank 16 on the Llama-3-8B shapes). The card's copy
+rate is printed first.
 
   python3 benchmarks/gpu/lora_serving.py --tokenizer-path .gpu/tok [--num-adapters 64] [--rank 16]
+      [--serving-adapters 8 64 512 --serving-requests 1000]
 """
 
 from __future__ import annotations
@@ -100,6 +106,54 @@ def throughput(engine, names, input_len: int, output_len: int, seed: int) -> flo
     return tokens / elapsed
 
 
+def sharegpt_requests(tokenizer_path: str, count: int) -> list[tuple[str, int]]:
+    """count (prompt text, output length) pairs of bench_serving's synthetic ShareGPT set (seed 7)."""
+    from transformers import AutoTokenizer
+
+    from braid.runtime.bench.datasets import sample_sharegpt
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    return [(r.prompt, r.output_len) for r in sample_sharegpt(tokenizer, None, count, seed=7)]
+
+
+def serving(engine, requests: list[tuple[str, int]], names: list) -> float:
+    """Output tokens per second of every request at once, request i on names[i] (None: the base model), from an
+    empty prefix cache."""
+    if not engine.flush_cache():
+        raise RuntimeError("the engine did not flush its prefix cache (requests still running)")
+    params = [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for _, n in requests]
+    start = time.perf_counter()
+    out = engine.generate([p for p, _ in requests], params, lora_path=list(names))
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(r["output_ids"]) for r in out)
+    assert tokens == sum(n for _, n in requests), tokens
+    return tokens / elapsed
+
+
+def serving_rows(args, common: dict, paths: list[str], names: list[str]) -> dict:
+    """The ShareGPT-shaped runs: the base engine, then one LoRA engine at its default slots over each adapter count."""
+    from braid.runtime import Engine
+
+    requests = sharegpt_requests(args.tokenizer_path, args.serving_requests)
+    count = max(args.serving_adapters)
+    common = {**common, "max_running_requests": None}
+    rows = {}
+    warm = requests[:16]
+    with Engine(**common) as engine:
+        serving(engine, warm, [None] * len(warm))  # warm-up
+        rows["serving base"] = serving(engine, requests, [None] * len(requests))
+    lora = dict(lora_paths=[f"{n}={p}" for n, p in zip(names[:count], paths[:count])], max_lora_rank=args.rank)
+    with Engine(**common, **lora) as engine:
+        serving(engine, warm, [names[i % count] for i in range(len(warm))])
+        for adapters in args.serving_adapters:
+            rows[f"serving over {adapters} adapters"] = serving(
+                engine, requests, [names[i % adapters] for i in range(len(requests))])
+        stats = engine.scheduler.get_stats()
+        print(f"serving: {stats.get('lora_slot_loads_total')} adapter loads into "
+              f"{stats.get('lora_num_slots')} slots; KV used {stats['kv_used_tokens']}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokenizer-path", required=True)
@@ -111,6 +165,9 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--decode-output-len", type=int, default=128)
     p.add_argument("--max-total-tokens", type=int, default=120000)
+    p.add_argument("--serving-adapters", type=int, nargs="*", default=[],
+                   help="adapter counts of the ShareGPT-shaped runs (none: skip them)")
+    p.add_argument("--serving-requests", type=int, default=1000)
     p.add_argument("--out", default=None, help="a JSON file for the figures")
     args = p.parse_args(argv)
     import torch
@@ -122,12 +179,13 @@ def main(argv=None) -> int:
     with open(args.model_config) as f:
         config = json.load(f)
     folder = tempfile.mkdtemp(prefix="lora_serving_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    paths = write_adapters(folder, args.num_adapters, args.rank, config)
-    names = [f"adapter{i}" for i in range(args.num_adapters)]
+    paths = write_adapters(folder, max([args.num_adapters, *args.serving_adapters]), args.rank, config)
+    names = [f"adapter{i}" for i in range(len(paths))]
     common = dict(model_path="llama3-8b-dummy", load_format="dummy", model_config=args.model_config,
                   tokenizer_path=args.tokenizer_path, dtype="bfloat16", max_total_tokens=args.max_total_tokens,
                   max_running_requests=args.num_requests, log_level="warning")
-    lora = dict(lora_paths=[f"{n}={p}" for n, p in zip(names, paths)], max_loras_per_batch=args.num_adapters,
+    lora = dict(lora_paths=[f"{n}={p}" for n, p in zip(names[:args.num_adapters], paths[:args.num_adapters])],
+                max_loras_per_batch=args.num_adapters,
                 max_loaded_loras=args.num_adapters, max_lora_rank=args.rank)
     rows = {}
     for label, extra in (("base", {}), ("lora", lora)):
@@ -148,6 +206,8 @@ def main(argv=None) -> int:
             print(f"{label}: decode passes graphed {stats['num_forward_decode_graphed']} of "
                   f"{stats['num_forward_decode']}; running {stats.get('num_running_reqs')}, KV used "
                   f"{stats['kv_used_tokens']} (cached {stats['kv_cached_tokens']})", flush=True)
+    if args.serving_adapters:
+        rows.update(serving_rows(args, common, paths, names))
     base_b1, lora_b1 = rows["base engine, base request, b1 ms/token"], rows["lora engine, adapter request, b1 ms/token"]
     base_tp = rows[f"base engine, {args.num_requests} at once, output tok/s"]
     lora_tp = rows[f"lora engine, {args.num_requests} at once, output tok/s"]
@@ -159,6 +219,10 @@ def main(argv=None) -> int:
           f"({lora_b1:.3f} vs {base_b1:.3f} ms)")
     print(f"{args.num_requests} at once over {args.num_adapters} adapters: {lora_tp / base_tp:.3f}x the base engine "
           f"({lora_tp:.0f} vs {base_tp:.0f} output tok/s)")
+    for adapters in args.serving_adapters:
+        got, base = rows[f"serving over {adapters} adapters"], rows["serving base"]
+        print(f"{args.serving_requests} ShareGPT-shaped at once over {adapters} adapters (default slots): "
+              f"{got / base:.3f}x the base engine ({got:.0f} vs {base:.0f} output tok/s)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(args=vars(args), rows=rows), f, indent=1)
