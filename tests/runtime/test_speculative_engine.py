@@ -111,3 +111,27 @@ def test_steps_past_the_batch_size_limit_decode_without_drafts(runs):
     assert stats["spec_num_verify_forward"] > 0  # the requests alone (and the batch's last two) still speculate
     assert limited[-ALONE]["meta_info"]["spec_accept_length"] > 1.5
     assert stats["kv_used_tokens"] == 0
+
+
+# eight short copying prompts of 48 new tokens each: more KV than a 400-token pool holds once they all decode
+RETRACT = [f"Count on: {i}, {i + 1}, {i + 2}, {i + 3}, {i + 1}, {i + 2}," for i in range(0, 80, 10)]
+
+
+@pytest.mark.parametrize("extra", [dict(max_total_tokens=400), dict(chunked_prefill_size=16)],
+                         ids=["retraction", "chunked_prefill"])
+def test_greedy_output_survives_retraction_chunking_and_n(extra):
+    """Speculation beside a pool too small for the batch (requests retracted and resumed, their drafts' KV given
+    back) and beside chunked prefill; n = 2 greedy samples of one prompt are both the plain output."""
+    sp = {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}
+    with Engine("smollm2", max_total_tokens=4096) as engine:
+        plain = [r["output_ids"] for r in engine.generate(RETRACT, sp)]
+    with Engine("smollm2", speculative_algorithm="NGRAM", **{"max_total_tokens": 4096, **extra}) as engine:
+        out = [r["output_ids"] for r in engine.generate(RETRACT, sp)]
+        pair = [r["output_ids"] for r in engine.generate(RETRACT[0], {**sp, "n": 2})]
+        stats = engine.get_stats()
+    assert out == plain
+    assert pair == [plain[0]] * 2
+    assert stats["spec_num_accepted_tokens_total"] > 0
+    if "max_total_tokens" in extra:
+        assert stats["num_retractions"] > 0, "the small pool should have forced a retraction"
+    assert stats["kv_used_tokens"] == 0 and stats["num_running_reqs"] == 0
