@@ -60,8 +60,11 @@ def run_braid(server_args: ServerArgs, prompts: list[str], output_len: int, repe
         times, results = _timed_runs(once, repeats)
         stats = engine.get_stats()
     out_tokens = sum(r["meta_info"]["completion_tokens"] for r in results)
-    return {**_summary("braid", times, out_tokens), "input_tokens": sum(r["meta_info"]["prompt_tokens"] for r in results),
-            "kv_used_after": stats["kv_used_tokens"]}
+    row = {**_summary("braid", times, out_tokens), "input_tokens": sum(r["meta_info"]["prompt_tokens"] for r in results),
+           "kv_used_after": stats["kv_used_tokens"]}
+    if server_args.speculative_algorithm is not None:  # over the engine's life: warm-up and every repeat
+        row["spec_accept_length"] = stats["spec_accept_length_mean"]
+    return row
 
 
 def run_hf(server_args: ServerArgs, prompts: list[str], output_len: int, batch_size: int, repeats: int = 1) -> dict:
@@ -122,6 +125,9 @@ def main(argv=None) -> dict:
     for r in rows:
         print(f"{r['system']:<18}{args.num_prompts:>8}{r['output_tokens']:>12}{r['seconds']:>10.2f}"
               f"{r['output_tok_s']:>12.1f}{r['median_seconds']:>10.2f}{r['median_output_tok_s']:>14.1f}")
+    if "spec_accept_length" in rows[0]:
+        print(f"mean acceptance length ({server_args.speculative_algorithm}): {rows[0]['spec_accept_length']:.2f} "
+              "tokens a verified draft")
     result = {"rows": rows, "num_prompts": args.num_prompts, "output_len": args.output_len, "repeats": args.repeats}
     if args.compare_hf:
         result["ratio_vs_hf"] = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]

@@ -325,6 +325,12 @@ def server_args_for(args: argparse.Namespace) -> ServerArgs:
         if any(v < 1 for v in getattr(args, name)):
             raise BenchOneBatchError(f"--{name.replace('_', '-')} values must be >= 1")
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerArgs)}
+    # static batches drive the model runner without the scheduler, where these run: refused rather than ignored
+    for flag, given in (("--speculative-algorithm / --speculative-config", kw["speculative_algorithm"] or
+                         kw["speculative_config"]), ("--enable-lora", kw["enable_lora"])):
+        if given:
+            raise BenchOneBatchError(f"{flag}: bench_one_batch times static batches on the model runner, without the "
+                                     "scheduler that runs them; measure with bench_offline_throughput or bench_serving")
     max_bs = max(args.batch_size)
     if kw["max_total_tokens"] is None:
         longest = max(args.input_len) + max(args.output_len)

@@ -117,3 +117,8 @@ def test_cli_entry_point_and_flag_validation():
         assert flag in proc.stdout
     with pytest.raises(bob.BenchOneBatchError, match="batch-size"):
         bob.server_args_for(bob.parse_args(["--batch-size", "0"]))
+    # flags the static batches would not act on are refused, not ignored
+    for flags in (["--speculative-algorithm", "NGRAM"], ["--speculative-config", '{"method": "ngram"}'],
+                  ["--enable-lora", "--max-lora-rank", "8"]):
+        with pytest.raises(bob.BenchOneBatchError, match="without the scheduler"):
+            bob.server_args_for(bob.parse_args(["--model-path", "smollm2", *flags]))
