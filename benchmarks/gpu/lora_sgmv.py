@@ -2,8 +2,8 @@
 
 The row-block Triton kernels (runtime/lora/sgmv_kernels.py) and the per-row ones (runtime/lora/bgmv_kernels.py,
 which lora_shrink / lora_expand launch up to ops.BGMV_MAX_ROWS rows) against the torch reference (one matmul per
-adapter present, host groups precomputed as the manager does), and all against torch.matmul of the base linear of
-the same shape.
+adapter present, host groups precomputed as the manager does), the one-launch candidate of lora_fused.py (this
+folder; up to FUSED_MAX_ROWS rows), and all against torch.matmul of the base linear of the same shape.
 
   python3 benchmarks/gpu/lora_sgmv.py [--rows 1 4 16 64 256] [--adapters 8 64] [--rank 16] [--linears qkv gate_up down]
 
@@ -22,10 +22,12 @@ import math
 import sys
 
 from braid.runtime.lora.bgmv_kernels import bgmv_expand, bgmv_shrink
+from lora_fused import lora_fused  # benchmarks/gpu, this script's folder
 from sweep_rows import copy_bandwidth
 
 LINEARS = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [14336, 14336]), "down": (14336, [4096])}
 L2_BYTES = 50 * 2**20
+FUSED_MAX_ROWS = 32  # the one-launch candidate recomputes h per column block: timed on decode-sized batches only
 
 
 def _graph_time_us(fn, layers: int, iters: int) -> float:
@@ -80,13 +82,18 @@ def _lora_times(name: str, rows: int, adapters: int, rank: int, iters: int, gen)
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
     got = bgmv_expand(y.clone(), bgmv_shrink(x, a[0], idx), b[0], scale, idx)
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
+    if rows <= FUSED_MAX_ROWS:
+        got = lora_fused(y.clone(), x, a[0], b[0], scale, idx)
+        torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=5e-2)
 
     sgmv_us = _graph_time_us(lambda l: sgmv_expand(y, sgmv_shrink(x, a[l], idx, order), b[l], scale, idx, order),
                              layers, iters)
     torch_us = _graph_time_us(lambda l: expand_reference(y, shrink_reference(x, a[l], idx, groups), b[l], scale, idx,
                                                          groups), layers, iters)
     bgmv_us = _graph_time_us(lambda l: bgmv_expand(y, bgmv_shrink(x, a[l], idx), b[l], scale, idx), layers, iters)
-    return sgmv_us, torch_us, bgmv_us, len(groups)
+    fused_us = (_graph_time_us(lambda l: lora_fused(y, x, a[l], b[l], scale, idx), layers, iters)
+                if rows <= FUSED_MAX_ROWS else float("nan"))
+    return sgmv_us, torch_us, bgmv_us, fused_us, len(groups)
 
 
 def _base_time(name: str, rows: int, iters: int, gen) -> float:
@@ -105,13 +112,13 @@ def bench_case(name: str, rows: int, adapters: int, rank: int, iters: int) -> di
     d_in, outs = LINEARS[name]
     d_out, esize = sum(outs), 2
     gen = torch.Generator(device="cuda").manual_seed(rows * 1000 + adapters)
-    sgmv_us, torch_us, bgmv_us, present = _lora_times(name, rows, adapters, rank, iters, gen)
+    sgmv_us, torch_us, bgmv_us, fused_us, present = _lora_times(name, rows, adapters, rank, iters, gen)
     base_us = _base_time(name, rows, iters, gen)
     torch.cuda.empty_cache()
     moved = present * rank * esize * (len(outs) * d_in + d_out) + rows * esize * (d_in + 2 * d_out)
     base_moved = esize * (d_out * d_in + rows * (d_in + d_out))
     return dict(linear=name, rows=rows, adapters=adapters, present=present, sgmv_us=sgmv_us, torch_us=torch_us, bgmv_us=bgmv_us,
-                sgmv_gbs=moved / sgmv_us / 1e3, base_us=base_us, base_gbs=base_moved / base_us / 1e3)
+                fused_us=fused_us, sgmv_gbs=moved / sgmv_us / 1e3, base_us=base_us, base_gbs=base_moved / base_us / 1e3)
 
 
 def main(argv=None) -> int:
@@ -137,10 +144,11 @@ def main(argv=None) -> int:
                 r = bench_case(name, rows, adapters, args.rank, args.iters)
                 results.append(r)
                 print(f"  {name} T={rows} adapters={adapters}: sgmv {r['sgmv_us']:.1f} us, torch {r['torch_us']:.1f}"
-                      f" us, bgmv {r['bgmv_us']:.1f} us, base {r['base_us']:.1f} us", flush=True)
+                      f" us, bgmv {r['bgmv_us']:.1f} us, fused {r['fused_us']:.1f} us, base {r['base_us']:.1f} us",
+                      flush=True)
     head = (f"{'linear':<8} {'T':>4} {'adap':>4} {'used':>4} {'sgmv us':>8} {'torch us':>9} {'torch/sgmv':>10} "
             f"{'sgmv GB/s':>9} {'of copy':>7} {'base us':>8} {'base GB/s':>9} {'sgmv/base':>9} {'bgmv us':>8} "
-            f"{'bgmv/base':>9}")
+            f"{'bgmv/base':>9} {'fused us':>8} {'fused/base':>10}")
     print(head)
     print("-" * len(head))
     for r in results:
@@ -148,7 +156,7 @@ def main(argv=None) -> int:
               f"{r['torch_us']:>9.1f} {r['torch_us'] / r['sgmv_us']:>10.2f} {r['sgmv_gbs']:>9.0f} "
               f"{r['sgmv_gbs'] / copy_gbs:>7.0%} "
               f"{r['base_us']:>8.1f} {r['base_gbs']:>9.0f} {r['sgmv_us'] / r['base_us']:>9.1%} {r['bgmv_us']:>8.1f} "
-              f"{r['bgmv_us'] / r['base_us']:>9.1%}")
+              f"{r['bgmv_us'] / r['base_us']:>9.1%} {r['fused_us']:>8.1f} {r['fused_us'] / r['base_us']:>10.1%}")
     return 0
 
 
