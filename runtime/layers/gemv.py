@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import measured_tiles, pdl
+from braid.runtime.layers.device_info import device_name
 from braid.runtime.layers.activation_kernels import gelu_tanh
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
@@ -238,20 +239,6 @@ def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin
 # measured_tiles.GEMV_CONFIGS, the tuples measured_config turns into gemv's `config`: (BLOCK_N, BLOCK_K, num_warps,
 # num_stages[, PROGRAMS]) per GPU name and (weight rows, K, fused activation). Shapes not listed are autotuned.
 MEASURED_CONFIGS = measured_tiles.GEMV_CONFIGS
-
-
-# device.index (None: the current device) -> the GPU's name. A plain dict rather than a cached call: a compiled
-# region reads a filled entry as a constant, where a call of torch.cuda.get_device_name there breaks the graph (and
-# its resumed frame recompiles on every step); CudaGraphRunner fills it before compiling.
-_DEVICE_NAMES: dict = {}
-
-
-def device_name(device: torch.device) -> str:
-    name = _DEVICE_NAMES.get(device.index)
-    if name is None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        name = _DEVICE_NAMES[device.index] = torch.cuda.get_device_name(index)
-    return name
 
 
 def measured_table(tables: dict, device: torch.device) -> dict:

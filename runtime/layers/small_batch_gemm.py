@@ -21,7 +21,6 @@ Gated outputs round gate and up (and GELU's result) to the output dtype where th
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Optional
 
@@ -30,6 +29,7 @@ import triton
 import triton.language as tl
 
 from braid.runtime.layers import gemv, measured_tiles, pdl
+from braid.runtime.layers.device_info import sm_count
 from braid.runtime.layers.activation_kernels import gelu_tanh
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
@@ -196,17 +196,11 @@ def _small_batch_tc_kernel(x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, y_ptr, partia
                       N, ACT, FP8_W, X_PREQUANT)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def split_k(tile: TcTile, n: int, k: int, device: torch.device) -> int:
     """tile.split_k, or for 0 the power of two that gives every SM two programs (at most one chunk each)."""
     if tile.split_k:
         return tile.split_k
-    programs = 2 * (_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-                    if device.type == "cuda" else 4)
+    programs = 2 * (sm_count(device) if device.type == "cuda" else 4)
     split = 1
     while split * triton.cdiv(n, tile.block_n) < programs and split * 2 <= triton.cdiv(k, tile.block_k):
         split *= 2

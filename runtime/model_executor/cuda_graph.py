@@ -92,10 +92,9 @@ class CudaGraphRunner:
     def _enable_compile(self) -> None:
         import torch._dynamo
 
-        from braid.runtime.layers.gemv import device_name
+        from braid.runtime.layers import device_info
 
-        dev = self.runner.device  # tensors name their index: fill that key, read as a constant in the compiled region
-        device_name(dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device()))
+        device_info.fill(self.runner.device)  # read as constants in the compiled region
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         limit = self.runner.server_args.torch_compile_max_bs
         self.batch_sizes_compiled = {b for b in self.batch_sizes if b <= limit}

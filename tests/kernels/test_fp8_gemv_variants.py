@@ -277,11 +277,12 @@ def test_measured_fp8_gemv_configs_are_valid_tiles_within_their_bound(device_nam
 
 def test_measured_fp8_gemv_config_by_device_name_and_shape(monkeypatch):
     """A listed device and shape give the entry; another device, shape or a CPU tensor nothing (fp8_gemv then tunes)."""
+    from braid.runtime.layers import device_info
     from braid.runtime.layers import gemv as gemv_module
 
     monkeypatch.setattr(gemv_module, "_INTERPRET", False)
     names = {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB", 2: "NVIDIA H100 80GB HBM3"}
-    monkeypatch.setattr(gemv_module, "_DEVICE_NAMES", names)
+    monkeypatch.setattr(device_info, "_NAMES", names)
     h200 = fp8_gemv_module.MEASURED_FP8_GEMV_CONFIGS["NVIDIA H200"]
     measured = fp8_gemv_module.measured_fp8_gemv_config
     assert measured(torch.device("cuda", 0), 4096, 14336, False) == h200[(4096, 14336, False)]

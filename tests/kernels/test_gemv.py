@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from braid.runtime.config import ServerArgs
-from braid.runtime.layers import pdl
+from braid.runtime.layers import device_info, pdl
 from braid.runtime.layers.activation import SiluAndMul
 from braid.runtime.layers import gemv as gemv_module
 from braid.runtime.layers.gemv import decode_gemv_applies, gemv
@@ -190,7 +190,7 @@ def test_measured_config_by_device_name_and_shape(monkeypatch):
     """A listed device and shape give the entry as gemv's config; another device, shape or activation, or a CPU
     tensor, nothing (gemv then autotunes)."""
     monkeypatch.setattr(gemv_module, "_INTERPRET", False)
-    monkeypatch.setattr(gemv_module, "_DEVICE_NAMES", {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"})
+    monkeypatch.setattr(device_info, "_NAMES", {0: "NVIDIA H200", 1: "NVIDIA A100-SXM4-80GB"})
     bn, bk, warps, stages = gemv_module.MEASURED_CONFIGS["NVIDIA H200"][(3584, 4096, "")]
     assert gemv_module.measured_config(torch.device("cuda", 0), 3584, 4096, "") == dict(
         BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
@@ -202,17 +202,19 @@ def test_measured_config_by_device_name_and_shape(monkeypatch):
 
 def test_measured_table_reads_in_a_compiled_region_without_a_graph_break(monkeypatch):
     """torch.compile'd decode (--enable-torch-compile) calls the GEMV dispatch in the compiled region: the table
-    lookup must trace as a constant once the device's name is known (fullgraph raises on a graph break)."""
+    lookup and the SM count (split-K grids) must trace as constants once device_info holds them (fullgraph raises on
+    a graph break)."""
     monkeypatch.setattr(gemv_module, "_INTERPRET", False)
-    monkeypatch.setattr(gemv_module, "_DEVICE_NAMES", {0: "NVIDIA H200"})
+    monkeypatch.setattr(device_info, "_NAMES", {0: "NVIDIA H200"})
+    monkeypatch.setattr(device_info, "_SM_COUNTS", {0: 132})
     tables = {"NVIDIA H200": {(8, 16, ""): (4, 16, 1, 1)}}
 
     def step(x):
         found = gemv_module.measured_table(tables, torch.device("cuda", 0)).get((8, 16, ""))
-        return x * found[0]
+        return x * found[0] + device_info.sm_count(torch.device("cuda", 0))
 
     torch._dynamo.reset()
-    assert torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2)).tolist() == [4.0, 4.0]
+    assert torch.compile(step, fullgraph=True, backend="eager")(torch.ones(2)).tolist() == [136.0, 136.0]
 
 
 @pytest.mark.parametrize("rows,k,programs,silu", [(40, 64, 3, False), (37, 200, 2, True), (64, 96, 16, False)])
@@ -229,6 +231,6 @@ def test_persistent_grid_takes_every_row_block(rows, k, programs, silu):
 
 def test_measured_config_may_name_a_persistent_grid(monkeypatch):
     monkeypatch.setattr(gemv_module, "_INTERPRET", False)
-    monkeypatch.setattr(gemv_module, "_DEVICE_NAMES", {0: "NVIDIA H200"})
+    monkeypatch.setattr(device_info, "_NAMES", {0: "NVIDIA H200"})
     monkeypatch.setitem(gemv_module.MEASURED_CONFIGS, "NVIDIA H200", {(64, 32, ""): (4, 32, 1, 1, 264)})
     assert gemv_module.measured_config(torch.device("cuda", 0), 64, 32, "")["PROGRAMS"] == 264
