@@ -18,7 +18,6 @@ one launch: a column block runs each slice's product only for the slices its col
 
 from __future__ import annotations
 
-import functools
 import os
 import weakref
 from typing import Optional, Sequence
@@ -26,6 +25,8 @@ from typing import Optional, Sequence
 import torch
 import triton
 import triton.language as tl
+
+from braid.runtime.layers.device_info import sm_count
 
 __all__ = ["row_order", "sgmv_expand", "sgmv_shrink"]
 
@@ -151,16 +152,11 @@ def _sgmv_expand_kernel(y_ptr, h_ptr, b0_ptr, b1_ptr, b2_ptr, scale_ptr, idx_ptr
     tl.store(at, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def programs_wanted(device: torch.device) -> int:
     """The SM count of `device`: how many programs keep it busy (4 for the interpreter's CPU tensors)."""
     if device.type != "cuda":
         return 4  # the interpreter: enough to run the split path in tests
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device)
 
 
 def _fp32_dot(dtype: torch.dtype) -> bool:

@@ -85,7 +85,8 @@ class CudaGraphRunner:
         self.num_base_replays = 0  # of the replays, those of a batch without adapter rows
         if self.lora is not None:
             self.base_graphs, self.base_outputs = capture_graphs(
-                self.batch_sizes, self._prepare_base_capture, pool=self.graphs[self.max_bs].pool())
+                self.batch_sizes, lambda bs: self._prepare_capture(bs, with_adapters=False),
+                pool=self.graphs[self.max_bs].pool())
             self.lora.clear()
         logger.info("CUDA graphs captured in %.1f s", time.perf_counter() - start)
 
@@ -118,24 +119,19 @@ class CudaGraphRunner:
             return self.compiled
         return self.model.forward
 
-    def _prepare_capture(self, bs: int):
+    def _prepare_capture(self, bs: int, with_adapters: bool = True):
+        """The pass to capture at batch size bs; with LoRA served, it reads the static idx buffer (with_adapters) or
+        runs no delta ops (the base-model set)."""
         fb = self._static_batch(bs)
         self.attn_backend.init_forward_metadata_capture(bs, fb)
         forward = self._forward_fn(bs)
 
         def run():
             if self.lora is not None:
-                self.lora.use_static_idx(self.lora_idx[:bs])
-            return forward(fb)
-        return run
-
-    def _prepare_base_capture(self, bs: int):
-        fb = self._static_batch(bs)
-        self.attn_backend.init_forward_metadata_capture(bs, fb)
-        forward = self._forward_fn(bs)
-
-        def run():
-            self.lora.clear()
+                if with_adapters:
+                    self.lora.use_static_idx(self.lora_idx[:bs])
+                else:
+                    self.lora.clear()
             return forward(fb)
         return run
 
