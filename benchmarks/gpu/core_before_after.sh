@@ -5,13 +5,14 @@
 # then a table. Every tree runs step 1 before any runs step 2, so a call cut short still compares the engines.
 #
 #   bash benchmarks/gpu/core_before_after.sh [--num-prompts N] [--budget-s S] [--model-config JSON] [--no-engine]
-#     [--worktree-at-defaults] TREE...
+#     [--no-serving] [--worktree-at-defaults] TREE...
 # TREE: `.` (the working tree as it travelled) or a git ref; a ref's files come from `.gpu/trees/REF` when carried,
 # else from `git archive REF` when the device copy has the history. carry: .whl .gpu/tok (.gpu/trees if used).
 # The bench_serving client (and so the prompts) is always the working tree's, so the servers alone differ.
 # --num-prompts (default 3000: ~130 s per run at 7.3k tok/s); --budget-s (default 560): steps that would start
 # past it are skipped, each step's timeout is capped to what is left. --model-config (default
-# benchmarks/configs/llama3-8b.json) lets a tiny config try the script on a CPU. --no-engine skips step 1;
+# benchmarks/configs/llama3-8b.json) lets a tiny config try the script on a CPU. --no-engine skips step 1, --no-serving
+# step 2;
 # --worktree-at-defaults serves `.` at the runtime's defaults instead of --cuda-graph-max-bs 256 (the issue's
 # baseline command, kept for the refs).
 # $OUT gets results.jsonl (one line per run, "tree" field), run.log, summary.txt and server_<tree>.log.
@@ -20,6 +21,7 @@ NUM_PROMPTS=3000
 BUDGET_S=560
 CFG=$PWD/benchmarks/configs/llama3-8b.json
 ENGINE=1
+SERVING=1
 WORKTREE_SERVER_FLAGS="--cuda-graph-max-bs 256"
 TREES=()
 while [ $# -gt 0 ]; do
@@ -28,12 +30,13 @@ while [ $# -gt 0 ]; do
     --budget-s) BUDGET_S=$2; shift 2 ;;
     --model-config) CFG=$(realpath "$2"); shift 2 ;;
     --no-engine) ENGINE=0; shift ;;
+    --no-serving) SERVING=0; shift ;;
     --worktree-at-defaults) WORKTREE_SERVER_FLAGS=""; shift ;;
     -*) echo "unknown option $1"; exit 2 ;;
     *) TREES+=("$1"); shift ;;
   esac
 done
-[ ${#TREES[@]} -gt 0 ] || { echo "usage: core_before_after.sh [--num-prompts N] [--budget-s S] [--model-config JSON] [--no-engine] [--worktree-at-defaults] TREE..."; exit 2; }
+[ ${#TREES[@]} -gt 0 ] || { echo "usage: core_before_after.sh [--num-prompts N] [--budget-s S] [--model-config JSON] [--no-engine] [--no-serving] [--worktree-at-defaults] TREE..."; exit 2; }
 OUT=${OUT:-/tmp/core_before_after}
 mkdir -p "$OUT"
 T_START=$SECONDS
@@ -107,6 +110,7 @@ done
 
 PORT=30000
 for ref in "${TREES[@]}"; do
+  [ "$SERVING" = 1 ] || break
   label=$(label_of "$ref")
   PORT=$((PORT + 1))
   echo "=== ShareGPT serving, $NUM_PROMPTS prompts, $label ($(time_left)s of the budget left)"
