@@ -226,18 +226,19 @@ class ServerArgs:
     # ---- speculative decoding (docs/api.md, "Speculative decoding") ----
     speculative_algorithm: Optional[str] = _opt(
         None, "draft several tokens a step and verify them in one pass of the model: NGRAM drafts by prompt lookup "
-        "(the request's last tokens matched earlier in its prompt and output); EAGLE and EAGLE3 draft greedy chains "
-        "with a draft head (--speculative-draft-model-path) fed with the target's hidden states (tree drafts, "
-        "--speculative-eagle-topk > 1, are refused); greedy output is the target's argmax at every position (token "
+        "(the request's last tokens matched earlier in its prompt and output); EAGLE and EAGLE3 draft greedy chains, "
+        "or trees with --speculative-eagle-topk > 1, with a draft head (--speculative-draft-model-path) fed with the "
+        "target's hidden states; greedy output is the target's argmax at every position (token "
         "for token the plain output in fp32; bf16 may differ at near-ties), sampled output distributed the same "
         "(rejection sampling). Speculative steps run synchronously (no overlap schedule)",
         ["NGRAM", "EAGLE", "EAGLE3"])
     speculative_draft_model_path: Optional[str] = _opt(None, "EAGLE / EAGLE3: the draft head's folder (config.json "
                                                              "and safetensors)")
-    speculative_num_steps: Optional[int] = _opt(None, "draft depth: the draft tokens a request a step, "
+    speculative_num_steps: Optional[int] = _opt(None, "draft depth: for chains the draft tokens a request a step, "
                                                       "--speculative-num-draft-tokens - 1 (EAGLE default 3)")
-    speculative_eagle_topk: Optional[int] = _opt(None, "draft branches per step (1: a chain, the only form braid "
-                                                       "runs yet)")
+    speculative_eagle_topk: Optional[int] = _opt(None, "EAGLE / EAGLE3: draft branches per step (1: a chain; K > 1: "
+                                                       "a tree, expanding the K best nodes of each depth K ways and "
+                                                       "keeping the --speculative-num-draft-tokens - 1 best)")
     speculative_num_draft_tokens: Optional[int] = _opt(None, "tokens one verify pass takes per request, its last "
                                                              "token included (NGRAM default 5: 4 draft tokens)")
     speculative_ngram_min_match_window_size: Optional[int] = _opt(

@@ -180,6 +180,12 @@ class ForwardBatch:
     # aux_hidden [T, len * hidden]; such a pass runs eagerly (graphs do not capture it)
     aux_hidden_layers: Optional[tuple[int, ...]] = None
     aux_hidden: Optional[torch.Tensor] = None
+    # EXTEND, speculative tree verify (speculative/draft_tree.py): request i's n_i new tokens see its whole prefix and,
+    # instead of each other causally, the new tokens its [n_i, n_i] ancestor mask marks ([q, k] True: attended). The
+    # masks flattened row-major and concatenated ([sum n_i^2] bool) and each one's first element ([B] int64); such
+    # a pass runs eagerly (extend graphs do not capture it). None: causal
+    tree_mask: Optional[torch.Tensor] = None
+    tree_mask_start: Optional[torch.Tensor] = None
     # attention-backend-specific metadata
     attn_metadata: Any = None
 

@@ -268,7 +268,7 @@ class ExtendCudaGraphRunner:
         return (fb.forward_mode.is_extend() and fb.extend_seq_lens_cpu is not None
                 and fb.extend_prefix_lens_cpu is not None and 0 < fb.input_ids.shape[0] <= self.max_tokens
                 and fb.batch_size <= self._reqs(self.max_tokens)
-                and not any(fb.mm_inputs or ()))
+                and not any(fb.mm_inputs or ()) and fb.tree_mask is None)
 
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
         """fb's hidden states [T, hidden] (rows of the graph's static output)."""

@@ -1,5 +1,5 @@
-"""The acceptance rule of speculative decoding, for drafts from a deterministic proposer (n-gram lookup: the draft
-distribution is a point mass on the proposed token).
+"""The acceptance rule of speculative decoding, for chain drafts from a deterministic proposer (n-gram lookup, EAGLE's
+greedy chains: the draft distribution is a point mass on the proposed token); draft_tree.walk applies it to trees.
 
 At each verified position the target's distribution p is the one the request would sample from without speculation
 (penalties, logit bias, the grammar mask, temperature, top-k / top-p / min-p applied). Draft token d is accepted
@@ -51,13 +51,7 @@ def accept(probs: torch.Tensor, row_start: list[int], drafts: list[list[int]], i
         rows = torch.tensor(flat_rows, dtype=torch.int64, device=dev)
         toks = torch.tensor([t for d in drafts for t in d], dtype=torch.int64, device=dev)
         p_draft = probs[rows, toks]  # [D]
-        uniform = torch.rand(len(flat_rows), device=dev)
-        offset = 0
-        for i, d in enumerate(drafts):
-            if generators[i] is not None and d:
-                uniform[offset:offset + len(d)] = torch.rand(len(d), generator=generators[i]).to(dev)
-            offset += len(d)
-        ok = (uniform < p_draft).tolist()
+        ok = (acceptance_uniforms([len(d) for d in drafts], generators, dev) < p_draft).tolist()
         offset = 0
         for i, d in enumerate(drafts):
             n = 0
@@ -65,15 +59,37 @@ def accept(probs: torch.Tensor, row_start: list[int], drafts: list[list[int]], i
                 n += 1
             n_accepted[i] = n
             offset += len(d)
-    last_rows = torch.tensor([row_start[i] + n_accepted[i] for i in range(B)], dtype=torch.int64, device=dev)
-    dist = probs.index_select(0, last_rows)  # [B, V]
-    rejected = [i for i in range(B) if n_accepted[i] < len(drafts[i])]
-    if rejected:
-        r = torch.tensor(rejected, dtype=torch.int64, device=dev)
-        d = torch.tensor([drafts[i][n_accepted[i]] for i in rejected], dtype=torch.int64, device=dev)
+    rejected = [[drafts[i][n_accepted[i]]] if n_accepted[i] < len(drafts[i]) else [] for i in range(B)]
+    final = draw_final(probs, [row_start[i] + n_accepted[i] for i in range(B)], rejected, is_greedy, generators)
+    return [drafts[i][:n_accepted[i]] + [final[i]] for i in range(B)]
+
+
+def acceptance_uniforms(counts: list[int], generators: list[Optional[torch.Generator]], device) -> torch.Tensor:
+    """[sum(counts)] uniforms in [0, 1), request i's counts[i] in order: from its generator when it has one, else
+    from torch's global stream (drawn for all at once)."""
+    uniform = torch.rand(sum(counts), device=device)
+    offset = 0
+    for n, gen in zip(counts, generators):
+        if gen is not None and n:
+            uniform[offset:offset + n] = torch.rand(n, generator=gen).to(device)
+        offset += n
+    return uniform
+
+
+def draw_final(probs: torch.Tensor, rows: list[int], rejected: list[list[int]], is_greedy: list[bool],
+               generators: list[Optional[torch.Generator]]) -> list[int]:
+    """The token each request emits after its accepted drafts: drawn from probs[rows[i]] ([T, V]) with the tokens
+    rejected[i] (the drafts just rejected there) zeroed and renormalised; the argmax for greedy rows."""
+    B = len(rows)
+    dev = probs.device
+    dist = probs.index_select(0, torch.tensor(rows, dtype=torch.int64, device=dev))  # [B, V]
+    refused = [(i, t) for i in range(B) for t in rejected[i]]
+    if refused:
+        r = torch.tensor([i for i, _ in refused], dtype=torch.int64, device=dev)
+        d = torch.tensor([t for _, t in refused], dtype=torch.int64, device=dev)
         residual = dist.clone()
-        residual[r, d] = 0.0  # p without the rejected token (multinomial renormalises)
-        # a rejected token held all of p only if rounding made p(d) < 1 while nothing else has weight: keep p there
+        residual[r, d] = 0.0  # p without the rejected tokens (multinomial renormalises)
+        # rejected tokens held all of p only if rounding made their p < 1 while nothing else has weight: keep p there
         dist = torch.where((residual.sum(dim=-1) > 0).view(-1, 1), residual, dist)
     final = argmax_last_dim(dist).tolist()
     sampled_rows = [i for i in range(B) if not is_greedy[i]]
@@ -86,7 +102,7 @@ def accept(probs: torch.Tensor, row_start: list[int], drafts: list[list[int]], i
         for i in sampled_rows:
             if generators[i] is not None:
                 final[i] = int(_draw(dist[i:i + 1].cpu(), generators[i])[0])
-    return [drafts[i][:n_accepted[i]] + [final[i]] for i in range(B)]
+    return final
 
 
 def _draw(dist: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:

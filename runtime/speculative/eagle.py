@@ -1,4 +1,5 @@
-"""EAGLE / EAGLE-3 proposer: chain drafts (topk 1) from a draft head fed with the target's hidden states.
+"""EAGLE / EAGLE-3 proposer: chain drafts (topk 1) or tree drafts (topk > 1, draft_tree.py) from a draft head fed
+with the target's hidden states.
 
 The head's row at position r takes the token at r + 1 and the target's feature at r (EAGLE: the final hidden state;
 EAGLE-3: three layers' input residual streams, concatenated) and predicts the token at r + 2. A request whose target
@@ -9,13 +10,14 @@ target features. Per step, for each request:
    the accepted tokens and the target's token after them), from the features the target passes recorded
    (`record`: prefill chunks, mixed-in decode rows, verify passes); its output at row Q - 1 gives draft token 1;
 2. chain: draft token s - 1 at row Q + s - 2 with the head's own output at the row before as its feature gives draft
-   token s (greedy, argmax), for `--speculative-num-steps` tokens;
+   token s (greedy, argmax), for `--speculative-num-steps` tokens (a tree, `propose_trees`: each depth one head
+   pass over the frontier's k rows a request, under a tree mask);
 3. the rows of step 2 are dropped again (the head's KV rolls back to rows < Q): after verification the accepted
    tokens' rows are recomputed in the next catch-up from the target's features, as the head was trained.
 
 A greedy draft is deterministic: its draft distribution is a point mass on each drafted token, which is what
 acceptance.py's rule takes (accept with probability p(d), resample from p without d), so sampled output keeps the
-target's distribution.
+target's distribution; a tree's top-k children are deterministic too (draft_tree.walk's multi-candidate rule).
 
 The head's KV is kept per request (`eagle_head.HeadKVCache` on `Req.spec_state`, tensors grown as tokens are
 accepted, truncated on rejection), not in the paged pool: it is not counted in the KV pool's budget, and it is not
@@ -35,6 +37,7 @@ import torch
 from braid.runtime.core import Req
 from braid.runtime.layers.logits import compute_logits
 from braid.runtime.loader.hf import hf_config
+from braid.runtime.speculative.draft_tree import DraftTree, TreeExpansion
 from braid.runtime.speculative.eagle_head import HeadKVCache, load_eagle_head
 
 logger = logging.getLogger(__name__)
@@ -172,12 +175,12 @@ class EagleProposer:
             end = Q - 1
         return end, Q
 
-    @torch.inference_mode()
-    def propose(self, reqs: list[Req], rooms: list[int]) -> list[list[int]]:
-        """Chain drafts: up to min(rooms[i], --speculative-num-steps) tokens for request i ([] where rooms[i] < 1 or
-        the head cannot draft for it this step)."""
-        drafts: list[list[int]] = [[] for _ in reqs]
-        plan = []  # (request index, lo, Q, draft length)
+    def _catch_up(self, reqs: list[Req], rooms: list[int]) -> tuple[list[tuple[int, int, int, int]], torch.Tensor]:
+        """Step 1 for every request that can draft: -> (plan, hidden): plan entries (request index, lo, Q, depth:
+        min(room, num_steps)), hidden [len(plan), hidden] the head's output at each one's row Q - 1 (whose
+        distribution gives depth 1). Each request keeps the feature of row Q - 1 (a step with no new row runs it
+        again)."""
+        plan = []
         for i, (req, room) in enumerate(zip(reqs, rooms)):
             k = min(room, self.num_steps)
             if k < 1:
@@ -186,7 +189,7 @@ class EagleProposer:
             if rows is not None:
                 plan.append((i, rows[0], rows[1], k))
         if not plan:
-            return drafts
+            return plan, None
         dev = self.device
         ids, positions, feats, caches, counts = [], [], [], [], []
         for i, lo, Q, _ in plan:
@@ -201,13 +204,29 @@ class EagleProposer:
                                   torch.cat(feats, dim=0), torch.tensor(positions, dtype=torch.int64, device=dev),
                                   caches, counts, from_target=True)
         last = torch.tensor(counts, dtype=torch.int64, device=dev).cumsum(0) - 1
-        hidden = hidden.index_select(0, last)  # [P, hidden]: each request's output at row Q - 1
-        tokens = self.head.greedy_tokens(hidden)
-        for (i, lo, Q, _), tok in zip(plan, tokens.tolist()):
-            drafts[i].append(tok)
+        for i, lo, Q, _ in plan:
             st = reqs[i].spec_state
-            # keep the feature of row Q - 1: a step that brings no new row runs it again
             st.feats, st.feat_start = st.feats[Q - 1 - st.feat_start:].clone(), Q - 1
+        return plan, hidden.index_select(0, last)
+
+    @staticmethod
+    def _roll_back(reqs: list[Req], plan) -> None:
+        for i, lo, Q, _ in plan:
+            cache = reqs[i].spec_state.cache
+            cache.truncate(Q - cache.start)  # the draft's rows were built on the head's own guesses
+
+    @torch.inference_mode()
+    def propose(self, reqs: list[Req], rooms: list[int]) -> list[list[int]]:
+        """Chain drafts: up to min(rooms[i], --speculative-num-steps) tokens for request i ([] where rooms[i] < 1 or
+        the head cannot draft for it this step)."""
+        drafts: list[list[int]] = [[] for _ in reqs]
+        plan, hidden = self._catch_up(reqs, rooms)
+        if not plan:
+            return drafts
+        dev = self.device
+        tokens = self.head.greedy_tokens(hidden)  # [P]: each request's output at row Q - 1
+        for (i, *_), tok in zip(plan, tokens.tolist()):
+            drafts[i].append(tok)
         active = list(range(len(plan)))  # indices into plan still drafting
         for s in range(2, max(k for *_, k in plan) + 1):
             keep = [j for j in active if plan[j][3] >= s]
@@ -224,7 +243,44 @@ class EagleProposer:
             tokens = self.head.greedy_tokens(hidden)
             for j, tok in zip(active, tokens.tolist()):
                 drafts[plan[j][0]].append(tok)
-        for i, lo, Q, _ in plan:
-            cache = reqs[i].spec_state.cache
-            cache.truncate(Q - cache.start)  # the chain's rows were built on the head's own guesses
+        self._roll_back(reqs, plan)
         return drafts
+
+    @torch.inference_mode()
+    def propose_trees(self, reqs: list[Req], rooms: list[int], topk: int, num_nodes: int) -> list[DraftTree]:
+        """Tree drafts (draft_tree.py): request i's tree of up to num_nodes nodes, of depth at most
+        min(rooms[i], --speculative-num-steps) (empty where rooms[i] < 1 or the head cannot draft for it).
+
+        Depth s + 1 comes from one head pass over the depth-s frontier (k rows a request, at position Q + s - 1,
+        each fed its token and the head's output at its parent's row): each row attends to the request's committed
+        rows and to the frontier rows of its ancestors (their rows stay in the cache until the tree is built), and
+        its output's top-k gives its children."""
+        trees = [DraftTree([], []) for _ in reqs]
+        plan, hidden = self._catch_up(reqs, rooms)
+        if not plan:
+            return trees
+        dev = self.device
+        P, k = len(plan), topk
+        tree = TreeExpansion(*self.head.top_tokens(hidden, k))  # depth 1: the root's top-k
+        hidden = hidden.repeat_interleave(k, dim=0)  # [P * k] each frontier node's parent output (the root's)
+        caches = [reqs[i].spec_state.cache for i, *_ in plan]
+        committed = [Q - cache.start for (_, _, Q, _), cache in zip(plan, caches)]  # head rows before the draft's
+        for s in range(1, max(d for *_, d in plan)):
+            # the depth-s frontier: k rows a request at position Q + s - 1, over its committed rows and ancestors
+            pos = torch.tensor([Q + s - 1 for _, _, Q, _ in plan for _ in range(k)], dtype=torch.int64, device=dev)
+            masks = []
+            for j, cache in enumerate(caches):
+                past = cache.length  # committed[j] + (s - 1) * k rows of earlier frontiers
+                mask = torch.ones(k, past + k, dtype=torch.bool, device=dev)
+                mask[:, committed[j]:] = tree.frontier_ancestors[j]
+                masks.append(mask)
+            hidden = self.head.extend(tree.frontier_tokens(), hidden, pos, caches, [k] * P, from_target=False,
+                                      masks=masks)
+            tree.expand(*self.head.top_tokens(hidden, k))
+            # the new frontier's nodes are fed their parent's output next
+            parent_rows = (torch.arange(P, device=dev).view(P, 1) * k + tree.frontier_slot_parent).view(-1)
+            hidden = hidden.index_select(0, parent_rows)
+        self._roll_back(reqs, plan)
+        for (i, *_), t in zip(plan, tree.select(num_nodes, [d for *_, d in plan])):
+            trees[i] = t
+        return trees

@@ -109,10 +109,13 @@ class HeadKVCache:
 @dataclass
 class _Segments:
     """The rows of an `extend` pass by request: rows[i] consecutive rows of the pass go to caches[i] (written at
-    its length, attending over everything before them in it and causally among themselves)."""
+    its length, attending over everything before them in it and causally among themselves, or, where masks[i] is
+    given ([rows[i], length + rows[i]] bool, True where attended), over the cache rows it marks: a tree draft's rows
+    see the committed context and their own ancestors only)."""
 
     caches: list[HeadKVCache]
     rows: list[int]
+    masks: Optional[list[Optional[torch.Tensor]]] = None
 
 
 class _Attention(nn.Module):
@@ -140,7 +143,8 @@ class _Attention(nn.Module):
             return self.o_proj(out.transpose(0, 1).reshape(T, -1))
         segments, layer = kv
         outs, row = [], 0
-        for cache, n in zip(segments.caches, segments.rows):
+        masks = segments.masks or [None] * len(segments.rows)
+        for cache, n, tree_mask in zip(segments.caches, segments.rows, masks):
             past = cache.length
             keys, values = cache.k[layer], cache.v[layer]
             keys[:, past:past + n] = k[:, row:row + n]
@@ -148,8 +152,11 @@ class _Attention(nn.Module):
             keys = keys[:, :past + n].repeat_interleave(group, dim=0)  # [nh, past + n, hd]
             values = values[:, :past + n].repeat_interleave(group, dim=0)
             # row j (position past + j of the cache) sees cache rows 0..past + j
-            mask = None if n == 1 else (torch.arange(past + n, device=x.device).view(1, -1)
-                                        <= torch.arange(past, past + n, device=x.device).view(-1, 1))
+            if tree_mask is not None:
+                mask = tree_mask
+            else:
+                mask = None if n == 1 else (torch.arange(past + n, device=x.device).view(1, -1)
+                                            <= torch.arange(past, past + n, device=x.device).view(-1, 1))
             outs.append(F.scaled_dot_product_attention(q[:, row:row + n], keys, values, attn_mask=mask))
             row += n
         out = torch.cat(outs, dim=1)  # [nh, T, hd]
@@ -230,14 +237,16 @@ class EagleHead(nn.Module):
         return HeadKVCache(c.num_layers, c.num_kv_heads, c.head_dim, device, self.fc.weight.dtype, start)
 
     def extend(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               caches: list[HeadKVCache], rows: list[int], from_target: bool) -> torch.Tensor:
+               caches: list[HeadKVCache], rows: list[int], from_target: bool,
+               masks: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
         """The head over the rows of several requests: request i's rows[i] consecutive rows are appended to
-        caches[i] and attend over it. input_ids, positions: [T]; hidden: [T, fc_in] the target's feature(s)
-        (from_target) or [T, hidden] the head's own output at the position before (a chained draft step; EAGLE's
-        fc takes either, EAGLE-3's own outputs skip fc). -> the head's hidden output [T, hidden]."""
+        caches[i] and attend over it (causally, or through masks[i] [rows[i], length + rows[i]] bool: a tree draft's
+        rows). input_ids, positions: [T]; hidden: [T, fc_in] the target's feature(s) (from_target) or [T, hidden]
+        the head's own output at the position before (a draft step; EAGLE's fc takes either, EAGLE-3's own outputs
+        skip fc). -> the head's hidden output [T, hidden]."""
         for cache, n in zip(caches, rows):
             cache.reserve(n)
-        segments = _Segments(caches, rows)
+        segments = _Segments(caches, rows, masks)
         embeds = self._shared[0](input_ids)
         if self.c.kind == "EAGLE3":
             x = self.fc(hidden) if from_target else hidden
@@ -262,6 +271,16 @@ class EagleHead(nn.Module):
             draft = self.lm_head(self.norm.forward_native(hidden)).argmax(dim=-1)
             return draft + self.d2t[draft]
         return self._shared[1](hidden).argmax(dim=-1)
+
+    def top_tokens(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [N, hidden] the head's outputs -> (probs [N, k] fp32, tokens [N, k] int64 target ids): the k
+        likeliest next tokens under the head's distribution, likeliest first (EAGLE-3: its draft vocabulary's
+        softmax, ids mapped through d2t)."""
+        if self.c.kind == "EAGLE3":
+            probs = torch.softmax(self.lm_head(self.norm.forward_native(hidden)).float(), dim=-1)
+            top, draft = probs.topk(k, dim=-1)
+            return top, draft + self.d2t[draft]
+        return torch.softmax(self._shared[1](hidden).float(), dim=-1).topk(k, dim=-1)
 
     def _to_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
         # [T, draft_vocab] -> [T, vocab]: -inf where the draft vocabulary has no token

@@ -66,8 +66,8 @@ def _resolve_ngram(out: dict) -> None:
         raise ValueError("--speculative-draft-model-path names a draft model; NGRAM drafts from the request's own "
                          "tokens and takes none")
     if out["speculative_eagle_topk"] not in (None, 1):
-        raise ValueError("--speculative-eagle-topk > 1 (tree drafts) is not supported with NGRAM yet: its drafts "
-                         "are chains")
+        raise ValueError("--speculative-eagle-topk > 1 (tree drafts) is not supported with NGRAM: its drafts are "
+                         "chains (EAGLE and EAGLE3 draft trees)")
     steps, tokens = out["speculative_num_steps"], out["speculative_num_draft_tokens"]
     if steps is not None and tokens is not None and tokens != steps + 1:
         raise ValueError(f"NGRAM drafts a chain: --speculative-num-draft-tokens ({tokens}) must be "
@@ -102,14 +102,13 @@ def _resolve_eagle(out: dict, algo: str) -> None:
     if topk == 1 and tokens != steps + 1:
         raise ValueError(f"with --speculative-eagle-topk 1 the draft is a chain: --speculative-num-draft-tokens "
                          f"({tokens}) must be --speculative-num-steps + 1 ({steps + 1})")
-    if tokens > topk * steps + 1:
+    # a tree of depth `steps`: depth 1 has topk candidates, each deeper one topk * topk (the topk best nodes of the
+    # depth before, expanded topk ways); the draft is the best tokens - 1 of them (runtime/speculative/draft_tree.py)
+    most = topk + (steps - 1) * topk * topk + 1
+    if tokens > most:
         raise ValueError(f"--speculative-num-draft-tokens ({tokens}) is more than a tree of depth "
                          f"--speculative-num-steps ({steps}) and width --speculative-eagle-topk ({topk}) holds "
-                         f"({topk * steps + 1})")
-    if topk > 1:
-        raise ValueError(f"--speculative-eagle-topk {topk} (tree drafts) is not supported with {algo} yet: braid "
-                         f"runs {algo} chain drafts, --speculative-eagle-topk 1 with --speculative-num-steps N "
-                         "(N draft tokens a request a step)")
+                         f"({most}, the request's last token included)")
     if tokens > MAX_NUM_DRAFT_TOKENS:
         raise ValueError(f"--speculative-num-steps must be below {MAX_NUM_DRAFT_TOKENS}")
     out.update(speculative_num_steps=steps, speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens)

@@ -11,6 +11,13 @@ EAGLE / EAGLE3 (eagle.py): the draft head needs the target's hidden states of ev
 whenever a request the head follows is in the batch (with no draft: its last token alone), extend passes capture
 their hidden states too (`prepare_extend` / `record_extend`), and a batch whose requests all have penalties is a
 plain decode step.
+
+Tree drafts (EAGLE / EAGLE3 with --speculative-eagle-topk > 1, draft_tree.py): a request's verify rows are its last
+token and its tree's nodes (positions by depth), attending through a tree mask (ForwardBatch.tree_mask: the
+committed KV and their ancestors), run eagerly (no extend graphs); acceptance walks the tree (draft_tree.walk), and
+the accepted path's KV slots, scattered among the draft's, are moved to the request's next positions in
+req_to_token before the slots past them go back to the pool. Chains are trees with one child a node: every draft
+here is a DraftTree; a batch of chains needs no mask and is accepted by acceptance.accept.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from braid.runtime.error_kind import ErrorKind
 from braid.runtime.layers.logits import compute_logits, token_logprobs
 from braid.runtime.layers.sampler import SamplingBatchInfo, apply_penalties
 from braid.runtime.speculative.acceptance import accept, target_probs
+from braid.runtime.speculative.draft_tree import DraftTree, tree_mask_batch, walk
 from braid.runtime.speculative.eagle import EagleProposer
 from braid.runtime.speculative.ngram import NgramProposer
 
@@ -38,9 +46,12 @@ class SpeculativeDecoder:
         algo = server_args.speculative_algorithm
         if algo not in ("NGRAM", "EAGLE", "EAGLE3"):
             raise ValueError(f"speculative_algorithm {algo!r} cannot run here")
-        if algo != "NGRAM" and server_args.speculative_eagle_topk != 1:
-            raise ValueError(f"--speculative-eagle-topk {server_args.speculative_eagle_topk}: {algo} runs chain "
-                             "drafts only (--speculative-eagle-topk 1)")
+        self.topk = server_args.speculative_eagle_topk
+        if algo == "NGRAM" and self.topk != 1:
+            raise ValueError("--speculative-eagle-topk > 1 (tree drafts) is not supported with NGRAM: its drafts are "
+                             "chains")
+        if self.topk > 1:
+            check_tree_verify(runner, self.topk)
         if prefix_cache.window_pool is not None:
             raise ValueError("speculative decoding with window-layer KV trimming (this model mixes sliding-window and "
                              "global layers) is not supported yet; add --disable-window-kv-trimming")
@@ -108,8 +119,8 @@ class SpeculativeDecoder:
         if self.disable_by_batch_size is not None and len(reqs) > self.disable_by_batch_size:
             self.num_steps_too_large += 1
             return False
-        drafts, masks = self._propose(reqs)
-        lens = [len(d) + 1 for d in drafts]
+        trees, masks = self._propose(reqs)
+        lens = [len(t) + 1 for t in trees]
         total = sum(lens)
         if self.eagle is None:
             if total == len(reqs) or self.prefix_cache.available_slots() < total:
@@ -120,29 +131,34 @@ class SpeculativeDecoder:
             if self.prefix_cache.available_slots() < total:
                 # the pool holds one token per request (retraction saw to it), not the drafts: verify none, so that
                 # the head still gets every request's features
-                drafts = [[] for _ in reqs]
+                trees = [DraftTree([], []) for _ in reqs]
                 masks = [m[:1] if m is not None else None for m in masks]
                 lens = [1] * len(reqs)
                 total = len(reqs)
         out_loc = self.prefix_cache.alloc_slots(total)
-        fb, row_start = self._build_batch(reqs, drafts, lens, out_loc)
+        fb, row_start = self._build_batch(reqs, trees, lens, out_loc)
         if self.eagle is not None:
             fb.aux_hidden_layers = self.eagle.aux_layers
         hidden = self.runner.forward_hidden(fb)
-        if self.eagle is not None:
-            feats = self.eagle.features(hidden, fb.aux_hidden)
-            for req, start, n in zip(reqs, row_start, lens):
-                self.eagle.record(req, req.kv_committed_len, feats[start:start + n])
+        feats = self.eagle.features(hidden, fb.aux_hidden) if self.eagle is not None else None
         logits = compute_logits(self.runner.model.lm_head, hidden, None, self.vocab_size)  # [T, V] fp32
+        starts = [req.kv_committed_len for req in reqs]  # each request's root position
         for req, n in zip(reqs, lens):
             req.kv_committed_len += n
-        emitted, logprobs = self._accept(reqs, drafts, row_start, logits, masks)
+        emitted, paths, logprobs = self._accept(reqs, trees, row_start, logits, masks)
+        for req, start, first_row, n, path in zip(reqs, starts, row_start, lens, paths):
+            if path != list(range(len(path))):
+                self._move_path_kv(req, start, n, path)
+            if self.eagle is not None:
+                # the head's features of the root and the accepted nodes: positions start .. start + len(path) - 1
+                rows = host_to_device([first_row + r for r in path], torch.int64, self.device)
+                self.eagle.record(req, start, feats.index_select(0, rows))
         self.num_verify_forward += 1
-        self.num_drafts += sum(1 for d in drafts if d)
+        self.num_drafts += sum(1 for t in trees if len(t))
         self.num_draft_tokens += total - len(reqs)
         self.num_accepted_tokens += sum(len(e) - 1 for e in emitted)
-        for req, draft, tokens in zip(reqs, drafts, emitted):
-            if draft:
+        for req, tree, tokens in zip(reqs, trees, emitted):
+            if len(tree):
                 req.spec_drafts += 1
                 req.spec_accepted_tokens += len(tokens) - 1
         sched.stats["num_tokens_through_model_total"] += total
@@ -150,10 +166,20 @@ class SpeculativeDecoder:
             self._commit(sched, req, emitted[i], logprobs[i] if logprobs is not None else None)
         return True
 
+    def _move_path_kv(self, req: Req, start: int, n: int, path: list[int]) -> None:
+        """The verify rows' KV sits at req_to_token[start + row] (row 0 the root, then the tree's nodes); the emitted
+        path's rows are not the first ones of a tree: their slots move to positions start .. start + len(path) - 1
+        and the other rows' slots after them (truncate_req_kv frees what lies past the kept tokens)."""
+        row = self.runner.req_to_token_pool.req_to_token[req.req_pool_idx]
+        on_path = set(path)
+        order = path + [r for r in range(n) if r not in on_path]
+        row[start:start + n] = row[start:start + n][host_to_device(order, torch.int64, row.device)]
+
     # ---- drafts ----
-    def _propose(self, reqs: list[Req]) -> tuple[list[list[int]], list[Optional[torch.Tensor]]]:
-        """Each request's draft, cut where its grammar refuses a token, and for requests that need one the token
-        bitmask of each verified position ([len(draft) + 1, words] int32 on the host; None: no mask)."""
+    def _propose(self, reqs: list[Req]) -> tuple[list[DraftTree], list[Optional[torch.Tensor]]]:
+        """Each request's draft as a tree (a chain: one child a node), without the nodes its grammar refuses, and for
+        requests that need one the token bitmask of each verified row ([len(tree) + 1, words] int32 on the host, row
+        0 the root's; None: no mask)."""
         rooms = []
         for req in reqs:
             sp = req.sampling_params
@@ -162,68 +188,82 @@ class SpeculativeDecoder:
             speculates = (req.finished_reason is None and room > 0 and not sp.frequency_penalty
                           and not sp.presence_penalty and sp.repetition_penalty == 1.0 and req.mm_inputs is None)
             rooms.append(room if speculates else 0)
-        if self.eagle is not None:
-            proposed = self.eagle.propose(reqs, rooms)
+        if self.eagle is not None and self.topk > 1:
+            proposed = self.eagle.propose_trees(reqs, rooms, self.topk, self.max_draft)
         else:
-            proposed = [self.proposer.propose(req.fill_ids, room) if room > 0 else []
-                        for req, room in zip(reqs, rooms)]
-        drafts, masks = [], []
-        for req, draft in zip(reqs, proposed):
+            if self.eagle is not None:
+                chains = self.eagle.propose(reqs, rooms)
+            else:
+                chains = [self.proposer.propose(req.fill_ids, room) if room > 0 else []
+                          for req, room in zip(reqs, rooms)]
+            proposed = [DraftTree.chain(c) for c in chains]
+        trees, masks = [], []
+        for req, tree in zip(reqs, proposed):
             sp = req.sampling_params
             mask = None
             if req.grammar is not None or len(req.output_ids) < sp.min_new_tokens:
-                draft, mask = self._position_masks(req, draft)
-            drafts.append(draft)
+                tree, mask = self._position_masks(req, tree)
+            trees.append(tree)
             masks.append(mask)
-        return drafts, masks
+        return trees, masks
 
-    def _position_masks(self, req: Req, draft: list[int]) -> tuple[list[int], torch.Tensor]:
-        """The grammar's mask after each prefix of the draft (the grammar takes the draft's tokens and is rolled
-        back), the draft cut at the first token it refuses; min_new_tokens bans (EOS, stop ids) in the rows whose
-        token would come before the minimum, unless that leaves the row nothing."""
-        rows = allocate_bitmask(len(draft) + 1, self.vocab_size)
-        taken = 0
+    def _position_masks(self, req: Req, tree: DraftTree) -> tuple[DraftTree, torch.Tensor]:
+        """The grammar's mask after each node's path (depth first, the grammar takes a path's tokens and is rolled
+        back), the nodes it refuses dropped with their subtrees; min_new_tokens bans (EOS, stop ids) in the rows
+        whose token would come before the minimum, unless that leaves the row nothing."""
+        rows = allocate_bitmask(len(tree) + 1, self.vocab_size)
         grammar = req.grammar
         if grammar is not None:
             grammar.fill_bitmask(rows, 0)
-            for tok in draft:
-                try:
-                    grammar.accept_token(tok)
-                except GrammarError:
-                    break
-                taken += 1
-                grammar.fill_bitmask(rows, taken)
-            grammar.rollback(taken)
-            draft = draft[:taken]
-            rows = rows[:taken + 1]
+            kids = tree.children()
+            kept = [True] * len(tree)
+
+            def visit(node: int) -> None:
+                for child in kids[node]:
+                    try:
+                        grammar.accept_token(tree.tokens[child - 1])
+                    except GrammarError:
+                        kept[child - 1] = False
+                        continue
+                    grammar.fill_bitmask(rows, child)
+                    visit(child)
+                    grammar.rollback(1)
+
+            visit(0)
+            tree, nodes = tree.keep(kept)
+            rows = rows[nodes]
         sp = req.sampling_params
         banned = set() if sp.ignore_eos else set(self.output.eos_token_ids)
         banned = [t for t in banned | set(sp.stop_token_ids or ()) if t < self.vocab_size]
-        for j in range(min(len(draft) + 1, sp.min_new_tokens - len(req.output_ids))):
+        need = sp.min_new_tokens - len(req.output_ids)
+        for j, depth in enumerate(tree.depths()):
+            if depth >= need:
+                continue
             row = rows[j].clone()
             clear_tokens(row, banned)
             if bool(row.any()):
                 rows[j] = row
-        return draft, rows
+        return tree, rows
 
     # ---- the pass ----
-    def _build_batch(self, reqs: list[Req], drafts: list[list[int]], lens: list[int],
+    def _build_batch(self, reqs: list[Req], trees: list[DraftTree], lens: list[int],
                      out_loc: torch.Tensor) -> tuple[ForwardBatch, list[int]]:
-        """The verify pass: request i extends its committed KV by [its last token] + drafts[i] at positions
-        kv_committed_len .. (an EXTEND batch; its KV slots out_loc written to req_to_token). -> (the batch, each
-        request's first row in the pass's T rows)."""
+        """The verify pass: request i extends its committed KV by [its last token] + its tree's tokens at positions
+        kv_committed_len + depth (an EXTEND batch; its KV slots out_loc written to req_to_token at
+        kv_committed_len ..; a tree mask when a draft branches). -> (the batch, each request's first row in the
+        pass's T rows)."""
         dev = self.device
         req_to_token = self.runner.req_to_token_pool.req_to_token
         input_ids, positions, prefix_lens, row_start = [], [], [], []
         offset = 0
-        for req, draft, n in zip(reqs, drafts, lens):
+        for req, tree, n in zip(reqs, trees, lens):
             start = req.kv_committed_len  # == len(req.fill_ids) - 1: the last token's KV is not written yet
             row_start.append(offset)
             prefix_lens.append(start)
             req_to_token[req.req_pool_idx, start:start + n] = out_loc[offset:offset + n].to(torch.int32)
             input_ids.append(req.fill_ids[-1])
-            input_ids.extend(draft)
-            positions.extend(range(start, start + n))
+            input_ids.extend(tree.tokens)
+            positions.extend(start + d for d in tree.depths())
             offset += n
         seq_lens = [p + n for p, n in zip(prefix_lens, lens)]
         ext = host_to_device(lens, torch.int32, dev)
@@ -235,12 +275,16 @@ class SpeculativeDecoder:
             extend_prefix_lens=host_to_device(prefix_lens, torch.int32, dev), extend_seq_lens=ext,
             extend_start_loc=torch.cumsum(ext, 0, dtype=torch.int32) - ext,
             extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=lens)
+        if not all(t.is_chain() for t in trees):
+            fb.tree_mask, fb.tree_mask_start = tree_mask_batch(trees, dev)
         return fb, row_start
 
-    def _accept(self, reqs, drafts, row_start, logits, masks):
-        """-> (per request the emitted tokens, per request [(logprob, top)] for them or None when no request asks)."""
+    def _accept(self, reqs, trees, row_start, logits, masks):
+        """-> (per request the emitted tokens, per request the rows (within its block) each was accepted or drawn
+        under: the root, then the accepted nodes, per request [(logprob, top)] for them or None when no request
+        asks)."""
         dev = self.device
-        owner = [i for i, d in enumerate(drafts) for _ in range(len(d) + 1)]  # the request of each of the T rows
+        owner = [i for i, t in enumerate(trees) for _ in range(len(t) + 1)]  # the request of each of the T rows
         info = SamplingBatchInfo.build(reqs, self.vocab_size, dev)
         rows_info = info.filter(owner, host_to_device(owner, torch.int64, dev))
         if any(m is not None for m in masks):
@@ -252,14 +296,22 @@ class SpeculativeDecoder:
             rows_info.token_bitmask = bitmask.to(dev)
         processed = apply_penalties(logits, rows_info)
         emitted: list[list[int]] = [[] for _ in reqs]
-        drafted = [i for i, d in enumerate(drafts) if d]
+        paths: list[list[int]] = [[0] for _ in reqs]
+        drafted = [i for i, t in enumerate(trees) if len(t)]
         if drafted:
             probs = target_probs(processed, rows_info)
-            got = accept(probs, [row_start[i] for i in drafted], [drafts[i] for i in drafted],
-                         [info.is_greedy[i] for i in drafted], [_request_generator(reqs[i]) for i in drafted])
-            for i, tokens in zip(drafted, got):
-                emitted[i] = tokens
-        plain = [i for i, d in enumerate(drafts) if not d]
+            starts, greedy = [row_start[i] for i in drafted], [info.is_greedy[i] for i in drafted]
+            generators = [_request_generator(reqs[i]) for i in drafted]
+            if all(trees[i].is_chain() for i in drafted):
+                for i, tokens in zip(drafted, accept(probs, starts, [trees[i].tokens for i in drafted], greedy,
+                                                     generators)):
+                    emitted[i], paths[i] = tokens, list(range(len(tokens)))
+            else:
+                for i, (path, final) in zip(drafted, walk(probs, starts, [trees[i] for i in drafted], greedy,
+                                                          generators)):
+                    emitted[i] = [trees[i].tokens[node - 1] for node in path[1:]] + [final]
+                    paths[i] = path
+        plain = [i for i, t in enumerate(trees) if not len(t)]
         if plain:
             # a request without a draft samples as a decode step does (a seeded one draws what it would there)
             rows = host_to_device([row_start[i] for i in plain], torch.int64, dev)
@@ -269,8 +321,8 @@ class SpeculativeDecoder:
             for i, tok in zip(plain, self.runner.sampler(processed.index_select(0, rows), plain_info).tolist()):
                 emitted[i] = [tok]
         if info.logprob_top_k is None:
-            return emitted, None
-        lp_rows = [row_start[i] + j for i, e in enumerate(emitted) for j in range(len(e))]
+            return emitted, paths, None
+        lp_rows = [row_start[i] + r for i, path in enumerate(paths) for r in path]
         lp_toks = torch.tensor([t for e in emitted for t in e], dtype=torch.int64, device=dev)
         # the raw distribution's logprobs, as without speculation (apply_penalties leaves `logits` unmasked then)
         chosen, top_v, top_i = token_logprobs(logits.index_select(0, host_to_device(lp_rows, torch.int64, dev)),
@@ -286,7 +338,7 @@ class SpeculativeDecoder:
                 mine.append((chosen[k], list(zip(top_v[k][:n], top_i[k][:n])) if n and top_v is not None else None))
                 k += 1
             out.append(mine)
-        return emitted, out
+        return emitted, paths, out
 
     # ---- commit ----
     def _commit(self, sched, req: Req, tokens: list[int], logprobs: Optional[list]) -> None:
@@ -316,6 +368,21 @@ class SpeculativeDecoder:
         out = self.output.make_output(req)
         if out is not None:
             sched.outputs.append(out)
+
+
+def check_tree_verify(runner, topk: int) -> None:
+    """Tree drafts need a tree mask in the verify pass's attention: refuse at start-up what cannot run them."""
+    backend = runner.attn_backend
+    if not getattr(backend, "supports_tree_mask", False):
+        name = getattr(runner, "attn_backend_name", type(backend).__name__)
+        raise ValueError(f"--speculative-eagle-topk {topk} (tree drafts) needs a tree attention mask in the verify "
+                         f"pass, which the {name} attention backend does not have yet: use --attention-backend "
+                         "triton (or torch), or --speculative-eagle-topk 1 (chain drafts)")
+    windows = [spec.sliding_window for spec in runner.model_config.layers]
+    if any(w is not None and w > 0 for w in windows):
+        raise ValueError(f"--speculative-eagle-topk {topk} (tree drafts) is not supported yet on models with "
+                         "sliding-window layers (a tree row's window would follow its depth, not its row); use "
+                         "--speculative-eagle-topk 1 (chain drafts)")
 
 
 def _request_generator(req: Req) -> Optional[torch.Generator]:

@@ -101,6 +101,12 @@ def test_padded_static_extend_equals_eager(tiny_llama):
     assert not graphs.can_run(_extend_batch(runner, [rows[1]], [7], [list(range(3, 68))]))
     many = [runner.req_to_token_pool.alloc() for _ in range(5)]
     assert not graphs.can_run(_extend_batch(runner, many, [0] * 5, [[4, 5]] * 5))
+    # a speculative tree verify pass (its new tokens attend through a tree mask) runs eagerly
+    tree = _extend_batch(runner, [rows[1]], [7], [[4, 5, 6]])
+    assert graphs.can_run(tree)
+    tree.tree_mask = torch.tensor([1, 0, 0, 1, 1, 0, 1, 0, 1], dtype=torch.bool)
+    tree.tree_mask_start = torch.zeros(1, dtype=torch.int64)
+    assert not graphs.can_run(tree)
 
 
 @pytest.fixture(scope="module")

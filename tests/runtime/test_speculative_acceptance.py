@@ -10,17 +10,9 @@ from braid.runtime.layers.sampler import Sampler, SamplingBatchInfo
 from braid.runtime.sampling_params import SamplingParams
 from braid.runtime.speculative.acceptance import accept, target_probs
 from braid.runtime.speculative.ngram import NgramProposer
+from sampling_checks import CHI2_DF5_P001, chi_square
 
 V = 6
-CHI2_DF5_P001 = 20.515  # the chi-square critical value for 5 degrees of freedom at p = 0.001
-
-
-def chi_square(tokens: list[int], p: torch.Tensor) -> float:
-    counts = torch.bincount(torch.tensor(tokens, dtype=torch.int64), minlength=V).double()
-    expected = p.double() * len(tokens)
-    keep = expected > 0
-    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
-    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
 
 
 def test_rejection_sampling_reproduces_the_target_distribution_at_every_position():

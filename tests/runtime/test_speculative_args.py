@@ -45,6 +45,18 @@ def test_eagle_flags_and_defaults():
     assert sa.replace(port=1).speculative_num_draft_tokens == 3
 
 
+def test_eagle_tree_flags():
+    # SGLang's tree: topk nodes at depth 1, topk * topk candidates at each deeper depth, num_draft_tokens - 1 chosen
+    sa = parse("--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", "/x", "--speculative-eagle-topk",
+               "4", "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8")
+    assert (sa.speculative_eagle_topk, sa.speculative_num_steps, sa.speculative_num_draft_tokens) == (4, 3, 8)
+    sa = ServerArgs(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_eagle_topk=2)
+    assert (sa.speculative_num_steps, sa.speculative_num_draft_tokens) == (3, 7)  # defaults: depth 3, 6 nodes
+    # the largest tree of depth 2 and width 2: 2 + 4 nodes and the request's last token
+    assert ServerArgs(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", speculative_num_steps=2,
+                      speculative_eagle_topk=2, speculative_num_draft_tokens=7).speculative_num_draft_tokens == 7
+
+
 def test_vllm_config_maps_onto_the_flags():
     cfg = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5, "prompt_lookup_min": 3}
     sa = parse("--speculative-config", json.dumps(cfg))
@@ -80,8 +92,8 @@ def test_vllm_config_maps_onto_the_flags():
           speculative_eagle_topk=1, speculative_num_draft_tokens=6), "the draft is a chain"),
     (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", speculative_num_steps=2,
           speculative_eagle_topk=2, speculative_num_draft_tokens=9), "more than a tree of depth"),
-    (dict(speculative_algorithm="EAGLE", speculative_draft_model_path="/x", speculative_eagle_topk=4),
-     "is not supported with EAGLE yet: braid runs EAGLE chain drafts, --speculative-eagle-topk 1"),
+    (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_num_steps=1,
+          speculative_eagle_topk=4, speculative_num_draft_tokens=6), "holds (5, the request's last token"),
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_num_steps=70),
      "--speculative-num-steps must be below 64"),
     (dict(speculative_algorithm="NGRAM", speculative_disable_by_batch_size=0),

@@ -34,10 +34,14 @@ class AttentionBackend(ABC):
             return self.forward_decode(q, k, v, layer, fb, save_kv_cache)
         return self.forward_extend(q, k, v, layer, fb, save_kv_cache)
 
+    # fb.tree_mask (speculative tree verify): extend passes whose new tokens attend to each other through a mask
+    supports_tree_mask = False
+
     @abstractmethod
     def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True) -> torch.Tensor:
         """New tokens (fb.extend_seq_lens per request) attend to their cached prefix
-        (fb.extend_prefix_lens tokens, already in the pool) and causally to each other."""
+        (fb.extend_prefix_lens tokens, already in the pool) and causally to each other (or, given fb.tree_mask and
+        supports_tree_mask, to those their request's mask marks)."""
 
     @abstractmethod
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True) -> torch.Tensor:

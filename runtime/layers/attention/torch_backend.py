@@ -18,6 +18,8 @@ def _scores_to_probs(scores: torch.Tensor, mask: torch.Tensor, logit_cap: float)
 
 
 class TorchAttnBackend(AttentionBackend):
+    supports_tree_mask = True
+
     def __init__(self, model_runner=None):
         self.model_runner = model_runner
 
@@ -61,7 +63,11 @@ class TorchAttnBackend(AttentionBackend):
         out = q.new_empty(T, H * Dv)
         qh = q.view(T, H, D)
         req_to_token = fb.req_to_token_pool.req_to_token
-        start = 0
+        tree = fb.tree_mask is not None
+        if tree and layer.sliding_window > 0:
+            raise ValueError("a tree-masked extend pass cannot run a sliding-window layer (its rows' positions are "
+                             "their depths)")
+        start = tree_start = 0
         for i in range(fb.batch_size):
             n = fb.extend_seq_lens_cpu[i]
             prefix = fb.extend_prefix_lens_cpu[i]
@@ -74,9 +80,14 @@ class TorchAttnBackend(AttentionBackend):
             # without a cached prefix or a window that cuts in, the mask is plain causal and is_causal cheaper.
             # On GPU the math path stays: this backend is the reference the fused kernels are checked against
             fused = q.device.type == "cpu" and layer.logit_cap <= 0
-            causal = fused and prefix == 0 and (layer.sliding_window <= 0 or layer.sliding_window >= n)
+            causal = fused and prefix == 0 and (layer.sliding_window <= 0 or layer.sliding_window >= n) and not tree
             mask = None
-            if not causal:
+            if tree:
+                # the whole prefix, then the request's [n, n] ancestor mask over the new tokens
+                own = fb.tree_mask[tree_start:tree_start + n * n].view(n, n)
+                mask = torch.cat([own.new_ones(n, prefix), own], dim=1)  # [n, total]
+                tree_start += n * n
+            elif not causal:
                 q_pos = torch.arange(prefix, total, device=q.device).unsqueeze(1)
                 k_pos = torch.arange(kv_start, total, device=q.device).unsqueeze(0)
                 mask = k_pos <= q_pos  # [n, total - kv_start]

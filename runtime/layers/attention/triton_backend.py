@@ -67,6 +67,7 @@ class TritonAttnMetadata:
 
 class TritonAttnBackend(AttentionBackend):
     supports_extend_cuda_graph = True
+    supports_tree_mask = True
 
     def __init__(self, model_runner, num_kv_splits: Optional[int] = None):
         self.device = torch.device(getattr(model_runner, "device", "cuda"))
@@ -196,6 +197,7 @@ class TritonAttnBackend(AttentionBackend):
             req_to_token, req_indices, fb.seq_lens,
             fb.extend_seq_lens, md.extend_start_loc, fb.extend_prefix_lens, md.max_len_extend,
             layer.scaling, logit_cap, window, *pool.kv_scales(layer.layer_id), block_table=md.block_table,
+            tree_mask=fb.tree_mask, tree_mask_start=fb.tree_mask_start,
         )
         return o.view(-1, h * dv)
 

@@ -151,19 +151,19 @@ def _decode_stage1_kernel(
         else:
             rows = tl.load(req_row + offs_kv).to(tl.int64)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, qpe, offs_h, offs_kv, rows, offs_kv < split_hi,
+            acc, m_i, l_i, q, qpe, offs_h, offs_kv, rows, offs_kv < split_hi, offs_n,
             K_h, V_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
             sm_scale, logit_cap, sliding_window, 1.0,
-            BLOCK_DPE, False, False, USE_CAP, False, False, DOT_DTYPE, STAGE_V)
+            BLOCK_DPE, False, False, USE_CAP, False, False, DOT_DTYPE, STAGE_V, False)
     if full_hi < split_hi:
         offs_kv = full_hi + offs_n
         mask_n = offs_kv < split_hi
         rows = tl.load(req_row + offs_kv, mask=mask_n, other=0).to(tl.int64)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, qpe, offs_h, offs_kv, rows, mask_n,
+            acc, m_i, l_i, q, qpe, offs_h, offs_kv, rows, mask_n, offs_n,
             K_h, V_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
             sm_scale, logit_cap, sliding_window, 1.0,
-            BLOCK_DPE, True, False, USE_CAP, False, False, DOT_DTYPE, STAGE_V)
+            BLOCK_DPE, True, False, USE_CAP, False, False, DOT_DTYPE, STAGE_V, False)
 
     att_base = Att + cur_batch.to(tl.int64) * stride_ab + offs_h * stride_ah + split * stride_as
     tl.store(att_base[:, None] + offs_dv[None, :], acc * (v_scale / l_i)[:, None],

@@ -6,6 +6,9 @@ of q/k/v_extend. They attend to
     `req_to_token[req_pool_indices[b], :prefix_lens[b]]`, read from k_buffer/v_buffer, and
   * causally to the new tokens themselves, read from k_extend/v_extend.
 
+Tree mask (speculative tree verify): instead of causally, request b's new tokens see each other where its
+[n_b, n_b] bool mask (row-major at tree_mask[tree_mask_start[b]:]) is True; a node's ancestors come before it.
+
 Sliding window W > 0: a query at absolute position p sees the keys at positions (p - W, p], i.e. the
 last W keys including itself (the Gemma-2 / Mistral convention). Soft-capping (logit_cap > 0):
 scores = cap * tanh(scores * sm_scale / cap). Accumulation is fp32; the output takes o_extend's dtype.
@@ -82,16 +85,18 @@ def _online_softmax_step(acc, m_i, l_i, s, v, v_scale, V_SCALED: tl.constexpr, D
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, qpe, q_idx, kv_idx, rows, mask_n,
+    acc, m_i, l_i, q, qpe, q_idx, kv_idx, rows, mask_n, tree_vis,
     K_head, V_head, stride_ks, stride_vs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
     sm_scale, logit_cap, sliding_window, v_scale,
     BLOCK_DPE: tl.constexpr, MASK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr, V_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGE_V: tl.constexpr,
+    TREE: tl.constexpr,
 ):
     """Attend the query tile to BLOCK_N keys stored at `rows` [N] of K_head/V_head (one KV head's base).
 
     q_idx [M] and kv_idx [N] are positions on one axis (for the causal and window masks); mask_n [N]
-    marks real keys and is only applied when MASK_N (tiles known to be full skip every mask).
+    marks real keys and is only applied when MASK_N (tiles known to be full skip every mask); with TREE,
+    tree_vis [M, N] (bool) marks the keys each query sees (a tree-masked extend; a placeholder, unread, without).
     """
     if MASK_N:
         k_mask = mask_n[None, :] & mask_d[:, None]
@@ -110,8 +115,10 @@ def _attend_tile(
         kpe = tl.load(K_head + rows[None, :] * stride_ks + offs_dpe[:, None], mask=kpe_mask, other=0.0)
         qk += _mm(qpe, kpe, DOT_DTYPE)
     s = _scale_scores(qk, sm_scale, logit_cap, USE_CAP)
-    if MASK_N or CAUSAL or USE_WINDOW:
+    if MASK_N or CAUSAL or USE_WINDOW or TREE:
         visible = mask_n[None, :]
+        if TREE:
+            visible = visible & tree_vis
         if CAUSAL:
             visible = visible & (kv_idx[None, :] <= q_idx[:, None])
         if USE_WINDOW:
@@ -125,7 +132,7 @@ def _attend_tile(
 @triton.jit
 def _extend_fwd_kernel(
     Q, K_ext, V_ext, O, K_buf, V_buf, Req_to_token,
-    B_req_idx, B_start_loc, B_ext_len, B_prefix_len, Block_seq, Block_m,
+    B_req_idx, B_start_loc, B_ext_len, B_prefix_len, Block_seq, Block_m, Tree_mask, Tree_start,
     sm_scale, logit_cap, sliding_window, k_scale, v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh, stride_req,
@@ -133,7 +140,7 @@ def _extend_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DPE: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_CAP: tl.constexpr, USE_WINDOW: tl.constexpr, V_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    BLOCK_TABLE: tl.constexpr,
+    BLOCK_TABLE: tl.constexpr, TREE: tl.constexpr,
 ):
     cur_head = tl.program_id(1)
     if BLOCK_TABLE:
@@ -192,44 +199,59 @@ def _extend_fwd_kernel(
         offs_kv = start_n + offs_n
         rows = tl.load(req_row + offs_kv).to(tl.int64)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, qpe, q_pos, offs_kv, rows, offs_kv < prefix_len,
+            acc, m_i, l_i, q, qpe, q_pos, offs_kv, rows, offs_kv < prefix_len, offs_n,
             K_buf_h, V_buf_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
             sm_scale * k_scale, logit_cap, sliding_window, v_scale,
-            BLOCK_DPE, False, False, USE_CAP, USE_WINDOW, V_SCALED, DOT_DTYPE, False)
+            BLOCK_DPE, False, False, USE_CAP, USE_WINDOW, V_SCALED, DOT_DTYPE, False, False)
     # (STAGE_V off: these tiles compile to warpgroup dots on sm90, which read fp8 V without byte loads)
     if full_hi < prefix_len:
         offs_kv = full_hi + offs_n
         mask_n = offs_kv < prefix_len
         rows = tl.load(req_row + offs_kv, mask=mask_n, other=0).to(tl.int64)
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, qpe, q_pos, offs_kv, rows, mask_n,
+            acc, m_i, l_i, q, qpe, q_pos, offs_kv, rows, mask_n, offs_n,
             K_buf_h, V_buf_h, stride_kbs, stride_vbs, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
             sm_scale * k_scale, logit_cap, sliding_window, v_scale,
-            BLOCK_DPE, True, False, USE_CAP, USE_WINDOW, V_SCALED, DOT_DTYPE, False)
+            BLOCK_DPE, True, False, USE_CAP, USE_WINDOW, V_SCALED, DOT_DTYPE, False, False)
 
-    # ---- the new tokens, causally (indices within the extend run) ----
+    # ---- the new tokens, causally (indices within the extend run), or through the request's tree mask ----
     K_ext_h = K_ext + cur_kv_head * stride_kh
     V_ext_h = V_ext + cur_kv_head * stride_vh
     hi = tl.minimum(ext_len, block_start + BLOCK_M)
     diag_lo = block_start
+    left_hi = block_start  # the causal loops below run over [0, left_hi) unmasked and [diag_lo, hi) masked
+    if TREE:
+        # [ext_len, ext_len] row-major from the request's offset; ancestors come before a node, so keys < hi
+        tree_row = Tree_mask + tl.load(Tree_start + cur_seq) + offs_m.to(tl.int64)[:, None] * ext_len
+        for start_n in range(0, hi, BLOCK_N):
+            offs_kv = start_n + offs_n
+            in_tile = offs_kv < hi
+            tree_vis = tl.load(tree_row + offs_kv[None, :], mask=mask_m[:, None] & in_tile[None, :], other=0) != 0
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, qpe, offs_m, offs_kv, (ext_start + offs_kv).to(tl.int64), in_tile, tree_vis,
+                K_ext_h, V_ext_h, stride_kt, stride_vt, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
+                sm_scale, logit_cap, sliding_window, 1.0,
+                BLOCK_DPE, True, False, USE_CAP, False, False, DOT_DTYPE, False, True)
+        diag_lo = hi
+        left_hi = 0
     if USE_WINDOW:
         diag_lo = tl.maximum(0, block_start - sliding_window + 1)
     else:
         # tiles left of this query block: every key is visible to every row (BLOCK_M % BLOCK_N == 0)
-        for start_n in range(0, block_start, BLOCK_N):
+        for start_n in range(0, left_hi, BLOCK_N):
             offs_kv = start_n + offs_n
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, qpe, offs_m, offs_kv, (ext_start + offs_kv).to(tl.int64), offs_kv < hi,
+                acc, m_i, l_i, q, qpe, offs_m, offs_kv, (ext_start + offs_kv).to(tl.int64), offs_kv < hi, offs_n,
                 K_ext_h, V_ext_h, stride_kt, stride_vt, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
                 sm_scale, logit_cap, sliding_window, 1.0,
-                BLOCK_DPE, False, False, USE_CAP, USE_WINDOW, False, DOT_DTYPE, False)
+                BLOCK_DPE, False, False, USE_CAP, USE_WINDOW, False, DOT_DTYPE, False, False)
     for start_n in range(diag_lo, hi, BLOCK_N):
         offs_kv = start_n + offs_n
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, qpe, offs_m, offs_kv, (ext_start + offs_kv).to(tl.int64), offs_kv < hi,
+            acc, m_i, l_i, q, qpe, offs_m, offs_kv, (ext_start + offs_kv).to(tl.int64), offs_kv < hi, offs_n,
             K_ext_h, V_ext_h, stride_kt, stride_vt, offs_d, mask_d, offs_dpe, mask_dpe, offs_dv, mask_dv,
             sm_scale, logit_cap, sliding_window, 1.0,
-            BLOCK_DPE, True, True, USE_CAP, USE_WINDOW, False, DOT_DTYPE, False)
+            BLOCK_DPE, True, True, USE_CAP, USE_WINDOW, False, DOT_DTYPE, False, False)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_i[:, None]
@@ -343,6 +365,8 @@ def extend_attention_fwd(
     k_scale: float = 1.0,  # dequantisation scales of values read from k_buffer / v_buffer (fp8 caches)
     v_scale: float = 1.0,
     block_table: Optional[tuple[torch.Tensor, torch.Tensor]] = None,  # extend_block_table(...): fixed grid
+    tree_mask: Optional[torch.Tensor] = None,  # [sum n_b^2] bool: request b's [n_b, n_b] mask over its new tokens
+    tree_mask_start: Optional[torch.Tensor] = None,  # [B] int64: where request b's mask starts in tree_mask
 ) -> None:
     t, h, d = q_extend.shape
     h_kv = k_extend.shape[1]
@@ -358,6 +382,9 @@ def extend_attention_fwd(
     check_last_dim_contiguous(q_extend=q_extend, k_extend=k_extend, v_extend=v_extend, o_extend=o_extend,
                               k_buffer=k_buffer, v_buffer=v_buffer, req_to_token=req_to_token)
     batch = req_pool_indices.shape[0]
+    tree = tree_mask is not None
+    if tree and (tree_mask_start is None or sliding_window > 0):
+        raise ValueError("a tree mask needs tree_mask_start, and no sliding window (tree rows' positions are depths)")
     block_d, block_dpe = split_head_dim(d)
     configs = _extend_launch_configs(d, dv, q_extend.device, q_extend.element_size())
     if block_table is not None:
@@ -370,11 +397,13 @@ def extend_attention_fwd(
             return
         block_seq = block_m = extend_seq_lens  # unread placeholders
         grid = lambda cfg: (batch, h, triton.cdiv(max_len_extend, cfg["BLOCK_M"]))  # noqa: E731
-    key = ("extend", q_extend.device, q_extend.dtype, k_extend.dtype, k_buffer.dtype, d, dv, block_table is not None)
+    key = ("extend", q_extend.device, q_extend.dtype, k_extend.dtype, k_buffer.dtype, d, dv, block_table is not None,
+           tree)
     launch_first_fitting(
         _extend_fwd_kernel, grid, configs, key,
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, req_to_token,
         req_pool_indices, extend_start_loc, extend_seq_lens, prefix_lens, block_seq, block_m,
+        tree_mask if tree else extend_seq_lens, tree_mask_start if tree else extend_seq_lens,  # placeholders: unread
         float(sm_scale), float(logit_cap), int(sliding_window), float(k_scale), float(v_scale),
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
@@ -382,7 +411,7 @@ def extend_attention_fwd(
         KV_GROUP=h // h_kv, D=d, DV=dv,
         BLOCK_D=block_d, BLOCK_DPE=block_dpe, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         USE_CAP=logit_cap > 0, USE_WINDOW=sliding_window > 0, V_SCALED=v_scale != 1.0,
-        DOT_DTYPE=dot_dtype(q_extend), BLOCK_TABLE=block_table is not None,
+        DOT_DTYPE=dot_dtype(q_extend), BLOCK_TABLE=block_table is not None, TREE=tree,
     )
 
 
