@@ -137,13 +137,14 @@ class Scheduler:
                                       self.prefix_cache, self.device)
         self.decode = DecodeRunner(server_args, self.runner, self.prefix_cache, self.device, self.timing,
                                    self.finish_table, self.output)
-        # --speculative-algorithm: decode steps verify drafts, synchronously (runtime/speculative/verify.py)
+        # --speculative-algorithm: decode steps verify drafts, synchronously (runtime/speculative/verify.py); only
+        # the steps --speculative-disable-by-batch-size leaves to plain decode may overlap (`_spec_sits_out`)
         self.spec = None
         if server_args.speculative_algorithm is not None:
             from braid.runtime.speculative.verify import SpeculativeDecoder
 
             self.spec = SpeculativeDecoder(server_args, self.runner, self.prefix_cache, self.output, self.context_len)
-            self.decode.overlap = False
+        self.spec_max_batch = server_args.speculative_disable_by_batch_size
         self.intake = RequestIntake(server_args, self.tokenizer, self.vocab_size, self.context_len, self.kv_pool.size,
                                     share_prefill=not self.prefix_cache.disabled)
         # --enable-lora: adapter admission, loading and unloading (lora_admission.py)
@@ -418,7 +419,7 @@ class Scheduler:
         if self.spec is not None and self.spec.step(self, reqs):
             return
         self.stats["num_tokens_through_model_total"] += len(reqs)
-        if self.decode.overlap and self.decode.can_overlap(reqs, 0):
+        if self.decode.overlap and self._spec_sits_out(len(reqs)) and self.decode.can_overlap(reqs, 0):
             self.in_flight = self.decode.launch(reqs, None)
             return
         info = SamplingBatchInfo.build(reqs, self.vocab_size, self.device)
@@ -426,9 +427,19 @@ class Scheduler:
         output, slots = self.decode.forward(reqs, None, info)
         self._commit(reqs, output, slots=slots)
 
+    def _spec_sits_out(self, num_reqs: int) -> bool:
+        """True when a decode step of num_reqs requests runs without drafts whatever they are (no speculation, or
+        more requests than --speculative-disable-by-batch-size), so it may overlap the host's work; a step that may
+        verify drafts runs synchronously, as the drafts come from the tokens of the step before."""
+        return self.spec is None or (self.spec_max_batch is not None and num_reqs > self.spec_max_batch)
+
     def _chain_decode(self) -> bool:
         """Launch the next decode step behind the one in flight, then commit the one in flight. False: not possible."""
         prev = self.in_flight
+        if not self._spec_sits_out(len(prev.reqs)):
+            return False  # the next step speculates: it needs this one's tokens committed
+        if self.spec is not None:
+            self.spec.num_steps_too_large += 1
         admissible = (self.waiting and len(prev.reqs) < self.max_running_requests
                       and self.req_to_token_pool.available_size() > 0)
         if (self.resume_queue or admissible) and self._admission_due():

@@ -113,6 +113,31 @@ def test_steps_past_the_batch_size_limit_decode_without_drafts(runs):
     assert stats["kv_used_tokens"] == 0
 
 
+def test_steps_past_the_batch_size_limit_overlap_and_the_rest_do_not(runs):
+    """With the overlap schedule on (the CUDA default; on CPU the same bookkeeping runs synchronously), the steps
+    past --speculative-disable-by-batch-size chain as plain decode does, and a batch under the limit still
+    speculates; greedy tokens as without speculation. (Logprobs, penalties and min_new_tokens keep a step from
+    overlapping, so those cases stay out.)"""
+    plain, _, _ = runs
+    picked = [i for i, (_, s) in enumerate(CASES) if not ({"frequency_penalty", "min_new_tokens"} & s.keys())]
+
+    def overlapped(**server_args) -> tuple[list[dict], dict]:
+        with Engine("smollm2", max_total_tokens=4096, speculative_algorithm="NGRAM", **server_args) as engine:
+            engine.scheduler.decode.overlap = True
+            out = engine.generate([CASES[i][0] for i in picked], [{"temperature": 0, **CASES[i][1]} for i in picked])
+            out.append(engine.generate(CASES[0][0], {"temperature": 0, **CASES[0][1]}))
+            return out, engine.get_stats()
+
+    limited, stats = overlapped(speculative_disable_by_batch_size=2)
+    assert [r["output_ids"] for r in limited] == [plain[i]["output_ids"] for i in picked] + [plain[0]["output_ids"]]
+    assert stats["num_decode_overlapped"] > 0
+    assert limited[-1]["meta_info"]["spec_accept_length"] > 1.5  # alone: under the limit, it speculates
+    assert stats["kv_used_tokens"] == 0
+    # without the limit no step overlaps: every one may carry drafts
+    _, unlimited = overlapped()
+    assert unlimited["num_decode_overlapped"] == 0 and unlimited["spec_num_verify_forward"] > 0
+
+
 # eight short copying prompts of 48 new tokens each: more KV than a 400-token pool holds once they all decode
 RETRACT = [f"Count on: {i}, {i + 1}, {i + 2}, {i + 3}, {i + 1}, {i + 2}," for i in range(0, 80, 10)]
 
