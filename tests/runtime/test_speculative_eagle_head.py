@@ -1,6 +1,7 @@
 """EAGLE and EAGLE-3 draft heads loaded from checkpoints written in their published layouts (tiny random configs):
 the head's logits and hidden output equal a reference built from HF transformers' Llama modules with the same
-weights; the loader refuses a checkpoint that does not fit the target, naming what."""
+weights; the loader refuses a checkpoint that does not fit the target, naming what; the proposer's chains and trees
+(each frontier row under the tree mask) are the dense head's over each path."""
 
 import pytest
 import torch
@@ -191,18 +192,15 @@ def test_cached_extend_matches_the_dense_reference(tmp_path, target, kind):
     assert int(tok) == int(ref_logits.argmax())
 
 
-def test_proposer_drafts_are_the_dense_heads_chain(tmp_path, target):
-    """EagleProposer's bookkeeping (features recorded per pass, the catch-up rows, the chain, the rollback after a
-    partial acceptance) gives the drafts of the dense reference: each draft token the argmax of the head run over the
-    whole sequence, the target's features before the drafts and the head's own outputs inside them."""
+def make_proposer(tmp_path, target, seed: int):
+    """An EagleProposer over a random 2-layer EAGLE head, with a stub runner holding the target's embedding and LM
+    head (depth 3) -> (proposer, generator)."""
     from types import SimpleNamespace
 
-    from braid.runtime.core import Req
-    from braid.runtime.sampling_params import SamplingParams
     from braid.runtime.speculative.eagle import EagleProposer
 
     embed, lm_head = target
-    gen = torch.Generator().manual_seed(6)
+    gen = torch.Generator().manual_seed(seed)
     path = write_checkpoint(tmp_path / "h", {**CONFIG, "num_hidden_layers": 2}, eagle_tensors(gen))
     model = nn.Module()
     model.model = nn.Module()
@@ -210,7 +208,26 @@ def test_proposer_drafts_are_the_dense_heads_chain(tmp_path, target):
     runner = SimpleNamespace(model=model, model_config=SimpleNamespace(hidden_size=H, num_layers=2), vocab_size=V,
                              device=torch.device("cpu"), dtype=torch.float32)
     args = SimpleNamespace(speculative_algorithm="EAGLE", speculative_draft_model_path=path, speculative_num_steps=3)
-    proposer = EagleProposer(args, runner, context_len=64)
+    return EagleProposer(args, runner, context_len=64), gen
+
+
+def prefilled_request(gen, feats: torch.Tensor, proposer):
+    """A request after prefill: KV of positions 0..5, the first sampled token 5, the prefill's features recorded."""
+    from braid.runtime.core import Req
+    from braid.runtime.sampling_params import SamplingParams
+
+    req = Req(rid="r", input_ids=torch.randint(0, V, (6,), generator=gen).tolist(), sampling_params=SamplingParams())
+    req.fill_ids = req.input_ids + [5]
+    req.kv_committed_len = 6
+    proposer.record(req, 0, feats[:6])
+    return req
+
+
+def test_proposer_drafts_are_the_dense_heads_chain(tmp_path, target):
+    """EagleProposer's bookkeeping (features recorded per pass, the catch-up rows, the chain, the rollback after a
+    partial acceptance) gives the drafts of the dense reference: each draft token the argmax of the head run over the
+    whole sequence, the target's features before the drafts and the head's own outputs inside them."""
+    proposer, gen = make_proposer(tmp_path, target, 6)
     head = proposer.head
 
     def reference(tokens: list[int], feats: torch.Tensor, k: int) -> list[int]:
@@ -225,11 +242,8 @@ def test_proposer_drafts_are_the_dense_heads_chain(tmp_path, target):
                 hidden = torch.cat([hidden, h[-1:]])
         return out
 
-    req = Req(rid="r", input_ids=torch.randint(0, V, (6,), generator=gen).tolist(), sampling_params=SamplingParams())
     feats = torch.randn(12, H, generator=gen)  # the target's features by position
-    req.fill_ids = req.input_ids + [5]  # prefill: KV of positions 0..5, the first sampled token 5
-    req.kv_committed_len = 6
-    proposer.record(req, 0, feats[:6])
+    req = prefilled_request(gen, feats, proposer)
     draft = proposer.propose([req], [3])[0]
     assert draft == reference(req.fill_ids, feats[:6], 3)
     # the verify pass over [5] + draft recorded 4 features; the first draft token was accepted, then 7
@@ -242,3 +256,57 @@ def test_proposer_drafts_are_the_dense_heads_chain(tmp_path, target):
     assert proposer.propose([req], [2])[0] == reference(req.fill_ids, feats[:8], 2)
     proposer.release(req)
     assert req.spec_state is None
+
+
+@pytest.mark.parametrize("k, num", [(2, 5), (3, 9)])
+def test_proposer_trees_are_the_dense_heads_tree(tmp_path, target, k, num):
+    """Tree drafts: each frontier row, run beside its cousins under the tree mask, sees the committed rows and its
+    own ancestors only: the tree equals one built from the dense head run over each node's path alone (SGLang's
+    rule: the k best path products a depth expanded, the num best of all candidates), and the rows roll back."""
+    proposer, gen = make_proposer(tmp_path, target, 8)
+    head = proposer.head
+    feats = torch.randn(12, H, generator=gen)
+    req = prefilled_request(gen, feats, proposer)
+    tokens, committed = req.fill_ids, feats[:6]
+
+    outputs = {}  # a node's path -> the dense head's output at its row
+
+    def children(path: list[int], hidden: torch.Tensor, score: float):
+        # the head over the committed rows, then the path's rows fed the head's output at the row before
+        ids = tokens[1:] + path
+        with torch.no_grad():
+            _, h = head(torch.tensor(ids), hidden, torch.arange(len(ids)))
+            probs, top = head.top_tokens(h[-1:], k)
+        outputs[tuple(path)] = h[-1]
+        nxt = torch.cat([hidden, h[-1:]])
+        return [(path + [t], nxt, score * p) for p, t in zip(probs[0].tolist(), top[0].tolist())]
+
+    candidates = frontier = children([], committed, 1.0)
+    frontiers = []
+    for _ in range(2):
+        frontiers.append([tuple(path) for path, _, _ in frontier])
+        depth = [c for path, hidden, score in frontier for c in children(path, hidden, score)]
+        candidates = candidates + depth
+        frontier = sorted(depth, key=lambda c: -c[2])[:k]
+    want = sorted(tuple(path) for path, _, _ in sorted(candidates, key=lambda c: -c[2])[:num])
+
+    calls = []  # the head's outputs of each pass: the catch-up, then one a depth (frontier rows, likeliest first)
+    extend = head.extend
+
+    def recorded(*args, **kwargs):
+        calls.append(extend(*args, **kwargs))
+        return calls[-1]
+
+    head.extend = recorded
+    tree = proposer.propose_trees([req], [3], k, num)[0]
+    paths = [[]]
+    for tok, parent in zip(tree.tokens, tree.parents):
+        paths.append(paths[parent] + [tok])
+    assert sorted(tuple(p) for p in paths[1:]) == want
+    # every frontier row's output is the dense head's over its own path (the tree mask hides its cousins)
+    assert len(calls) == 3
+    for out, nodes in zip(calls[1:], frontiers):
+        assert torch.allclose(out, torch.stack([outputs[n] for n in nodes]), atol=1e-5)
+    assert req.spec_state.cache.length == 6  # the tree's rows rolled back
+    # a request with room for one token drafts depth 1 only
+    assert set(proposer.propose_trees([req], [1], k, num)[0].parents) == {0}

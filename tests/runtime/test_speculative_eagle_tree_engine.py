@@ -8,6 +8,8 @@ checkpoints of test_speculative_eagle_engine.py, tests/helpers/eagle_engine_case
   (not a law: a tree's best N - 1 nodes need not hold the chain's deep nodes, but what a head that predicts well gives),
   the accepted path often runs through a node that is not its parent's first child (its KV slots moved in
   req_to_token), and the output is still the plain one, also with chunked prefill and mixed-in decode rows.
+- Every position's KV after the accepted paths' slots moved is the KV the plain run wrote there.
+- Logprobs of the emitted tokens are the plain ones (read at the rows of the nodes they came from).
 - Sampled and seeded requests with trees, beside aborted streams: seeded ones repeat, the KV pool ends free.
 - What cannot run tree drafts is refused at start-up: an attention backend without a tree mask (FlashInfer), a
   model with sliding-window layers.
@@ -16,11 +18,14 @@ checkpoints of test_speculative_eagle_engine.py, tests/helpers/eagle_engine_case
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from braid.runtime import Engine
 from braid.runtime.speculative import verify
 from braid.runtime.speculative.verify import check_tree_verify
-from eagle_engine_cases import (STOP_CASE, assert_pool_free, assert_same, check_sampled_load_and_aborted_streams,
-                                run, run_succ)
+from byte_tokenizer import byte_tokenizer
+from eagle_engine_cases import (STOP_CASE, SUCC_PROMPTS, assert_pool_free, assert_same,
+                                check_sampled_load_and_aborted_streams, run, run_succ)
 
 TREES = [(2, 6), (4, 8)]  # (--speculative-eagle-topk, --speculative-num-draft-tokens) at --speculative-num-steps 3
 
@@ -76,6 +81,50 @@ def test_trees_accept_at_least_what_the_chain_does_and_keep_the_plain_output(eag
     assert 2.0 < chain["spec_accept_length_mean"] < lengths[4] <= 4.0, (chain, lengths)
     # some accepted paths went through a later sibling (their KV slots moved), some deeper than one token
     assert moved_paths and any(len(path) > 2 for path in moved_paths)
+
+
+def test_tree_logprobs_are_the_plain_logprobs(eagle_ckpt, moved_paths):
+    """Each emitted token's logprobs come from the row of the node it was accepted or drawn under."""
+    prompts, params = SUCC_PROMPTS[:5], {"temperature": 0, "max_new_tokens": 24}
+    outs = []
+    for flags in ({}, tree_flags("EAGLE", 4, 8, eagle_ckpt["succ_head"])):
+        with Engine(model_path=eagle_ckpt["succ"], log_level="warning", max_total_tokens=1024, **flags) as engine:
+            outs.append(engine.generate(prompts, params, return_logprob=True, top_logprobs_num=3))
+    assert moved_paths
+    for a, b in zip(*outs):
+        la, lb = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+        assert len(la) == len(lb) == len(a["output_ids"]) > 0
+        for ea, eb in zip(la, lb):  # (logprob, token id)
+            assert ea[1] == eb[1] and eb[0] == pytest.approx(ea[0], abs=2e-3)
+        for ta, tb in zip(a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]):
+            assert [t[1] for t in ta] == [t[1] for t in tb]
+
+
+def cached_kv(engine, ids: list[int]) -> torch.Tensor:
+    """The K and V every layer holds for the longest cached prefix of `ids` (the radix cache keeps a finished
+    request's KV): [2, layers, n, Hkv, D]."""
+    slots, _ = engine.scheduler.prefix_cache.match_prefix(ids)
+    pool = engine.scheduler.kv_pool
+    layers = range(engine.scheduler.runner.model_config.num_layers)
+    return torch.stack([torch.stack([pool.get_key_buffer(i)[slots] for i in layers]),
+                        torch.stack([pool.get_value_buffer(i)[slots] for i in layers])])
+
+
+def test_the_kv_of_accepted_paths_is_the_plain_kv(eagle_ckpt, moved_paths):
+    """After trees whose accepted paths ran through later siblings (their slots moved in req_to_token), every
+    position's KV, in every layer, is what the run without speculation wrote there."""
+    tok = byte_tokenizer()
+    ids = [tok(p)["input_ids"] for p in SUCC_PROMPTS[:5]]
+    params = {"temperature": 0, "max_new_tokens": 30, "ignore_eos": True}
+    kv = []
+    for flags in ({}, tree_flags("EAGLE", 4, 8, eagle_ckpt["succ_head"])):
+        with Engine(model_path=eagle_ckpt["succ"], log_level="warning", max_total_tokens=1024, **flags) as engine:
+            outs = engine.generate(input_ids=ids, sampling_params=params)
+            kv.append([cached_kv(engine, i + o["output_ids"]) for i, o in zip(ids, outs)])
+    assert moved_paths
+    for plain, spec in zip(*kv):
+        assert plain.shape == spec.shape and plain.shape[2] >= 30
+        torch.testing.assert_close(spec, plain, atol=1e-4, rtol=1e-4)
 
 
 def test_sampled_trees_and_aborted_streams_leave_the_kv_pool_free(eagle_ckpt):
