@@ -32,6 +32,9 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     if torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            raise pytest.UsageError("TRITON_INTERPRET=1 on a machine with CUDA: a test module set it at import, and "
+                                    "every Triton kernel decorated after that runs under the interpreter")
         return
     skip = pytest.mark.skip(reason="gpu: needs a CUDA device (benchmarks/gpu/test_tier.sh)")
     for item in items:
