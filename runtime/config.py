@@ -230,7 +230,8 @@ class ServerArgs:
         "or trees with --speculative-eagle-topk > 1, with a draft head (--speculative-draft-model-path) fed with the "
         "target's hidden states; greedy output is the target's argmax at every position (token "
         "for token the plain output in fp32; bf16 may differ at near-ties), sampled output distributed the same "
-        "(rejection sampling). Speculative steps run synchronously (no overlap schedule)",
+        "(rejection sampling). Speculative steps run synchronously (no overlap schedule; the steps "
+        "--speculative-disable-by-batch-size leaves to plain decode overlap)",
         ["NGRAM", "EAGLE", "EAGLE3"])
     speculative_draft_model_path: Optional[str] = _opt(None, "EAGLE / EAGLE3: the draft head's folder (config.json "
                                                              "and safetensors)")
