@@ -12,18 +12,23 @@ target features. Per step, for each request:
 2. chain: draft token s - 1 at row Q + s - 2 with the head's own output at the row before as its feature gives draft
    token s (greedy, argmax), for `--speculative-num-steps` tokens (a tree, `propose_trees`: each depth one head
    pass over the frontier's k rows a request, under a tree mask);
-3. the rows of step 2 are dropped again (the head's KV rolls back to rows < Q): after verification the accepted
-   tokens' rows are recomputed in the next catch-up from the target's features, as the head was trained.
+3. the rows of step 2 never enter the head's KV (they live in the batch's working copy, head_batch.py): after
+   verification the accepted tokens' rows are computed in the next catch-up from the target's features, as the
+   head was trained.
+
+Steps 1 and 2 run all requests at once: one head pass for the whole batch at a time (a `HeadBatch`, one attention
+call a layer), and the draft tokens stay on the device until the drafts are complete (one copy to the host a propose
+call, which verification needs anyway).
 
 A greedy draft is deterministic: its draft distribution is a point mass on each drafted token, which is what
 acceptance.py's rule takes (accept with probability p(d), resample from p without d), so sampled output keeps the
 target's distribution; a tree's top-k children are deterministic too (draft_tree.walk's multi-candidate rule).
 
-The head's KV is kept per request (`eagle_head.HeadKVCache` on `Req.spec_state`, tensors grown as tokens are
-accepted, truncated on rejection), not in the paged pool: it is not counted in the KV pool's budget, and it is not
-shared through the radix cache, so a request whose prompt prefix came from the cache starts the head's context at
-the first position it computed itself (its drafts see less context; verification keeps the output exact). The
-state goes with the request when it finishes or is aborted (`release`).
+The head's KV is kept per request (`head_kv.HeadKVCache` on `Req.spec_state`, rows in the head's own paged pool,
+pages taken as tokens are accepted and given back on rejection), not in the target's KV pool: it is not counted in
+that pool's budget, and it is not shared through the radix cache, so a request whose prompt prefix came from the
+cache starts the head's context at the first position it computed itself (its drafts see less context;
+verification keeps the output exact). The state goes with the request when it finishes or is aborted (`release`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from braid.runtime.core import Req
 from braid.runtime.layers.logits import compute_logits
 from braid.runtime.loader.hf import hf_config
 from braid.runtime.speculative.draft_tree import DraftTree, TreeExpansion
-from braid.runtime.speculative.eagle_head import HeadKVCache, load_eagle_head
+from braid.runtime.speculative.eagle_head import load_eagle_head
+from braid.runtime.speculative.head_batch import HeadBatch
+from braid.runtime.speculative.head_kv import HeadKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +131,7 @@ class EagleProposer:
             return
         st = req.spec_state
         if st is None:
-            st = req.spec_state = EagleState(self.head.new_cache(self.device, start))
+            st = req.spec_state = EagleState(self.head.new_cache(start))
         cache = st.cache
         if start <= cache.start:
             cache.reset(start)
@@ -141,6 +148,8 @@ class EagleProposer:
 
     @staticmethod
     def release(req: Req) -> None:
+        if req.spec_state is not None:
+            req.spec_state.cache.close()
         req.spec_state = None
 
     # ---- drafts ----
@@ -155,13 +164,14 @@ class EagleProposer:
         cache = st.cache
         cache.truncate(Q - cache.start)  # rows at positions >= Q were built on rolled-back tokens
         # a row whose token no longer is the request's (jump-forward rewrote it) and every row after it
-        fill = req.fill_ids
-        kept = 0
-        for tok, actual in zip(cache.tokens, fill[cache.start + 1:cache.start + 1 + cache.length]):
-            if tok != actual:
-                break
-            kept += 1
-        cache.truncate(kept)
+        actual = req.fill_ids[cache.start + 1:cache.start + 1 + cache.length]
+        if cache.tokens != actual:  # compared at C speed; walked only when they differ
+            kept = 0
+            for tok, want in zip(cache.tokens, actual):
+                if tok != want:
+                    break
+                kept += 1
+            cache.truncate(kept)
         if st.feats is None or st.feat_start >= Q or st.feat_end < Q:
             return None
         end = cache.start + cache.length
@@ -175,9 +185,11 @@ class EagleProposer:
             end = Q - 1
         return end, Q
 
-    def _catch_up(self, reqs: list[Req], rooms: list[int]) -> tuple[list[tuple[int, int, int, int]], torch.Tensor]:
-        """Step 1 for every request that can draft: -> (plan, hidden): plan entries (request index, lo, Q, depth:
-        min(room, num_steps)), hidden [len(plan), hidden] the head's output at each one's row Q - 1 (whose
+    def _catch_up(self, reqs: list[Req], rooms: list[int], width: int
+                  ) -> tuple[list[tuple[int, int, int, int]], Optional[HeadBatch], Optional[torch.Tensor]]:
+        """Step 1 for every request that can draft: -> (plan, batch, hidden): plan entries (request index, lo, Q,
+        depth: min(room, num_steps)), longest head context first; the head's batch, ready for its draft depths of
+        `width` rows a request; hidden [len(plan), hidden] the head's output at each one's row Q - 1 (whose
         distribution gives depth 1). Each request keeps the feature of row Q - 1 (a step with no new row runs it
         again)."""
         plan = []
@@ -189,61 +201,47 @@ class EagleProposer:
             if rows is not None:
                 plan.append((i, rows[0], rows[1], k))
         if not plan:
-            return plan, None
-        dev = self.device
-        ids, positions, feats, caches, counts = [], [], [], [], []
+            return plan, None, None
+        # the batch's attention groups are runs of this order (head_batch.py): longest context first
+        plan.sort(key=lambda e: reqs[e[0]].spec_state.cache.start - e[2])
+        ids, feats, caches, counts = [], [], [], []
         for i, lo, Q, _ in plan:
             req = reqs[i]
             st = req.spec_state
             ids.extend(req.fill_ids[lo + 1:Q + 1])
-            positions.extend(range(lo, Q))
             feats.append(st.feats[lo - st.feat_start:Q - st.feat_start])
             caches.append(st.cache)
             counts.append(Q - lo)
-        hidden = self.head.extend(torch.tensor(ids, dtype=torch.int64, device=dev),
-                                  torch.cat(feats, dim=0), torch.tensor(positions, dtype=torch.int64, device=dev),
-                                  caches, counts, from_target=True)
-        last = torch.tensor(counts, dtype=torch.int64, device=dev).cumsum(0) - 1
-        for i, lo, Q, _ in plan:
+        batch = self.head.batch(caches, counts, ids, max(d for *_, d in plan) - 1, width)
+        feats = torch.cat(feats, dim=0) if len(feats) > 1 else feats[0]  # [T, F]
+        hidden = self.head.extend(batch, feats)  # [T, hidden]
+        kept = feats.index_select(0, batch.last)  # [P, F] the features of rows Q - 1
+        for j, (i, lo, Q, _) in enumerate(plan):
             st = reqs[i].spec_state
-            st.feats, st.feat_start = st.feats[Q - 1 - st.feat_start:].clone(), Q - 1
-        return plan, hidden.index_select(0, last)
-
-    @staticmethod
-    def _roll_back(reqs: list[Req], plan) -> None:
-        for i, lo, Q, _ in plan:
-            cache = reqs[i].spec_state.cache
-            cache.truncate(Q - cache.start)  # the draft's rows were built on the head's own guesses
+            st.feats = kept[j:j + 1] if st.feat_end == Q else st.feats[Q - 1 - st.feat_start:].clone()
+            st.feat_start = Q - 1
+        return plan, batch, hidden.index_select(0, batch.last)
 
     @torch.inference_mode()
     def propose(self, reqs: list[Req], rooms: list[int]) -> list[list[int]]:
         """Chain drafts: up to min(rooms[i], --speculative-num-steps) tokens for request i ([] where rooms[i] < 1 or
-        the head cannot draft for it this step)."""
+        the head cannot draft for it this step). The tokens stay on the device until the chains are complete (one
+        copy to the host)."""
         drafts: list[list[int]] = [[] for _ in reqs]
-        plan, hidden = self._catch_up(reqs, rooms)
+        plan, batch, hidden = self._catch_up(reqs, rooms, width=1)
         if not plan:
             return drafts
-        dev = self.device
-        tokens = self.head.greedy_tokens(hidden)  # [P]: each request's output at row Q - 1
-        for (i, *_), tok in zip(plan, tokens.tolist()):
-            drafts[i].append(tok)
-        active = list(range(len(plan)))  # indices into plan still drafting
-        for s in range(2, max(k for *_, k in plan) + 1):
-            keep = [j for j in active if plan[j][3] >= s]
-            if not keep:
-                break
-            if len(keep) != len(active):
-                sel = torch.tensor([active.index(j) for j in keep], dtype=torch.int64, device=dev)
-                hidden, tokens = hidden.index_select(0, sel), tokens.index_select(0, sel)
-                active = keep
-            # draft token s - 1 sits at position Q + s - 2
-            pos = torch.tensor([plan[j][2] + s - 2 for j in active], dtype=torch.int64, device=dev)
-            hidden = self.head.extend(tokens, hidden, pos, [reqs[plan[j][0]].spec_state.cache for j in active],
-                                      [1] * len(active), from_target=False)
+        tokens = self.head.greedy_tokens(hidden)  # [P] draft token 1: each request's output at row Q - 1
+        steps = [tokens]
+        for depth in range(1, batch.draft_steps + 1):
+            # draft token d sits at position Q + d - 1, fed the head's output at the row before; requests whose
+            # chains are shorter run along (their extra tokens are dropped below)
+            hidden = self.head.draft(batch, tokens, hidden, depth)
             tokens = self.head.greedy_tokens(hidden)
-            for j, tok in zip(active, tokens.tolist()):
-                drafts[plan[j][0]].append(tok)
-        self._roll_back(reqs, plan)
+            steps.append(tokens)
+        chains = torch.stack(steps, dim=1).tolist()  # [P, max depth]
+        for (i, _, _, depth), chain in zip(plan, chains):
+            drafts[i] = chain[:depth]
         return drafts
 
     @torch.inference_mode()
@@ -253,34 +251,21 @@ class EagleProposer:
 
         Depth s + 1 comes from one head pass over the depth-s frontier (k rows a request, at position Q + s - 1,
         each fed its token and the head's output at its parent's row): each row attends to the request's committed
-        rows and to the frontier rows of its ancestors (their rows stay in the cache until the tree is built), and
-        its output's top-k gives its children."""
+        rows and to the frontier rows of its ancestors, and its output's top-k gives its children. The tree stays
+        on the device until `select`."""
         trees = [DraftTree([], []) for _ in reqs]
-        plan, hidden = self._catch_up(reqs, rooms)
+        plan, batch, hidden = self._catch_up(reqs, rooms, width=topk)
         if not plan:
             return trees
-        dev = self.device
         P, k = len(plan), topk
         tree = TreeExpansion(*self.head.top_tokens(hidden, k))  # depth 1: the root's top-k
         hidden = hidden.repeat_interleave(k, dim=0)  # [P * k] each frontier node's parent output (the root's)
-        caches = [reqs[i].spec_state.cache for i, *_ in plan]
-        committed = [Q - cache.start for (_, _, Q, _), cache in zip(plan, caches)]  # head rows before the draft's
-        for s in range(1, max(d for *_, d in plan)):
-            # the depth-s frontier: k rows a request at position Q + s - 1, over its committed rows and ancestors
-            pos = torch.tensor([Q + s - 1 for _, _, Q, _ in plan for _ in range(k)], dtype=torch.int64, device=dev)
-            masks = []
-            for j, cache in enumerate(caches):
-                past = cache.length  # committed[j] + (s - 1) * k rows of earlier frontiers
-                mask = torch.ones(k, past + k, dtype=torch.bool, device=dev)
-                mask[:, committed[j]:] = tree.frontier_ancestors[j]
-                masks.append(mask)
-            hidden = self.head.extend(tree.frontier_tokens(), hidden, pos, caches, [k] * P, from_target=False,
-                                      masks=masks)
+        first_row = torch.arange(P, device=self.device).view(P, 1) * k  # [P, 1] each request's first frontier row
+        for depth in range(1, batch.draft_steps + 1):
+            hidden = self.head.draft(batch, tree.frontier_tokens(), hidden, depth, tree.frontier_ancestors)
             tree.expand(*self.head.top_tokens(hidden, k))
             # the new frontier's nodes are fed their parent's output next
-            parent_rows = (torch.arange(P, device=dev).view(P, 1) * k + tree.frontier_slot_parent).view(-1)
-            hidden = hidden.index_select(0, parent_rows)
-        self._roll_back(reqs, plan)
+            hidden = hidden.index_select(0, (first_row + tree.frontier_slot_parent).view(-1))
         for (i, *_), t in zip(plan, tree.select(num_nodes, [d for *_, d in plan])):
             trees[i] = t
         return trees

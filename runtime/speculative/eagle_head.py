@@ -7,8 +7,9 @@ one decoder layer `midlayer.*` whose attention reads [input_layernorm(embedding)
 own final `norm` and `lm_head` over a reduced draft vocabulary, and `d2t` (draft id -> target id offset).
 
 This module is the head's math and its loading: `forward` is dense causal attention over one sequence (the
-reference); `extend` runs the rows of several requests at once, each request's attention over its own `HeadKVCache`
-(the head's K and V of the positions before, per request: runtime/speculative/eagle.py drives it).
+reference); `extend` and `draft` run a `HeadBatch` of several requests at once (head_batch.py: one attention call a
+layer over the requests' head KV, head_kv.py), the catch-up rows and then each depth of the drafts
+(runtime/speculative/eagle.py drives it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from torch import nn
 from braid.runtime.layers.norm import RMSNorm
 from braid.runtime.layers.rotary import get_rope
 from braid.runtime.loader.hf import hf_config, iter_safetensors
+from braid.runtime.speculative.head_batch import HeadBatch
+from braid.runtime.speculative.head_kv import HeadKVCache, HeadKVPool
 
 
 @dataclass(frozen=True)
@@ -66,58 +69,6 @@ class EagleHeadConfig:
                    fc_in=shapes["fc.weight"][1], fc_bias="fc.bias" in shapes)
 
 
-class HeadKVCache:
-    """One request's draft-head KV, grown as rows are added: per layer K and V [kv_heads, capacity, head_dim]; rows
-    0..length-1 hold the head's input at positions start..start+length-1, row r's token in tokens[r]. Rolling back is
-    truncate (the tensors keep their capacity)."""
-
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, device, dtype, start: int = 0):
-        self.shape = (num_layers, num_kv_heads, head_dim)
-        self.device, self.dtype = device, dtype
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.capacity = 0
-        self.start = start
-        self.length = 0
-        self.tokens: list[int] = []
-
-    def reset(self, start: int) -> None:
-        self.start, self.length, self.tokens = start, 0, []
-
-    def truncate(self, length: int) -> None:
-        length = max(0, min(length, self.length))
-        self.length = length
-        del self.tokens[length:]
-
-    def reserve(self, rows: int) -> None:
-        """Room for `rows` more rows past length (capacity doubles: amortised copies)."""
-        need = self.length + rows
-        if need <= self.capacity:
-            return
-        cap = max(need, 2 * self.capacity, 16)
-        layers, heads, hd = self.shape
-        k = [torch.empty(heads, cap, hd, device=self.device, dtype=self.dtype) for _ in range(layers)]
-        v = [torch.empty(heads, cap, hd, device=self.device, dtype=self.dtype) for _ in range(layers)]
-        for old, new in zip(self.k + self.v, k + v):
-            new[:, :self.length] = old[:, :self.length]
-        self.k, self.v, self.capacity = k, v, cap
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
-
-@dataclass
-class _Segments:
-    """The rows of an `extend` pass by request: rows[i] consecutive rows of the pass go to caches[i] (written at
-    its length, attending over everything before them in it and causally among themselves, or, where masks[i] is
-    given ([rows[i], length + rows[i]] bool, True where attended), over the cache rows it marks: a tree draft's rows
-    see the committed context and their own ancestors only)."""
-
-    caches: list[HeadKVCache]
-    rows: list[int]
-    masks: Optional[list[Optional[torch.Tensor]]] = None
-
-
 class _Attention(nn.Module):
     def __init__(self, c: EagleHeadConfig, in_features: int):
         super().__init__()
@@ -128,39 +79,23 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
         self.rotary = get_rope(c.head_dim, c.head_dim, c.max_position, c.rope_theta, c.rope_scaling)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: Optional[tuple[_Segments, int]] = None):
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: Optional[tuple[HeadBatch, int]] = None):
         # x: [T, in_features]; positions: [T] -> [T, hidden]. kv None: causal over the T tokens of one sequence;
-        # else (segments, this layer's index): each request's rows over its cache (written here) and themselves
+        # else (batch, this layer's index): the batch's current pass, over each request's head KV (head_batch.py)
         c, T = self.c, x.shape[0]
         q, k = self.rotary.forward_native(positions, self.q_proj(x), self.k_proj(x))
-        q = q.view(T, c.num_heads, c.head_dim).transpose(0, 1)  # [nh, T, hd]
-        k = k.view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)  # [nkv, T, hd]
-        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        group = c.num_heads // c.num_kv_heads
+        q = q.view(T, c.num_heads, c.head_dim)
+        k = k.view(T, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)
         if kv is None:
+            group = c.num_heads // c.num_kv_heads
+            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, T, hd]
             k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [nh, T, hd]
-            return self.o_proj(out.transpose(0, 1).reshape(T, -1))
-        segments, layer = kv
-        outs, row = [], 0
-        masks = segments.masks or [None] * len(segments.rows)
-        for cache, n, tree_mask in zip(segments.caches, segments.rows, masks):
-            past = cache.length
-            keys, values = cache.k[layer], cache.v[layer]
-            keys[:, past:past + n] = k[:, row:row + n]
-            values[:, past:past + n] = v[:, row:row + n]
-            keys = keys[:, :past + n].repeat_interleave(group, dim=0)  # [nh, past + n, hd]
-            values = values[:, :past + n].repeat_interleave(group, dim=0)
-            # row j (position past + j of the cache) sees cache rows 0..past + j
-            if tree_mask is not None:
-                mask = tree_mask
-            else:
-                mask = None if n == 1 else (torch.arange(past + n, device=x.device).view(1, -1)
-                                            <= torch.arange(past, past + n, device=x.device).view(-1, 1))
-            outs.append(F.scaled_dot_product_attention(q[:, row:row + n], keys, values, attn_mask=mask))
-            row += n
-        out = torch.cat(outs, dim=1)  # [nh, T, hd]
-        return self.o_proj(out.transpose(0, 1).reshape(T, -1))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1)  # [T, heads, hd]
+        else:
+            batch, layer = kv
+            out = batch.attend(layer, q, k, v)  # [T, heads, hd]
+        return self.o_proj(out.reshape(T, -1))
 
 
 class _MLP(nn.Module):
@@ -187,7 +122,7 @@ class _Layer(nn.Module):
         self.mlp = _MLP(c)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, embeds: Optional[torch.Tensor] = None,
-                kv: Optional[tuple[_Segments, int]] = None):
+                kv: Optional[tuple[HeadBatch, int]] = None):
         residual = x
         if self.eagle3:
             x = torch.cat([self.input_layernorm.forward_native(embeds), self.hidden_norm.forward_native(x)], dim=-1)
@@ -204,6 +139,7 @@ class EagleHead(nn.Module):
         # the target's embedding (unless the checkpoint has its own) and LM head: used, not owned (kept out of this
         # module's parameters, so moving the head never moves the target's weights)
         self._shared = (embed_tokens, target_lm_head)
+        self._pool: Optional[HeadKVPool] = None
         self.fc = nn.Linear(c.fc_in, c.hidden_size, bias=c.fc_bias)
         if c.kind == "EAGLE3":
             self.midlayer = _Layer(c, input_norm=True, eagle3=True)
@@ -232,37 +168,50 @@ class EagleHead(nn.Module):
             x = layer(x, positions)
         return target_lm_head(x), x
 
-    def new_cache(self, device, start: int = 0) -> HeadKVCache:
-        c = self.c
-        return HeadKVCache(c.num_layers, c.num_kv_heads, c.head_dim, device, self.fc.weight.dtype, start)
+    @property
+    def kv_pool(self) -> HeadKVPool:
+        """Every request's head KV (made at first use: the loader moves the parameters after construction)."""
+        if self._pool is None:
+            c, w = self.c, self.fc.weight
+            self._pool = HeadKVPool(c.num_layers, c.num_kv_heads, c.head_dim, w.device, w.dtype)
+        return self._pool
 
-    def extend(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               caches: list[HeadKVCache], rows: list[int], from_target: bool,
-               masks: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
-        """The head over the rows of several requests: request i's rows[i] consecutive rows are appended to
-        caches[i] and attend over it (causally, or through masks[i] [rows[i], length + rows[i]] bool: a tree draft's
-        rows). input_ids, positions: [T]; hidden: [T, fc_in] the target's feature(s) (from_target) or [T, hidden]
-        the head's own output at the position before (a draft step; EAGLE's fc takes either, EAGLE-3's own outputs
-        skip fc). -> the head's hidden output [T, hidden]."""
-        for cache, n in zip(caches, rows):
-            cache.reserve(n)
-        segments = _Segments(caches, rows, masks)
+    def new_cache(self, start: int = 0) -> HeadKVCache:
+        return HeadKVCache(self.kv_pool, start)
+
+    def batch(self, caches: list[HeadKVCache], rows: list[int], tokens: list[int], draft_steps: int = 0,
+              width: int = 1) -> HeadBatch:
+        """A pass over several requests (head_batch.py): request i's rows[i] >= 1 catch-up rows (input tokens
+        `tokens`, flat on the host) appended to caches[i], then up to draft_steps depths of `width` rows each."""
+        return HeadBatch(self.kv_pool, caches, rows, tokens, draft_steps, width)
+
+    def extend(self, batch: HeadBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The batch's catch-up: hidden [T, fc_in] the target's feature(s) at the position before each row's token
+        -> the head's hidden output [T, hidden]; the rows are appended to the caches."""
+        out = self._run(batch, batch.input_ids, hidden, from_target=True)
+        batch.commit()
+        return out
+
+    def draft(self, batch: HeadBatch, input_ids: torch.Tensor, hidden: torch.Tensor, depth: int,
+              ancestors: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Depth `depth` (1..batch.draft_steps) of the batch's drafts: input_ids [P * width] each row's draft token
+        (request by request), hidden [P * width, hidden] the head's output at its parent's row; ancestors
+        [P, width, depth * width] bool: the draft rows (width a depth, in row order) each row attends to (a tree;
+        None: a chain, every earlier depth) -> the head's hidden output [P * width, hidden]."""
+        batch.set_depth(depth, ancestors)
+        return self._run(batch, input_ids, hidden, from_target=False)
+
+    def _run(self, batch: HeadBatch, input_ids: torch.Tensor, hidden: torch.Tensor, from_target: bool):
+        # from_target: hidden is the target's feature(s), else the head's own output (EAGLE's fc takes either,
+        # EAGLE-3's own outputs skip fc)
         embeds = self._shared[0](input_ids)
         if self.c.kind == "EAGLE3":
             x = self.fc(hidden) if from_target else hidden
-            out = self.midlayer(x, positions, embeds, kv=(segments, 0))
-        else:
-            x = self.fc(torch.cat([embeds, hidden], dim=-1))
-            for i, layer in enumerate(self.layers):
-                x = layer(x, positions, kv=(segments, i))
-            out = x
-        ids = input_ids.tolist()
-        row = 0
-        for cache, n in zip(caches, rows):
-            cache.length += n
-            cache.tokens.extend(ids[row:row + n])
-            row += n
-        return out
+            return self.midlayer(x, batch.positions, embeds, kv=(batch, 0))
+        x = self.fc(torch.cat([embeds, hidden], dim=-1))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch.positions, kv=(batch, i))
+        return x
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] the head's outputs -> [N] int64 the target-vocabulary token each predicts (argmax;

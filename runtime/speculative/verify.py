@@ -146,13 +146,17 @@ class SpeculativeDecoder:
         for req, n in zip(reqs, lens):
             req.kv_committed_len += n
         emitted, paths, logprobs = self._accept(reqs, trees, row_start, logits, masks)
-        for req, start, first_row, n, path in zip(reqs, starts, row_start, lens, paths):
+        if self.eagle is not None:
+            # the head's features of each request's root and accepted nodes (positions start .. start + len(path) - 1),
+            # gathered for all at once
+            rows = host_to_device([first + r for first, path in zip(row_start, paths) for r in path], torch.int64,
+                                  self.device)
+            accepted = feats.index_select(0, rows).split([len(path) for path in paths])
+        for i, (req, start, n, path) in enumerate(zip(reqs, starts, lens, paths)):
             if path != list(range(len(path))):
                 self._move_path_kv(req, start, n, path)
             if self.eagle is not None:
-                # the head's features of the root and the accepted nodes: positions start .. start + len(path) - 1
-                rows = host_to_device([first_row + r for r in path], torch.int64, self.device)
-                self.eagle.record(req, start, feats.index_select(0, rows))
+                self.eagle.record(req, start, accepted[i])
         self.num_verify_forward += 1
         self.num_drafts += sum(1 for t in trees if len(t))
         self.num_draft_tokens += total - len(reqs)

@@ -166,7 +166,7 @@ def test_cached_extend_matches_the_dense_reference(tmp_path, target, kind):
     F_in = head.c.fc_in if kind == "EAGLE3" else H
     seqs = [(torch.randint(0, V, (9,), generator=gen), torch.randn(9, F_in, generator=gen)) for _ in range(2)]
     want = [head(ids, feats, torch.arange(9))[1] for ids, feats in seqs]
-    caches = [head.new_cache("cpu"), head.new_cache("cpu")]
+    caches = [head.new_cache(), head.new_cache()]
     chunks = [(3, 1), (1, 4), (2, 1), (1, 1), (2, 2)]  # rows per request per call: 9 each
     done = [0, 0]
     with torch.no_grad():
@@ -178,8 +178,9 @@ def test_cached_extend_matches_the_dense_reference(tmp_path, target, kind):
                 rows = (rows[0] + 1, rows[1] + 1)
             ids = torch.cat([seqs[i][0][done[i]:done[i] + n] for i, n in enumerate(rows)])
             feats = torch.cat([seqs[i][1][done[i]:done[i] + n] for i, n in enumerate(rows)])
-            pos = torch.cat([torch.arange(done[i], done[i] + n) for i, n in enumerate(rows)])
-            out = head.extend(ids, feats, pos, caches, list(rows), from_target=True)
+            batch = head.batch(caches, list(rows), ids.tolist())
+            assert batch.positions.tolist() == [p for i, n in enumerate(rows) for p in range(done[i], done[i] + n)]
+            out = head.extend(batch, feats)
             row = 0
             for i, n in enumerate(rows):
                 assert torch.allclose(out[row:row + n], want[i][done[i]:done[i] + n], atol=1e-5), (step, i)
@@ -291,13 +292,12 @@ def test_proposer_trees_are_the_dense_heads_tree(tmp_path, target, k, num):
     want = sorted(tuple(path) for path, _, _ in sorted(candidates, key=lambda c: -c[2])[:num])
 
     calls = []  # the head's outputs of each pass: the catch-up, then one a depth (frontier rows, likeliest first)
-    extend = head.extend
+    for name in ("extend", "draft"):
+        def recorded(*args, run=getattr(head, name), **kwargs):
+            calls.append(run(*args, **kwargs))
+            return calls[-1]
 
-    def recorded(*args, **kwargs):
-        calls.append(extend(*args, **kwargs))
-        return calls[-1]
-
-    head.extend = recorded
+        setattr(head, name, recorded)
     tree = proposer.propose_trees([req], [3], k, num)[0]
     paths = [[]]
     for tok, parent in zip(tree.tokens, tree.parents):
