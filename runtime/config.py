@@ -412,8 +412,7 @@ class ServerArgs:
         self._check_lora()
         from braid.runtime.speculative import spec_args
 
-        resolved = spec_args.resolve({name: getattr(self, name) for name in (*spec_args.FIELDS, "speculative_config")},
-                                     tp_size=self.tp_size)
+        resolved = spec_args.resolve({name: getattr(self, name) for name in (*spec_args.FIELDS, "speculative_config")})
         for name, value in resolved.items():
             object.__setattr__(self, name, value)
         if self.attention_backend == "torch" and not self.disable_cuda_graph:

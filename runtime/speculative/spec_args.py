@@ -23,7 +23,7 @@ FIELDS = ("speculative_algorithm", "speculative_draft_model_path", "speculative_
           "speculative_ngram_max_match_window_size", "speculative_disable_by_batch_size")
 
 
-def resolve(values: dict, tp_size: int = 1) -> dict:
+def resolve(values: dict) -> dict:
     """values: the speculative fields of ServerArgs as given (FIELDS plus speculative_config) -> FIELDS resolved
     (defaults filled in, the vLLM JSON mapped). Raises ValueError naming the flag for any combination braid would
     otherwise ignore or cannot run."""
@@ -51,9 +51,6 @@ def resolve(values: dict, tp_size: int = 1) -> dict:
             2 <= out["speculative_num_draft_tokens"] <= MAX_NUM_DRAFT_TOKENS:
         raise ValueError(f"--speculative-num-draft-tokens counts the tokens one verify pass takes per request, the "
                          f"request's last token included: between 2 and {MAX_NUM_DRAFT_TOKENS}")
-    if tp_size > 1:
-        raise ValueError("speculative decoding with --tp-size > 1 is not supported yet (the ranks would have to "
-                         "agree on every acceptance draw); drop one of them")
     if algo == "NGRAM":
         _resolve_ngram(out)
     else:

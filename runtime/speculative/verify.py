@@ -25,11 +25,13 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import msgspec
 import torch
 
 from braid.runtime.constrained.bitmask import allocate_bitmask, clear_tokens
 from braid.runtime.constrained.grammar_errors import GrammarError
 from braid.runtime.core import FinishReason, ForwardBatch, ForwardMode, Req, host_to_device
+from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.error_kind import ErrorKind
 from braid.runtime.layers.logits import compute_logits, token_logprobs
 from braid.runtime.layers.sampler import SamplingBatchInfo, apply_penalties
@@ -201,6 +203,9 @@ class SpeculativeDecoder:
                 chains = [self.proposer.propose(req.fill_ids, room) if room > 0 else []
                           for req, room in zip(reqs, rooms)]
             proposed = [DraftTree.chain(c) for c in chains]
+        if ps.tp_size() > 1:
+            proposed = [DraftTree(tokens, parents) for tokens, parents in
+                        _from_rank_zero([(t.tokens, t.parents) for t in proposed])]
         trees, masks = [], []
         for req, tree in zip(reqs, proposed):
             sp = req.sampling_params
@@ -324,6 +329,8 @@ class SpeculativeDecoder:
                 plain_info.token_bitmask = rows_info.token_bitmask.index_select(0, rows)
             for i, tok in zip(plain, self.runner.sampler(processed.index_select(0, rows), plain_info).tolist()):
                 emitted[i] = [tok]
+        if ps.tp_size() > 1:
+            emitted, paths = _from_rank_zero([emitted, paths])
         if info.logprob_top_k is None:
             return emitted, paths, None
         lp_rows = [row_start[i] + r for i, path in enumerate(paths) for r in path]
@@ -396,3 +403,11 @@ def _request_generator(req: Req) -> Optional[torch.Generator]:
     if sp.seed is None or sp.is_greedy:
         return None
     return torch.Generator().manual_seed((int(sp.seed) * 1_000_003 + len(req.output_ids)) & ((1 << 63) - 1))
+
+
+def _from_rank_zero(value):
+    """Tensor parallelism: rank 0's value (lists of ints) on every rank. The ranks must build the same verify pass and
+    commit the same tokens, and a sampled acceptance draw (or a draft head's near-tie) need not come out alike on
+    each rank; as with a decode step's sampled ids, rank 0's stand."""
+    data = msgspec.msgpack.encode(value) if ps.tp_rank() == 0 else None
+    return msgspec.msgpack.decode(ps.broadcast_bytes(data))

@@ -84,7 +84,6 @@ def test_vllm_config_maps_onto_the_flags():
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=0), "--speculative-num-steps must be >= 1"),
     (dict(speculative_algorithm="NGRAM", speculative_ngram_min_match_window_size=5,
           speculative_ngram_max_match_window_size=3), "is above --speculative-ngram-max-match-window-size"),
-    (dict(speculative_algorithm="NGRAM", tp_size=2), "--tp-size > 1 is not supported yet"),
     (dict(speculative_algorithm="EAGLE"), "needs --speculative-draft-model-path"),
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/x", speculative_ngram_min_match_window_size=2),
      "has no effect with EAGLE3"),
