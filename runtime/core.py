@@ -5,6 +5,7 @@ Field comments say who fills each field.
 
 from __future__ import annotations
 
+import array
 import enum
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
     from braid.runtime.mem_cache.pools import KVPool, ReqToTokenPool
 
 __all__ = ["SamplingParams", "ForwardMode", "FinishReason", "Req", "ReqOutput", "ForwardBatch", "ForwardOutput",
-           "host_to_device", "RequestError"]
+           "host_tensor", "host_to_device", "tensor_to_device",
+           "RequestError"]
 
 
 def batch_lora_paths(reqs) -> Optional[list]:
@@ -30,9 +32,29 @@ def batch_lora_paths(reqs) -> Optional[list]:
     return names if any(n is not None for n in names) else None
 
 
+_ARRAY_TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float64: "d", torch.float32: "f"}
+
+
+def host_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype) for a list of Python numbers, built through an array.array: several times
+    faster for the per-step lists over the batch (torch.tensor parses a list element by element). Values the array
+    refuses (floats for an int dtype, overflow, other types) go through torch.tensor, which decides as before."""
+    code = _ARRAY_TYPECODES.get(dtype)
+    if code is not None and values:
+        try:
+            return torch.frombuffer(array.array(code, values), dtype=dtype)
+        except (TypeError, OverflowError):
+            pass
+    return torch.tensor(values, dtype=dtype)
+
+
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`; to CUDA through pinned memory with a copy that does not wait for the GPU."""
-    host = torch.tensor(values, dtype=dtype)
+    return tensor_to_device(host_tensor(values, dtype), device)
+
+
+def tensor_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, as host_to_device copies it (itself when `device` is the CPU)."""
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host

@@ -58,19 +58,18 @@ class SamplingBatchInfo:
         want_lp = [r.top_logprobs_num for r in reqs if r.return_logprob]
         info = cls(is_greedy=is_greedy, all_greedy=all(is_greedy), logprob_top_k=max(want_lp) if want_lp else None)
         B = len(reqs)
+        # one pass finds whether any request needs more than temperature/top-k/top-p/min-p (the common batch: none)
+        if not any(p.seed is not None or p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0
+                   or p.logit_bias or p.allowed_token_ids for p in params):
+            if not info.all_greedy:
+                info._set_sampling_tensors(params, vocab_size, device)
+            return info
         if any(p.seed is not None and not p.is_greedy for p in params):
             info.seeds = _to_device([p.seed or 0 for p in params], torch.int64, device)
             info.seeded = _to_device([p.seed is not None for p in params], torch.bool, device)
             info.seed_steps = _to_device([len(r.output_ids) for r in reqs], torch.int64, device)
         if not info.all_greedy:
-            top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
-            info.temperatures = _to_device([max(p.temperature, 0.0) for p in params], torch.float32, device).view(B, 1)
-            info.top_ps = _to_device([p.top_p for p in params], torch.float32, device)
-            info.top_ks = _to_device(top_ks, torch.int64, device)
-            info.min_ps = _to_device([p.min_p for p in params], torch.float32, device)
-            info.need_top_k_filter = any(k < vocab_size for k in top_ks)
-            info.need_top_p_filter = any(p.top_p < 1.0 for p in params)
-            info.need_min_p_filter = any(p.min_p > 0.0 for p in params)
+            info._set_sampling_tensors(params, vocab_size, device)
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             counts = torch.zeros(B, vocab_size, dtype=torch.int32, device=device)
             for i, r in enumerate(reqs):
@@ -103,6 +102,18 @@ class SamplingBatchInfo:
                 (_to_device(rows, torch.int64, device), _to_device(cols, torch.int64, device)),
                 torch.ones(len(rows), dtype=torch.bool, device=device))
         return info
+
+    def _set_sampling_tensors(self, params: list, vocab_size: int, device: torch.device) -> None:
+        """temperatures, top_ps, top_ks, min_ps and their filter flags (a batch that is not all greedy)."""
+        top_ks = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        self.temperatures = _to_device([max(p.temperature, 0.0) for p in params], torch.float32, device).view(
+            len(params), 1)
+        self.top_ps = _to_device([p.top_p for p in params], torch.float32, device)
+        self.top_ks = _to_device(top_ks, torch.int64, device)
+        self.min_ps = _to_device([p.min_p for p in params], torch.float32, device)
+        self.need_top_k_filter = any(k < vocab_size for k in top_ks)
+        self.need_top_p_filter = any(p.top_p < 1.0 for p in params)
+        self.need_min_p_filter = any(p.min_p > 0.0 for p in params)
 
     def filter(self, keep: list[int], keep_on_device: Optional[torch.Tensor]) -> "SamplingBatchInfo":
         """The rows `keep` (keep_on_device: the same indices as an int64 tensor, None when all greedy)."""

@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from braid.runtime.core import ForwardBatch, ForwardMode, ForwardOutput, Req, batch_lora_paths, host_to_device
+from braid.runtime.core import (ForwardBatch, ForwardMode, ForwardOutput, Req, batch_lora_paths, host_tensor,
+                                host_to_device, tensor_to_device)
 from braid.runtime.layers.sampler import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
@@ -70,8 +71,8 @@ class DecodeRunner:
         """KV tokens kept free for the running requests' decoding (new_token_ratio of what each may still add)."""
         if not running:
             return 0
-        slots = torch.tensor([r.req_pool_idx for r in running], dtype=torch.int64)
-        out_lens = torch.tensor([len(r.output_ids) for r in running], dtype=torch.float64)
+        slots = host_tensor([r.req_pool_idx for r in running], torch.int64)
+        out_lens = host_tensor([len(r.output_ids) for r in running], torch.float64)
         return self.finish_table.reserved_tokens(slots, out_lens, self.new_token_ratio)
 
     # ---- one step ----
@@ -83,15 +84,16 @@ class DecodeRunner:
         out_loc = self.prefix_cache.alloc_slots(B)
         dev = self.device
         seq_lens_cpu = [r.kv_committed_len + 1 for r in reqs]
-        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        req_idx = slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else slots
-        positions = host_to_device([s - 1 for s in seq_lens_cpu], torch.int64, dev)
+        seq_lens_host = host_tensor(seq_lens_cpu, torch.int64)
+        slots = host_tensor([r.req_pool_idx for r in reqs], torch.int64)
+        req_idx = tensor_to_device(slots, dev)
+        positions = tensor_to_device(seq_lens_host - 1, dev)
         self.req_to_token_pool.req_to_token[req_idx, positions] = out_loc.to(torch.int32)
         if input_ids is None:
             input_ids = host_to_device([r.fill_ids[-1] for r in reqs], torch.int64, dev)
         fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=B, input_ids=input_ids, positions=positions,
-            req_pool_indices=req_idx, seq_lens=host_to_device(seq_lens_cpu, torch.int32, dev),
+            req_pool_indices=req_idx, seq_lens=tensor_to_device(seq_lens_host.to(torch.int32), dev),
             out_cache_loc=out_loc, seq_lens_cpu=seq_lens_cpu, sampling_info=info, defer_sampling=defer_sampling,
             lora_paths=batch_lora_paths(reqs),
         )
@@ -108,8 +110,8 @@ class DecodeRunner:
     def can_overlap(self, reqs: list[Req], tokens_in_flight: int) -> bool:
         """True when sampling these requests needs nothing the host learns from the step before
         (each has `tokens_in_flight` sampled tokens not yet in output_ids)."""
-        slots = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
-        out_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64) + tokens_in_flight
+        slots = host_tensor([r.req_pool_idx for r in reqs], torch.int64)
+        out_lens = host_tensor([len(r.output_ids) for r in reqs], torch.int64) + tokens_in_flight
         return self.finish_table.can_overlap(slots, out_lens)
 
     def launch(self, reqs: list[Req], input_ids: Optional[torch.Tensor],
@@ -144,7 +146,7 @@ class DecodeRunner:
     def chain(self, prev: DecodeInFlight) -> Optional[DecodeInFlight]:
         """Launch the step after `prev` for its requests that go on; None when that needs prev's results first."""
         # with the token in flight each has len(output_ids) + 1 outputs; those at their length limit end with it
-        out_lens = torch.tensor([len(r.output_ids) for r in prev.reqs], dtype=torch.int64) + 1
+        out_lens = host_tensor([len(r.output_ids) for r in prev.reqs], torch.int64) + 1
         ends = self.finish_table.ends_by_length(prev.slots, out_lens).tolist()
         keep = [i for i, (r, end) in enumerate(zip(prev.reqs, ends)) if not end and r.finished_reason is None]
         reqs = [prev.reqs[i] for i in keep]

@@ -119,8 +119,10 @@ class OutputProcessor:
         fill(to_device=False) leaves the mask on the host (a fill on another thread: the copy stays on the
         scheduler's)."""
         states = [r.grammar for r in reqs]
-        ban_rows = [i for i, r in enumerate(reqs) if len(r.output_ids) < r.sampling_params.min_new_tokens]
-        if not ban_rows and all(s is None for s in states):
+        min_new = [r.sampling_params.min_new_tokens for r in reqs]
+        ban_rows = [i for i, (r, m) in enumerate(zip(reqs, min_new)) if m and len(r.output_ids) < m] \
+            if any(min_new) else []
+        if not ban_rows and states.count(None) == len(states):
             return None
 
         @torch.inference_mode()  # on the runner's thread or the mask thread alike

@@ -19,7 +19,7 @@ from braid.runtime.config import (DEFAULT_CUDA_ADMISSION_MIN_EXTEND_TOKENS, DEFA
 import torch
 
 from braid.runtime.constrained.grammar import accept_tokens
-from braid.runtime.core import FinishReason, ForwardOutput, Req, ReqOutput, RequestError
+from braid.runtime.core import FinishReason, ForwardOutput, Req, ReqOutput, RequestError, host_tensor
 from braid.runtime.error_kind import ErrorKind
 from braid.runtime.layers.sampler import SamplingBatchInfo
 from braid.runtime.loader.gguf import release_gguf_readers
@@ -472,8 +472,8 @@ class Scheduler:
         if rows is not None:
             token_ids = token_ids[torch.tensor(rows, dtype=torch.int64)]
         if slots is None:
-            slots = torch.tensor([r.req_pool_idx or 0 for r in reqs], dtype=torch.int64)
-        out_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64) + 1
+            slots = host_tensor([r.req_pool_idx or 0 for r in reqs], torch.int64)
+        out_lens = host_tensor([len(r.output_ids) for r in reqs], torch.int64) + 1
         check = self.finish_table.candidates(slots, token_ids, out_lens).tolist()
         tokens = token_ids.tolist()
         grammar_ended = self._advance_grammars(reqs, tokens, check, jump_forward)
