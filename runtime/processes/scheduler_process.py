@@ -325,10 +325,11 @@ def run_follower(server_args, rank: int, init_addr: str) -> int:
     from braid.runtime.processes import tensor_parallel as tp
 
     try:
-        from braid.runtime.scheduler.scheduler import Scheduler
+        from braid.runtime.scheduler.scheduler import Scheduler, freeze_startup_objects
 
         tp.init_rank(server_args, rank, init_addr)
         scheduler = Scheduler(server_args)
+        freeze_startup_objects()
         tp.follow(scheduler)
         scheduler.shutdown()
         return 0
@@ -358,7 +359,7 @@ def run(config: dict) -> int:
     recv_sock.connect(config["to_scheduler_addr"])
     try:
         from braid.runtime.processes import tensor_parallel as tp
-        from braid.runtime.scheduler.scheduler import Scheduler, run_scheduler_loop
+        from braid.runtime.scheduler.scheduler import Scheduler, freeze_startup_objects, run_scheduler_loop
 
         t0 = time.time()
         tp.init_rank(server_args, 0, config.get("dist_init_addr"))
@@ -366,6 +367,7 @@ def run(config: dict) -> int:
         distributed = tp.uses_distributed(server_args)
         if distributed:
             scheduler = tp.LeaderScheduler(scheduler)
+        freeze_startup_objects()
         logger.info("scheduler started in %.1f s", time.time() - t0)
         loop = SchedulerLoop(scheduler, recv_sock, send_sock, config.get("parent_pid"),
                              server_args.log_stats_interval_s)
