@@ -67,10 +67,10 @@ def run_scheduler_loop(scheduler, io: SchedulerIO) -> None:
 
 def freeze_startup_objects() -> None:
     """For a process that runs one scheduler for its life, once it is built: every object alive now (the model,
-    the tokenizer, the libraries: some 350,000) is moved out of the garbage collector's reach. A full collection
-    walks every tracked object, and the per-step allocations over a large batch bring one every few dozen decode
-    steps: at 2,048 running requests each took some 300 ms (a third of a step's host time, averaged). The objects
-    are handed back at exit, so that the shutdown's collection still sees them."""
+    the tokenizer, the libraries) is moved out of the garbage collector's reach. A full collection walks every
+    tracked object, and the per-step allocations over a large batch bring one every few dozen decode steps
+    (docs/benchmarks.md has the cost). The objects are handed back at exit, so that the shutdown's collection still
+    sees them."""
     gc.collect()
     gc.freeze()
     atexit.register(gc.unfreeze)
@@ -157,7 +157,6 @@ class Scheduler:
             from braid.runtime.speculative.verify import SpeculativeDecoder
 
             self.spec = SpeculativeDecoder(server_args, self.runner, self.prefix_cache, self.output, self.context_len)
-        self.spec_max_batch = server_args.speculative_disable_by_batch_size
         self.intake = RequestIntake(server_args, self.tokenizer, self.vocab_size, self.context_len, self.kv_pool.size,
                                     share_prefill=not self.prefix_cache.disabled)
         # --enable-lora: adapter admission, loading and unloading (lora_admission.py)
@@ -444,7 +443,8 @@ class Scheduler:
         """True when a decode step of num_reqs requests runs without drafts whatever they are (no speculation, or
         more requests than --speculative-disable-by-batch-size), so it may overlap the host's work; a step that may
         verify drafts runs synchronously, as the drafts come from the tokens of the step before."""
-        return self.spec is None or (self.spec_max_batch is not None and num_reqs > self.spec_max_batch)
+        limit = None if self.spec is None else self.spec.disable_by_batch_size
+        return self.spec is None or (limit is not None and num_reqs > limit)
 
     def _chain_decode(self) -> bool:
         """Launch the next decode step behind the one in flight, then commit the one in flight. False: not possible."""
