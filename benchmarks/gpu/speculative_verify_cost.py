@@ -3,7 +3,12 @@ in braid's Engine at its defaults (CUDA graphs for the plain decode steps and th
 non-speculative engine, in one process.
 
 Random weights draft nothing a target would accept, so a benchmark-only proposer replays the target's own greedy
-tokens: the non-speculative engine first records every request's greedy output, then the speculative engine's
+tokens. Random weights also leave near-ties among the greedy token's rivals, which a verify pass's kernels (other than
+a decode step's) break the other way in bf16; so every engine's dummy model is made decisive after loading
+(make_decisive: the attention and MLP output projections zeroed, so the residual stream is the token's embedding,
+and the LM head's rows a fixed permutation of the embedding's, so the greedy successor of token t is the one row
+whose weights are t's embedding, by a margin far above rounding). Every kernel still runs at its shapes on the same
+bytes, so the cost is the random model's. Then: the non-speculative engine first records every request's greedy output, then the speculative engine's
 proposer offers, at each step, the next k recorded tokens of each request, the first A - 1 as recorded and the rest
 changed to another id. Greedy verification then accepts A - 1 drafts a pass and emits A tokens a pass (those drafts
 and the target's own token): the mean acceptance length is A, as the decoder's stats() measure it.
@@ -134,6 +139,28 @@ def write_eagle_head(folder: str, config: dict, device: str) -> str:
         json.dump(head_config, f)
     save_file(tensors, os.path.join(folder, "model.safetensors"))
     return folder
+
+
+def make_decisive(engine, seed: int = 3) -> None:
+    """Zero every layer's o_proj and down_proj, and set LM head row j to embedding row perm[j] (a seeded permutation,
+    the same for every engine): logits_j = <e_perm[j], norm(e_t)>, largest where perm[j] = t."""
+    import torch
+
+    model = engine.scheduler.runner.model
+    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+    if head.data_ptr() == embed.data_ptr():
+        raise ValueError("make_decisive needs an untied LM head (tie_word_embeddings false)")
+    rows = embed.shape[0]
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed)).to(embed.device)
+    with torch.no_grad():
+        head[:rows].copy_(embed[perm])
+        changed = [model.lm_head]
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.weight.zero_()
+                changed.append(proj)
+        for module in changed:  # a prepacked copy (CPU) is rebuilt from the changed weight
+            module.linear_method.process_weights_after_loading(module)
 
 
 def make_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -302,6 +329,7 @@ def main(argv=None) -> int:
     def up(label: str, **extra):
         start = time.perf_counter()
         engine = Engine(**common, **extra)
+        make_decisive(engine)
         print(f"{label} engine up in {time.perf_counter() - start:.0f} s", flush=True)
         return engine
 
