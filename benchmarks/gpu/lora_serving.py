@@ -18,7 +18,7 @@ each registered adapter is read into host memory (about 84 MB at rank 16 on the 
 rate is printed first.
 
   python3 benchmarks/gpu/lora_serving.py --tokenizer-path .gpu/tok [--num-adapters 64] [--rank 16]
-      [--serving-adapters 8 64 512 --serving-requests 1000]
+      [--serving-adapters 8 64 512 --serving-requests 1000 [--serving-only]]
 """
 
 from __future__ import annotations
@@ -142,12 +142,15 @@ def serving_rows(args, common: dict, paths: list[str], names: list[str]) -> dict
     with Engine(**common) as engine:
         serving(engine, warm, [None] * len(warm))  # warm-up
         rows["serving base"] = serving(engine, requests, [None] * len(requests))
+        print(f"serving base: {rows['serving base']:.0f} output tok/s", flush=True)
     lora = dict(lora_paths=[f"{n}={p}" for n, p in zip(names[:count], paths[:count])], max_lora_rank=args.rank)
     with Engine(**common, **lora) as engine:
         serving(engine, warm, [names[i % count] for i in range(len(warm))])
         for adapters in args.serving_adapters:
-            rows[f"serving over {adapters} adapters"] = serving(
+            got = rows[f"serving over {adapters} adapters"] = serving(
                 engine, requests, [names[i % adapters] for i in range(len(requests))])
+            print(f"serving over {adapters} adapters: {got:.0f} output tok/s, {got / rows['serving base']:.3f}x the "
+                  f"base engine", flush=True)  # row by row: a run cut short keeps what it measured
         stats = engine.scheduler.get_stats()
         print(f"serving: {stats.get('lora_slot_loads_total')} adapter loads into "
               f"{stats.get('lora_num_slots')} slots; KV used {stats['kv_used_tokens']}", flush=True)
@@ -168,6 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--serving-adapters", type=int, nargs="*", default=[],
                    help="adapter counts of the ShareGPT-shaped runs (none: skip them)")
     p.add_argument("--serving-requests", type=int, default=1000)
+    p.add_argument("--serving-only", action="store_true", help="only the ShareGPT-shaped runs")
     p.add_argument("--out", default=None, help="a JSON file for the figures")
     args = p.parse_args(argv)
     import torch
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
                 max_loras_per_batch=args.num_adapters,
                 max_loaded_loras=args.num_adapters, max_lora_rank=args.rank)
     rows = {}
-    for label, extra in (("base", {}), ("lora", lora)):
+    for label, extra in (("base", {}), ("lora", lora)) if not args.serving_only else ():
         start = time.perf_counter()
         with Engine(**common, **extra) as engine:
             print(f"{label} engine up in {time.perf_counter() - start:.0f} s", flush=True)
@@ -208,6 +212,11 @@ def main(argv=None) -> int:
                   f"{stats['kv_used_tokens']} (cached {stats['kv_cached_tokens']})", flush=True)
     if args.serving_adapters:
         rows.update(serving_rows(args, common, paths, names))
+    if args.serving_only:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(args=vars(args), rows=rows), f, indent=1)
+        return 0
     base_b1, lora_b1 = rows["base engine, base request, b1 ms/token"], rows["lora engine, adapter request, b1 ms/token"]
     base_tp = rows[f"base engine, {args.num_requests} at once, output tok/s"]
     lora_tp = rows[f"lora engine, {args.num_requests} at once, output tok/s"]
