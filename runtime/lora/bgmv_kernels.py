@@ -7,8 +7,10 @@ sgmv_kernels.py loop over the adapters present in each row block, which dominate
   expand: y[t, cols] += scale[idx[t]] * B_s[idx[t]][cols - off_s] @ h[t, s*R : (s+1)*R] for the slice s of each
           column; grid (T, column blocks); rows with idx < 0 untouched
 
-The partials have sgmv_shrink's layout, so either expand takes either shrink's output. Runs on CUDA, or on CPU
-tensors under TRITON_INTERPRET=1 (the tests).
+The partials have sgmv_shrink's layout, so either expand takes either shrink's output. Both launch with PDL where
+the device has it (layers/pdl.py), as the batch-1 GEMVs around them do: each lets the next kernel launch and then
+waits for the previous one at its very start, so a decode step's chain of small kernels stays overlapped through the
+delta ops. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.runtime.layers import pdl
+from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 from braid.runtime.lora.sgmv_kernels import programs_wanted
 
 
 @triton.jit
 def _bgmv_shrink_kernel(x_ptr, a_ptr, idx_ptr, h_ptr, K, RT, k_per_split, stride_xt, stride_an, stride_ar,
-                        stride_hp, stride_ht, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                        stride_hp, stride_ht, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    let_next_kernel_launch(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     split = tl.program_id(2)
@@ -45,7 +51,10 @@ def _bgmv_shrink_kernel(x_ptr, a_ptr, idx_ptr, h_ptr, K, RT, k_per_split, stride
 @triton.jit
 def _bgmv_expand_kernel(y_ptr, h_ptr, b0_ptr, b1_ptr, b2_ptr, scale_ptr, idx_ptr, OUT, R, P, out0, out1, out2,
                         stride_yt, stride_hp, stride_ht, stride_b0n, stride_b0o, stride_b1n, stride_b1o, stride_b2n,
-                        stride_b2o, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+                        stride_b2o, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    let_next_kernel_launch(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = tl.load(idx_ptr + t)
@@ -92,7 +101,7 @@ def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, split_k: in
         return h
     _bgmv_shrink_kernel[(t, triton.cdiv(rt, block_r), split)](
         x, a, idx, h, k, rt, k_per_split, x.stride(0), a.stride(0), a.stride(1), h.stride(0), h.stride(1),
-        BLOCK_R=block_r, BLOCK_K=block_k)
+        BLOCK_R=block_r, BLOCK_K=block_k, **pdl.launch_options(x.device))
     return h
 
 
@@ -110,5 +119,5 @@ def bgmv_expand(y: torch.Tensor, h: torch.Tensor, b_stacks: Sequence[torch.Tenso
         y, h, pad[0], pad[1], pad[2], scale, idx, y.shape[1], rank, h.shape[0], outs[0], outs[1], outs[2],
         y.stride(0), h.stride(0), h.stride(1), pad[0].stride(0), pad[0].stride(1), pad[1].stride(0),
         pad[1].stride(1), pad[2].stride(0), pad[2].stride(1), S=len(b_stacks), BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)))
+        BLOCK_R=max(16, triton.next_power_of_2(rank)), **pdl.launch_options(y.device))
     return y
