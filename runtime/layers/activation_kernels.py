@@ -1,7 +1,9 @@
 """Gated activation Triton kernels: silu(gate) * up and gelu(gate) * up over [..., 2I] rows (gate, then up).
 
 Each public function is one kernel launch, allocates only by shape (CUDA-graph capturable) and also runs on
-CPU tensors under TRITON_INTERPRET=1, which is how the tests check it without a GPU. All math is fp32.
+CPU tensors under TRITON_INTERPRET=1, which is how the tests check it without a GPU. All math is fp32. The kernel
+launches with PDL where the device has it (layers/pdl.py), so that where it runs between PDL kernels of a decode
+step (after a LoRA delta, which keeps the activation out of the batch-1 GEMV) the chain stays overlapped.
 The activation is rounded to the output dtype before the product, as in activation.py's forward_native.
 """
 
@@ -13,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from braid.runtime.layers import pdl
 from braid.runtime.layers.kernel_inputs import FusedKernelInputError, rows_view
+from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
 __all__ = ["silu_and_mul", "gelu_and_mul", "gelu_tanh", "tanh"]
 
@@ -37,7 +41,10 @@ def gelu_tanh(gate):
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, I, BLOCK: tl.constexpr, ACT: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, I, BLOCK: tl.constexpr, ACT: tl.constexpr,
+                        USE_PDL: tl.constexpr):
+    let_next_kernel_launch(USE_PDL)
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -73,7 +80,7 @@ def _act_and_mul(x: torch.Tensor, act: int, out: Optional[torch.Tensor]) -> torc
     block = min(ACT_BLOCK, triton.next_power_of_2(inter))
     grid = (rows, triton.cdiv(inter, block))
     _act_and_mul_kernel[grid](x2, out, x2.stride(0), inter, inter, BLOCK=block, ACT=act,
-                              num_warps=max(1, min(4, block // 256)))
+                              num_warps=max(1, min(4, block // 256)), **pdl.launch_options(x.device))
     return out
 
 
