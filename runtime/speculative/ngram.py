@@ -1,7 +1,9 @@
 """NGRAM proposer: prompt lookup. The request's last n tokens (n from the longest window down to the shortest) are
 looked up earlier in its own prompt and output; the tokens that followed the latest earlier occurrence are the
 draft. Per step: one numpy pass over the request's tokens for the positions holding its last token, then up to
-max_match - 1 passes over those candidates (an index kept across steps is left for very long contexts)."""
+max_match - 1 passes over those candidates (an index kept across steps is left for very long contexts). The
+request's tokens reach it as a numpy array: `TokenMirror` keeps one a request, extended by the tokens appended
+since the last step, so a step does not convert the whole context again."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ class NgramProposer:
         self.max_match = max_match
         self.max_draft = max_draft
 
-    def propose(self, tokens: list[int], max_draft: int) -> list[int]:
+    def propose(self, tokens, max_draft: int) -> list[int]:
         """Up to min(max_draft, self.max_draft) tokens predicted to follow `tokens` (the request's prompt + output,
-        its last token included); [] when no suffix of min_match..max_match tokens occurred before."""
+        its last token included: a list of ints or an int64 numpy array); [] when no suffix of min_match..max_match
+        tokens occurred before."""
         k = min(max_draft, self.max_draft)
         L = len(tokens)
         if k < 1 or L < self.min_match + 1:
@@ -47,3 +50,31 @@ class NgramProposer:
         full = hits[hits + 1 + k <= L]
         start = int(full[-1] if full.size else hits[-1]) + 1
         return arr[start:start + k].tolist()
+
+
+class TokenMirror:
+    """A request's fill_ids as an int64 numpy array, kept across steps. The scheduler only ever appends to a
+    request's fill_ids list in place (a rewrite, such as jump-forward's, makes a new list), so while the list is the
+    same object the mirror copies only the tokens appended since; another list, a shorter one or a last mirrored
+    token that differs rebuilds it."""
+
+    __slots__ = ("source", "buffer", "length")
+
+    def __init__(self):
+        self.source, self.buffer, self.length = None, np.empty(0, dtype=np.int64), 0
+
+    def view(self, tokens: list[int]) -> np.ndarray:
+        """tokens (the request's fill_ids) -> an int64 array equal to it (a view of the mirror's buffer, valid
+        until the next call)."""
+        n, have = len(tokens), self.length
+        if (tokens is not self.source or n < have
+                or (have and self.buffer[have - 1] != tokens[have - 1])):
+            self.source, have = tokens, 0
+        if n > self.buffer.shape[0]:
+            grown = np.empty(max(n + 64, 2 * self.buffer.shape[0]), dtype=np.int64)
+            grown[:have] = self.buffer[:have]
+            self.buffer = grown
+        if n > have:
+            self.buffer[have:n] = tokens[have:n]
+        self.length = n
+        return self.buffer[:n]

@@ -22,6 +22,8 @@ here is a DraftTree; a batch of chains needs no mask and is accepted by acceptan
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 from typing import Optional
 
@@ -33,14 +35,17 @@ from braid.runtime.constrained.grammar_errors import GrammarError
 from braid.runtime.core import FinishReason, ForwardBatch, ForwardMode, Req, host_to_device
 from braid.runtime.distributed import parallel_state as ps
 from braid.runtime.error_kind import ErrorKind
+from braid.runtime.layers.argmax_kernels import argmax_last_dim
 from braid.runtime.layers.logits import compute_logits, token_logprobs
 from braid.runtime.layers.sampler import SamplingBatchInfo, apply_penalties
 from braid.runtime.speculative.acceptance import accept, target_probs
 from braid.runtime.speculative.draft_tree import DraftTree, tree_mask_batch, walk
 from braid.runtime.speculative.eagle import EagleProposer
-from braid.runtime.speculative.ngram import NgramProposer
+from braid.runtime.speculative.ngram import NgramProposer, TokenMirror
 
 logger = logging.getLogger(__name__)
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingBatchInfo))
 
 
 class SpeculativeDecoder:
@@ -100,6 +105,8 @@ class SpeculativeDecoder:
         """A request that finished or was aborted: its draft-head state goes."""
         if self.eagle is not None:
             self.eagle.release(req)
+        else:
+            req.spec_state = None  # the n-gram TokenMirror
 
     def stats(self) -> dict:
         drafts = self.num_drafts
@@ -168,8 +175,11 @@ class SpeculativeDecoder:
                 req.spec_drafts += 1
                 req.spec_accepted_tokens += len(tokens) - 1
         sched.stats["num_tokens_through_model_total"] += total
-        for i, req in enumerate(reqs):
-            self._commit(sched, req, emitted[i], logprobs[i] if logprobs is not None else None)
+        reasons = [self._append(req, emitted[i], logprobs[i] if logprobs is not None else None)
+                   for i, req in enumerate(reqs)]
+        self._release_rejected(reqs)
+        for req, reason in zip(reqs, reasons):
+            self._settle(sched, req, reason)
         return True
 
     def _move_path_kv(self, req: Req, start: int, n: int, path: list[int]) -> None:
@@ -200,7 +210,7 @@ class SpeculativeDecoder:
             if self.eagle is not None:
                 chains = self.eagle.propose(reqs, rooms)
             else:
-                chains = [self.proposer.propose(req.fill_ids, room) if room > 0 else []
+                chains = [self.proposer.propose(self._tokens(req), room) if room > 0 else []
                           for req, room in zip(reqs, rooms)]
             proposed = [DraftTree.chain(c) for c in chains]
         if ps.tp_size() > 1:
@@ -215,6 +225,14 @@ class SpeculativeDecoder:
             trees.append(tree)
             masks.append(mask)
         return trees, masks
+
+    @staticmethod
+    def _tokens(req: Req):
+        """NGRAM: the request's tokens as the int64 array its TokenMirror (on Req.spec_state) keeps."""
+        mirror = req.spec_state
+        if mirror is None:
+            mirror = req.spec_state = TokenMirror()
+        return mirror.view(req.fill_ids)
 
     def _position_masks(self, req: Req, tree: DraftTree) -> tuple[DraftTree, torch.Tensor]:
         """The grammar's mask after each node's path (depth first, the grammar takes a path's tokens and is rolled
@@ -262,29 +280,36 @@ class SpeculativeDecoder:
         kv_committed_len ..; a tree mask when a draft branches). -> (the batch, each request's first row in the
         pass's T rows)."""
         dev = self.device
-        req_to_token = self.runner.req_to_token_pool.req_to_token
-        input_ids, positions, prefix_lens, row_start = [], [], [], []
+        input_ids, positions, slot_rows, prefix_lens, row_start = [], [], [], [], []
+        chains = all(t.is_chain() for t in trees)
         offset = 0
         for req, tree, n in zip(reqs, trees, lens):
             start = req.kv_committed_len  # == len(req.fill_ids) - 1: the last token's KV is not written yet
             row_start.append(offset)
             prefix_lens.append(start)
-            req_to_token[req.req_pool_idx, start:start + n] = out_loc[offset:offset + n].to(torch.int32)
             input_ids.append(req.fill_ids[-1])
             input_ids.extend(tree.tokens)
-            positions.extend(start + d for d in tree.depths())
+            positions.extend(range(start, start + n) if chains else [start + d for d in tree.depths()])
+            slot_rows.extend(itertools.repeat(req.req_pool_idx, n))
             offset += n
         seq_lens = [p + n for p, n in zip(prefix_lens, lens)]
-        ext = host_to_device(lens, torch.int32, dev)
+        ext_starts = list(itertools.accumulate(lens, initial=0))[:-1]
+        # the pass's index lists reach the device in two copies
+        ids_d, pos_d, rows_d, req_idx, cols_d = _to_device_packed(
+            [input_ids, positions, slot_rows, [r.req_pool_idx for r in reqs],
+             [] if chains else [p + j for p, n in zip(prefix_lens, lens) for j in range(n)]], torch.int64, dev)
+        if chains:
+            cols_d = pos_d  # row j of a request sits at column start + j of req_to_token, at position start + j
+        seq_lens_d, prefix_d, ext_d, ext_starts_d = _to_device_packed([seq_lens, prefix_lens, lens, ext_starts],
+                                                                      torch.int32, dev)
+        # each request's verify rows' KV slots at req_to_token[req, start ..], for the whole batch in one write
+        self.runner.req_to_token_pool.req_to_token[rows_d, cols_d] = out_loc.to(torch.int32)
         fb = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=len(reqs),
-            input_ids=host_to_device(input_ids, torch.int64, dev), positions=host_to_device(positions, torch.int64, dev),
-            req_pool_indices=host_to_device([r.req_pool_idx for r in reqs], torch.int64, dev),
-            seq_lens=host_to_device(seq_lens, torch.int32, dev), out_cache_loc=out_loc, seq_lens_cpu=seq_lens,
-            extend_prefix_lens=host_to_device(prefix_lens, torch.int32, dev), extend_seq_lens=ext,
-            extend_start_loc=torch.cumsum(ext, 0, dtype=torch.int32) - ext,
+            forward_mode=ForwardMode.EXTEND, batch_size=len(reqs), input_ids=ids_d, positions=pos_d,
+            req_pool_indices=req_idx, seq_lens=seq_lens_d, out_cache_loc=out_loc, seq_lens_cpu=seq_lens,
+            extend_prefix_lens=prefix_d, extend_seq_lens=ext_d, extend_start_loc=ext_starts_d,
             extend_prefix_lens_cpu=prefix_lens, extend_seq_lens_cpu=lens)
-        if not all(t.is_chain() for t in trees):
+        if not chains:
             fb.tree_mask, fb.tree_mask_start = tree_mask_batch(trees, dev)
         return fb, row_start
 
@@ -295,7 +320,10 @@ class SpeculativeDecoder:
         dev = self.device
         owner = [i for i, t in enumerate(trees) for _ in range(len(t) + 1)]  # the request of each of the T rows
         info = SamplingBatchInfo.build(reqs, self.vocab_size, dev)
-        rows_info = info.filter(owner, host_to_device(owner, torch.int64, dev))
+        # the per-row copy of the batch's sampling tensors, when it has any (an all-greedy batch without penalties,
+        # bias or allowed ids has none, and needs no index on the device)
+        has_tensors = any(isinstance(getattr(info, name), torch.Tensor) for name in _SAMPLING_FIELDS)
+        rows_info = info.filter(owner, host_to_device(owner, torch.int64, dev) if has_tensors else None)
         if any(m is not None for m in masks):
             words = (self.vocab_size + 31) // 32
             bitmask = torch.full((len(owner), words), -1, dtype=torch.int32)
@@ -307,7 +335,28 @@ class SpeculativeDecoder:
         emitted: list[list[int]] = [[] for _ in reqs]
         paths: list[list[int]] = [[0] for _ in reqs]
         drafted = [i for i, t in enumerate(trees) if len(t)]
-        if drafted:
+        if info.all_greedy:
+            # greedy rows: p is the one-hot of the row's argmax, so the acceptance rules (acceptance.accept,
+            # draft_tree.walk) take the child whose token is the argmax, and emit the argmax where none is (the
+            # uniforms they would draw decide nothing); a request without a draft emits its row's argmax, as the
+            # greedy sampler does. One copy of the argmaxes to the host is the pass's only wait for the device.
+            top = argmax_last_dim(processed).tolist()
+            for i, (tree, first) in enumerate(zip(trees, row_start)):
+                draft, node = tree.tokens, 0
+                if tree.is_chain():
+                    while node < len(draft) and draft[node] == top[first + node]:
+                        node += 1
+                    emitted[i], paths[i] = draft[:node] + [top[first + node]], list(range(node + 1))
+                    continue
+                kids = tree.children()
+                while True:
+                    want = top[first + node]
+                    node = next((c for c in kids[node] if draft[c - 1] == want), None)
+                    if node is None:
+                        break
+                    paths[i].append(node)
+                emitted[i] = [draft[c - 1] for c in paths[i][1:]] + [want]
+        elif drafted:
             probs = target_probs(processed, rows_info)
             starts, greedy = [row_start[i] for i in drafted], [info.is_greedy[i] for i in drafted]
             generators = [_request_generator(reqs[i]) for i in drafted]
@@ -320,7 +369,7 @@ class SpeculativeDecoder:
                                                           generators)):
                     emitted[i] = [trees[i].tokens[node - 1] for node in path[1:]] + [final]
                     paths[i] = path
-        plain = [i for i, t in enumerate(trees) if not len(t)]
+        plain = [] if info.all_greedy else [i for i, t in enumerate(trees) if not len(t)]
         if plain:
             # a request without a draft samples as a decode step does (a seeded one draws what it would there)
             rows = host_to_device([row_start[i] for i in plain], torch.int64, dev)
@@ -352,10 +401,9 @@ class SpeculativeDecoder:
         return emitted, paths, out
 
     # ---- commit ----
-    def _commit(self, sched, req: Req, tokens: list[int], logprobs: Optional[list]) -> None:
+    def _append(self, req: Req, tokens: list[int], logprobs: Optional[list]) -> Optional[FinishReason]:
         """Append the emitted tokens one by one through the finish checks (EOS, stop ids and strings, the grammar,
-        the length), stop at the first that ends the request, then release the KV of every verified position past
-        the last kept token (rejected drafts, tokens after a stop)."""
+        the length), stopping at the first that ends the request -> the reason it ends, if it does."""
         reason = req.finished_reason  # aborted while the step ran: nothing is appended
         if reason is None:
             for j, tok in enumerate(tokens):
@@ -366,8 +414,28 @@ class SpeculativeDecoder:
                     reason = FinishReason("abort", message=f"grammar error: {e}", kind=ErrorKind.GRAMMAR_INVALID)
                 if reason is not None:
                     break
-        # the newest token's KV is written by the next pass, as after a decode step
-        self.prefix_cache.truncate_req_kv(req, len(req.fill_ids) - 1)
+        return reason
+
+    def _release_rejected(self, reqs: list[Req]) -> None:
+        """Give back the KV slots of every verified position past each request's last kept token (rejected drafts,
+        tokens after a stop), for the whole batch at once: the newest token's KV is written by the next pass, as
+        after a decode step. The slots were allocated for this pass (past the request's committed KV, so past any
+        the prefix cache owns): prefix_cache.truncate_req_kv's rule, without a gather and a free per request."""
+        slot_rows, cols = [], []
+        for req in reqs:
+            keep, end = len(req.fill_ids) - 1, req.kv_committed_len
+            if keep < end:
+                slot_rows.extend(itertools.repeat(req.req_pool_idx, end - keep))
+                cols.extend(range(keep, end))
+                req.kv_committed_len = keep
+        if slot_rows:
+            index = host_to_device(slot_rows + cols, torch.int64, self.device).view(2, -1)
+            req_to_token = self.runner.req_to_token_pool.req_to_token
+            self.prefix_cache.kv_pool.free(req_to_token[index[0], index[1]].long())
+
+    def _settle(self, sched, req: Req, reason: Optional[FinishReason]) -> None:
+        """The request after its tokens: finished, or back to sched.running (sched.resume_queue when it jumped
+        forward) with its output reported."""
         if reason is not None:
             sched.finish(req, reason)
             return
@@ -394,6 +462,20 @@ def check_tree_verify(runner, topk: int) -> None:
         raise ValueError(f"--speculative-eagle-topk {topk} (tree drafts) is not supported yet on models with "
                          "sliding-window layers (a tree row's window would follow its depth, not its row); use "
                          "--speculative-eagle-topk 1 (chain drafts)")
+
+
+def _to_device_packed(lists: list[list[int]], dtype: torch.dtype, device) -> list[torch.Tensor]:
+    """Host lists of ints -> tensors of `dtype` on `device`, views of one copy (host_to_device's), each starting on
+    a 16-byte boundary (kernels are specialised on their pointers' alignment)."""
+    per = 16 // dtype.itemsize
+    flat, bounds = [], []
+    for values in lists:
+        start = len(flat)
+        flat.extend(values)
+        bounds.append((start, len(flat)))
+        flat.extend(itertools.repeat(0, -len(flat) % per))
+    packed = host_to_device(flat, dtype, device)
+    return [packed[a:b] for a, b in bounds]
 
 
 def _request_generator(req: Req) -> Optional[torch.Generator]:
