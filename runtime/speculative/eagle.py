@@ -58,6 +58,11 @@ class EagleState:
     cache: HeadKVCache
     feats: Optional[torch.Tensor] = None
     feat_start: int = 0
+    # the head rows known to hold the request's tokens: the first `checked` rows of the cache, checked against the
+    # list checked_ids (the request's fill_ids then) with the cache starting at checked_start (_catch_up_rows)
+    checked_ids: Optional[list] = None
+    checked_start: int = 0
+    checked: int = 0
 
     @property
     def feat_end(self) -> int:
@@ -163,15 +168,20 @@ class EagleProposer:
         Q = req.kv_committed_len
         cache = st.cache
         cache.truncate(Q - cache.start)  # rows at positions >= Q were built on rolled-back tokens
-        # a row whose token no longer is the request's (jump-forward rewrote it) and every row after it
-        actual = req.fill_ids[cache.start + 1:cache.start + 1 + cache.length]
-        if cache.tokens != actual:  # compared at C speed; walked only when they differ
-            kept = 0
-            for tok, want in zip(cache.tokens, actual):
+        # a row whose token no longer is the request's (jump-forward rewrote it) and every row after it. The
+        # scheduler only appends to a fill_ids list in place (a rewrite makes a new list), so rows checked against
+        # this same list at this same start still match: only the rows after them are compared
+        ids, first = req.fill_ids, cache.start + 1
+        checked = min(st.checked, cache.length) if st.checked_ids is ids and st.checked_start == cache.start else 0
+        actual = ids[first + checked:first + cache.length]
+        if cache.tokens[checked:] != actual:  # compared at C speed; walked only when they differ
+            kept = checked
+            for tok, want in zip(cache.tokens[checked:], actual):
                 if tok != want:
                     break
                 kept += 1
             cache.truncate(kept)
+        st.checked_ids, st.checked_start, st.checked = ids, cache.start, cache.length
         if st.feats is None or st.feat_start >= Q or st.feat_end < Q:
             return None
         end = cache.start + cache.length

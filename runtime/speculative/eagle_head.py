@@ -83,7 +83,7 @@ class _Attention(nn.Module):
         # x: [T, in_features]; positions: [T] -> [T, hidden]. kv None: causal over the T tokens of one sequence;
         # else (batch, this layer's index): the batch's current pass, over each request's head KV (head_batch.py)
         c, T = self.c, x.shape[0]
-        q, k = self.rotary.forward_native(positions, self.q_proj(x), self.k_proj(x))
+        q, k = self.rotary(positions, self.q_proj(x), self.k_proj(x))  # on CUDA one fused launch, in place
         q = q.view(T, c.num_heads, c.head_dim)
         k = k.view(T, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).view(T, c.num_kv_heads, c.head_dim)
@@ -125,11 +125,11 @@ class _Layer(nn.Module):
                 kv: Optional[tuple[HeadBatch, int]] = None):
         residual = x
         if self.eagle3:
-            x = torch.cat([self.input_layernorm.forward_native(embeds), self.hidden_norm.forward_native(x)], dim=-1)
+            x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(x)], dim=-1)
         elif self.input_layernorm is not None:
-            x = self.input_layernorm.forward_native(x)
+            x = self.input_layernorm(x)
         x = self.self_attn(x, positions, kv) + residual
-        return self.mlp(self.post_attention_layernorm.forward_native(x)) + x
+        return self.mlp(self.post_attention_layernorm(x)) + x
 
 
 class EagleHead(nn.Module):
@@ -162,7 +162,7 @@ class EagleHead(nn.Module):
         if self.c.kind == "EAGLE3":
             x = self.fc(hidden) if hidden.shape[-1] == self.c.fc_in else hidden
             out = self.midlayer(x, positions, embeds)
-            return self._to_target_vocab(self.lm_head(self.norm.forward_native(out))), out
+            return self._to_target_vocab(self.lm_head(self.norm(out))), out
         x = self.fc(torch.cat([embeds, hidden], dim=-1))
         for layer in self.layers:
             x = layer(x, positions)
@@ -217,7 +217,7 @@ class EagleHead(nn.Module):
         """hidden: [N, hidden] the head's outputs -> [N] int64 the target-vocabulary token each predicts (argmax;
         EAGLE-3: over its draft vocabulary, mapped through d2t)."""
         if self.c.kind == "EAGLE3":
-            draft = self.lm_head(self.norm.forward_native(hidden)).argmax(dim=-1)
+            draft = self.lm_head(self.norm(hidden)).argmax(dim=-1)
             return draft + self.d2t[draft]
         return self._shared[1](hidden).argmax(dim=-1)
 
@@ -226,7 +226,7 @@ class EagleHead(nn.Module):
         likeliest next tokens under the head's distribution, likeliest first (EAGLE-3: its draft vocabulary's
         softmax, ids mapped through d2t)."""
         if self.c.kind == "EAGLE3":
-            probs = torch.softmax(self.lm_head(self.norm.forward_native(hidden)).float(), dim=-1)
+            probs = torch.softmax(self.lm_head(self.norm(hidden)).float(), dim=-1)
             top, draft = probs.topk(k, dim=-1)
             return top, draft + self.d2t[draft]
         return torch.softmax(self._shared[1](hidden).float(), dim=-1).topk(k, dim=-1)
