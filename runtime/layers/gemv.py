@@ -20,6 +20,10 @@ waits (griddepcontrol.wait) for the previous kernel's results before touching x.
 starts during the previous kernel's tail instead of after its completion and this launch's latency. Each
 GEMV also signals its dependents as soon as it starts, so the GEMV after it can do the same.
 
+With a LoRA adapter on the row (LoraEpilogue), each program adds the adapter's delta to its rows before the
+activation or the rotary + KV-store epilogue, in place of the separate expand kernel: the adapter's B rows load
+with the first weight chunk (no kernel of the step writes them), the shrink's partial sums after the wait.
+
 Configs are autotuned per shape on first use, which the CUDA-graph runner's warm-up passes do before capture.
 Runs on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
@@ -39,7 +43,7 @@ from braid.runtime.layers.device_info import device_name
 from braid.runtime.layers.activation_kernels import gelu_tanh
 from braid.runtime.layers.pdl import let_next_kernel_launch, wait_for_previous_kernel
 
-__all__ = ["gemv", "gemv_rotary_store", "RotaryKVStore", "supports", "fp8_supports", "decode_gemv_applies", "enabled",
+__all__ = ["gemv", "gemv_rotary_store", "RotaryKVStore", "LoraEpilogue", "supports", "fp8_supports", "decode_gemv_applies", "enabled",
            "set_enabled"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -122,18 +126,80 @@ def _gemv_rows(rows, row_mask, pair_offset, x_ptr, w_ptr, K, w_row_stride, PAIRE
 
 
 @triton.jit
-def _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL: tl.constexpr,
-                    GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-                    WAIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[rows of `block`]; with SILU_MUL the up row of each gate row n is row n + N."""
+def _lora_b_rows(rows, row_mask, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo, LORA: tl.constexpr,
+                 L_BLOCK_R: tl.constexpr):
+    """rows [BLOCK] of a LoRA-carrying weight -> (B[slot][rows] [BLOCK, L_BLOCK_R] fp32, scale[slot]), slot = idx[0];
+    zeros where slot < 0. Reads only what no kernel of the step writes (the adapter slots, the batch's index), so it
+    runs before the wait for the previous kernel."""
+    rk = tl.arange(0, L_BLOCK_R)
+    if LORA:
+        slot = tl.load(lidx_ptr)
+        at = tl.maximum(slot, 0).to(tl.int64)
+        cols_ok = (rk < L_R) & ((tl.zeros((L_BLOCK_R,), dtype=tl.int64) + slot) >= 0)  # none where slot < 0
+        b = tl.load(lb_ptr + at * l_stride_bn + rows.to(tl.int64)[:, None] * l_stride_bo + rk[None, :],
+                    mask=row_mask[:, None] & cols_ok[None, :], other=0.0).to(tl.float32)
+        scale = tl.load(lscale_ptr + at).to(tl.float32)  # b is zero where slot < 0
+    else:
+        b = 0.0
+        scale = 0.0
+    return b, scale
+
+
+@triton.jit
+def _lora_row_delta(rows, b, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, L_BLOCK_R: tl.constexpr,
+                    L_BLOCK_P: tl.constexpr):
+    """The delta [BLOCK] fp32 of rows [BLOCK] with their B rows b [BLOCK, L_BLOCK_R]: scale * b . h[sub(row)], h_s
+    the sum over the shrink's L_P partials [P, 1, L_S * L_R] of sub-matrix s's R values; rows from l_off1 on are
+    sub-matrix 1, from l_off2 on 2. After the wait (the shrink kernel writes h)."""
+    rk = tl.arange(0, L_BLOCK_R)
+    pk = tl.arange(0, L_BLOCK_P)
+    mask = (pk < L_P)[:, None] & (rk < L_R)[None, :]
+    at = lh_ptr + pk[:, None] * l_stride_hp + rk[None, :]
+    h0 = tl.sum(tl.load(at, mask=mask, other=0.0), axis=0)
+    parts = tl.zeros((L_BLOCK_R,), dtype=tl.int32) + L_S  # [L_BLOCK_R] of L_S: the slices' masks as tensors
+    h1 = tl.sum(tl.load(at + L_R, mask=mask & (parts > 1)[None, :], other=0.0), axis=0)
+    h2 = tl.sum(tl.load(at + 2 * L_R, mask=mask & (parts > 2)[None, :], other=0.0), axis=0)
+    sub = (rows >= l_off1).to(tl.int32) + (rows >= l_off2).to(tl.int32)
+    h = tl.where((sub == 0)[:, None], h0[None, :], tl.where((sub == 1)[:, None], h1[None, :], h2[None, :]))
+    return scale * tl.sum(b * h, axis=1)
+
+
+@triton.jit
+def _with_lora(y, rows, b, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, out_dtype: tl.constexpr,
+               LORA: tl.constexpr, L_BLOCK_R: tl.constexpr, L_BLOCK_P: tl.constexpr):
+    """y [BLOCK] fp32 sums -> with LORA, the unfused path's value: y rounded to out_dtype (the base output) plus the
+    delta in fp32; else y as it is."""
+    if LORA:
+        y = y.to(out_dtype).to(tl.float32) + _lora_row_delta(rows, b, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp,
+                                                              l_off1, l_off2, L_BLOCK_R, L_BLOCK_P)
+    return y
+
+
+@triton.jit
+def _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, lh_ptr, lb_ptr, lscale_ptr,
+                    lidx_ptr, L_R, L_P, L_S, l_stride_hp, l_stride_bn, l_stride_bo, l_off1, l_off2,
+                    SILU_MUL: tl.constexpr, GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr,
+                    USE_PDL: tl.constexpr, WAIT: tl.constexpr, LORA: tl.constexpr, L_BLOCK_R: tl.constexpr,
+                    L_BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[rows of `block`]; with SILU_MUL the up row of each gate row n is row n + N. With LORA the adapter's delta
+    joins each row before the activation (_with_lora)."""
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
+    b, scale = _lora_b_rows(rows, row_mask, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo, LORA,
+                            L_BLOCK_R)
+    b_up, _ = _lora_b_rows(rows + N, row_mask, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo,
+                           LORA and SILU_MUL, L_BLOCK_R)
     y, y_up = _gemv_rows(rows, row_mask, N, x_ptr, w_ptr, K, w_row_stride, SILU_MUL, EVEN_K, USE_PDL, WAIT,
                          BLOCK_K)
     if W_SCALED:  # w_scale: [rows] fp32, the up half's scales N entries further
         y = y * tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)
         if SILU_MUL:
             y_up = y_up * tl.load(w_scale_ptr + N + rows, mask=row_mask, other=0.0)
+    out_dtype: tl.constexpr = y_ptr.dtype.element_ty
+    y = _with_lora(y, rows, b, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, out_dtype, LORA, L_BLOCK_R,
+                   L_BLOCK_P)
+    y_up = _with_lora(y_up, rows + N, b_up, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, out_dtype,
+                      LORA and SILU_MUL, L_BLOCK_R, L_BLOCK_P)
     if SILU_MUL:  # the gated pair; GELU_GATE: gelu_tanh(gate) * up instead of silu(gate) * up
         gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
         up = y_up.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -145,8 +211,10 @@ def _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, num_programs, SILU_MUL: tl.constexpr,
-                 GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, num_programs, lh_ptr, lb_ptr, lscale_ptr,
+                 lidx_ptr, L_R, L_P, L_S, l_stride_hp, l_stride_bn, l_stride_bo, l_off1, l_off2,
+                 SILU_MUL: tl.constexpr, GELU_GATE: tl.constexpr, W_SCALED: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_PDL: tl.constexpr, LORA: tl.constexpr, L_BLOCK_R: tl.constexpr, L_BLOCK_P: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr):
     """One program per BLOCK_N rows; PERSISTENT: num_programs programs (the grid) take the row blocks in turn, so
     that all of them finish within one block of each other instead of the last wave running alone. Every launch
@@ -155,12 +223,15 @@ def _gemv_kernel(x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, num_progr
     (TypeError: launcher() missing 1 required positional argument)."""
     pid = tl.program_id(0)
     let_next_kernel_launch(USE_PDL)
-    _gemv_row_block(pid, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL, GELU_GATE, W_SCALED,
-                    EVEN_K, USE_PDL, True, BLOCK_N, BLOCK_K)
+    _gemv_row_block(pid, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, lh_ptr, lb_ptr, lscale_ptr, lidx_ptr,
+                    L_R, L_P, L_S, l_stride_hp, l_stride_bn, l_stride_bo, l_off1, l_off2, SILU_MUL, GELU_GATE,
+                    W_SCALED, EVEN_K, USE_PDL, True, LORA, L_BLOCK_R, L_BLOCK_P, BLOCK_N, BLOCK_K)
     if PERSISTENT:
         for block in range(pid + num_programs, tl.cdiv(N, BLOCK_N), num_programs):
-            _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, SILU_MUL, GELU_GATE,
-                            W_SCALED, EVEN_K, USE_PDL, False, BLOCK_N, BLOCK_K)
+            _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride, lh_ptr, lb_ptr, lscale_ptr,
+                            lidx_ptr, L_R, L_P, L_S, l_stride_hp, l_stride_bn, l_stride_bo, l_off1, l_off2, SILU_MUL,
+                            GELU_GATE, W_SCALED, EVEN_K, USE_PDL, False, LORA, L_BLOCK_R, L_BLOCK_P, BLOCK_N,
+                            BLOCK_K)
 
 
 @triton.jit
@@ -214,9 +285,11 @@ def rotary_store_pair(y1, y2, head, pairs, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_
 
 @triton.jit
 def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
-                              v_cache_ptr, k_cache_stride, v_cache_stride, K, w_row_stride,
-                              NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              v_cache_ptr, k_cache_stride, v_cache_stride, K, w_row_stride, lh_ptr, lb_ptr,
+                              lscale_ptr, lidx_ptr, L_R, L_P, L_S, l_stride_hp, l_stride_bn, l_stride_bo, l_off1,
+                              l_off2, NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                               V_WIDTH: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+                              LORA: tl.constexpr, L_BLOCK_R: tl.constexpr, L_BLOCK_P: tl.constexpr,
                               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The qkv projection of one token with rotary and the KV write as its epilogue. The first programs each own
     BLOCK_N / 2 rows of a q or k head's first half and the rows HEAD_DIM / 2 further that they rotate with: q goes to
@@ -224,16 +297,30 @@ def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin
     let_next_kernel_launch(USE_PDL)
     is_qk, head, pairs, v_cols, v_mask = rotary_store_program(tl.program_id(0), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
                                                               V_WIDTH, BLOCK_N)
+    out_dtype: tl.constexpr = q_ptr.dtype.element_ty
     if is_qk:
         rows = head * HEAD_DIM + pairs
-        y1, y2 = _gemv_rows(rows, rows >= 0, HEAD_DIM // 2, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL,
+        every = rows >= 0
+        b1, scale = _lora_b_rows(rows, every, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo, LORA,
+                                 L_BLOCK_R)
+        b2, _ = _lora_b_rows(rows + HEAD_DIM // 2, every, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn,
+                             l_stride_bo, LORA, L_BLOCK_R)
+        y1, y2 = _gemv_rows(rows, every, HEAD_DIM // 2, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL,
                             True, BLOCK_K)
+        y1 = _with_lora(y1, rows, b1, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, out_dtype, LORA,
+                        L_BLOCK_R, L_BLOCK_P)
+        y2 = _with_lora(y2, rows + HEAD_DIM // 2, b2, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2,
+                        out_dtype, LORA, L_BLOCK_R, L_BLOCK_P)
         rotary_store_pair(y1, y2, head, pairs, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
                           k_cache_stride, NUM_Q_HEADS, HEAD_DIM)
     else:
-        y, _ = _gemv_rows((NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + v_cols, v_mask, 0, x_ptr, w_ptr, K,
-                          w_row_stride, False, EVEN_K, USE_PDL, True, BLOCK_K)
-        store_v_row(y, v_cols, v_mask, loc_ptr, v_cache_ptr, v_cache_stride, q_ptr.dtype.element_ty)
+        rows = (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + v_cols
+        b, scale = _lora_b_rows(rows, v_mask, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo, LORA,
+                                L_BLOCK_R)
+        y, _ = _gemv_rows(rows, v_mask, 0, x_ptr, w_ptr, K, w_row_stride, False, EVEN_K, USE_PDL, True, BLOCK_K)
+        y = _with_lora(y, rows, b, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, out_dtype, LORA,
+                       L_BLOCK_R, L_BLOCK_P)
+        store_v_row(y, v_cols, v_mask, loc_ptr, v_cache_ptr, v_cache_stride, out_dtype)
 
 
 # measured_tiles.GEMV_CONFIGS, the tuples measured_config turns into gemv's `config`: (BLOCK_N, BLOCK_K, num_warps,
@@ -261,7 +348,7 @@ def measured_config(device: torch.device, rows: int, k: int, activation: str) ->
 
 
 _EVEN_K_PER_CONFIG = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})
-_gemv_autotuned = triton.autotune(configs=_configs(), key=["N", "K", "SILU_MUL", "GELU_GATE", "USE_PDL"])(
+_gemv_autotuned = triton.autotune(configs=_configs(), key=["N", "K", "SILU_MUL", "GELU_GATE", "USE_PDL", "LORA"])(
     _EVEN_K_PER_CONFIG(_gemv_kernel))
 
 
@@ -279,7 +366,7 @@ _gemv_fp8_autotuned = triton.autotune(configs=_fp8_configs(), key=["N", "K", "SI
 
 
 _gemv_rotary_store_autotuned = triton.autotune(
-    configs=_configs(), key=["K", "NUM_Q_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "V_WIDTH", "USE_PDL"])(
+    configs=_configs(), key=["K", "NUM_Q_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "V_WIDTH", "USE_PDL", "LORA"])(
     _EVEN_K_PER_CONFIG(_gemv_rotary_store_kernel))
 
 
@@ -305,6 +392,40 @@ class RotaryKVStore:
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                              self.num_kv_heads * self.v_head_dim], dim=-1)
         return self.unfused(q, k, v)
+
+
+@dataclass(frozen=True)
+class LoraEpilogue:
+    """A LoRA adapter's delta for a batch-1 GEMV to add to its rows before its epilogue, in place of the expand
+    kernel: row r gets scale[slot] * B[slot, r] . h_s, slot = idx[0] (-1: none), s the sub-matrix of row r (rows
+    from offsets[0] on are sub-matrix 1, from offsets[1] on 2; qkv and gate_up stack theirs).
+    h: the shrink's fp32 partial sums [P, 1, S * R] (summed over P: h_0 .. h_{S-1}, R values each); b: [N, rows, R],
+    every sub-matrix's B stacked along rows; scale: [N]; idx: [1] int64."""
+
+    h: torch.Tensor
+    b: torch.Tensor
+    scale: torch.Tensor
+    idx: torch.Tensor
+    offsets: tuple[int, int]
+
+    def launch_args(self) -> tuple[tuple, dict]:
+        """(the kernels' lh_ptr .. l_off2 arguments, their LORA constexprs)."""
+        h, b = self.h, self.b
+        rank, parts = b.shape[2], h.shape[2] // b.shape[2]
+        return ((h, b, self.scale, self.idx, rank, h.shape[0], parts, h.stride(0), b.stride(0), b.stride(1),
+                 *self.offsets),
+                dict(LORA=True, L_BLOCK_R=max(16, triton.next_power_of_2(rank)),
+                     L_BLOCK_P=triton.next_power_of_2(h.shape[0])))
+
+
+def _lora_launch_args(lora: Optional[LoraEpilogue], x: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernels' LoRA arguments: lora's, or placeholders (never read) with LORA off."""
+    if lora is None:
+        return (x, x, x, x, 0, 0, 0, 0, 0, 0, 0, 0), dict(LORA=False, L_BLOCK_R=16, L_BLOCK_P=1)
+    if lora.h.shape[1] != 1 or lora.idx.numel() != 1:
+        raise ValueError(f"a GEMV's LoRA epilogue takes one row, got h {tuple(lora.h.shape)}, idx "
+                         f"{tuple(lora.idx.shape)}")
+    return lora.launch_args()
 
 
 def rotary_store_args(x: torch.Tensor, weight: torch.Tensor, epilogue: RotaryKVStore) -> Optional[tuple]:
@@ -339,17 +460,19 @@ def rotary_store_args(x: torch.Tensor, weight: torch.Tensor, epilogue: RotaryKVS
 
 
 def gemv_rotary_store(x: torch.Tensor, weight: torch.Tensor, epilogue: RotaryKVStore,
-                      config: Optional[dict] = None) -> Optional[torch.Tensor]:
+                      config: Optional[dict] = None, lora: Optional[LoraEpilogue] = None) -> Optional[torch.Tensor]:
     """x: [1, K]; weight: the qkv projection [H*D + Hkv*D + Hkv*Dv, K] -> q [1, H*D], rotated, with the rotated k and
     v written to the cache `epilogue.target()` names: the projection, rotary and the KV write in one launch. None
     (nothing done) where the kernel does not apply (rotary_store_args; a head dim that is no multiple of 16 for the
     autotuner, whose configs take up to 8 pairs a program). `config` (BLOCK_N, BLOCK_K, num_warps, num_stages) skips
-    the autotuner."""
+    the autotuner. lora: an adapter's delta added to q, k and v before the rotation and the write."""
     d = epilogue.head_dim
     found = rotary_store_args(x, weight, epilogue) if supports(x, weight) and (config or d % 16 == 0) else None
     if found is None:
         return None
     q, args, shape, programs = found
+    lora_args, lora_flags = _lora_launch_args(lora, x)
+    args, shape = (*args, *lora_args), {**shape, **lora_flags}
     if config is None:
         _gemv_rotary_store_autotuned[lambda meta: (programs(meta["BLOCK_N"]),)](*args, **shape)
     else:
@@ -384,7 +507,8 @@ def fp8_supports(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tens
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_tanh_mul: bool = False,
-         config: Optional[dict] = None, weight_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+         config: Optional[dict] = None, weight_scale: Optional[torch.Tensor] = None,
+         lora: Optional[LoraEpilogue] = None) -> torch.Tensor:
     """x: [1, K]; weight: [N, K] (or [2N, K] = [gate; up] with silu_mul or gelu_tanh_mul) -> y [1, N].
 
     With silu_mul: y = silu(x @ Wg^T) * (x @ Wu^T); with gelu_tanh_mul: gelu(x @ Wg^T, tanh) * (x @ Wu^T), the
@@ -392,7 +516,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_
     optionally PROGRAMS: a persistent grid of that many programs) skips the autotuner (benchmarks sweep configs with
     it). weight_scale: an fp8 e4m3 weight's fp32 scale per row
     [N] (or [2N]); W is then weight * weight_scale[:, None], upcast to fp32, and x stays in its own dtype (the
-    reference fp8 kernel; the runtime's fp8 batch-1 path is quantization/fp8_gemv.fp8_gemv)."""
+    reference fp8 kernel; the runtime's fp8 batch-1 path is quantization/fp8_gemv.fp8_gemv). lora: an adapter's
+    delta added to each row before the activation (not with weight_scale)."""
     if weight_scale is not None:
         if not fp8_supports(x, weight, weight_scale):
             raise ValueError(f"fp8 gemv needs x [1, K] bf16/fp16, an e4m3 weight [N, K] and an fp32 scale [N], got "
@@ -413,22 +538,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, silu_mul: bool = False, gelu_
         config = measured_config(x.device, rows, k, "gelu" if gelu_tanh_mul else "silu" if silu_mul else "")
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     scaled = weight_scale is not None
+    if scaled and lora is not None:
+        raise ValueError("gemv takes a LoRA epilogue on a dense weight only, not with weight_scale")
     args = (x, weight, weight_scale if scaled else weight, y, n, k, weight.stride(0))
+    lora_args, lora_flags = _lora_launch_args(lora, x)
     flags = dict(SILU_MUL=bool(gated), GELU_GATE=bool(gelu_tanh_mul), W_SCALED=scaled,
-                 **pdl.launch_options(x.device))
+                 **pdl.launch_options(x.device), **lora_flags)
     if config is None:
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
         # one program per row block: num_programs 0 is unused without PERSISTENT
         if scaled:
-            _gemv_fp8_autotuned[grid](*args, 0, **flags, PERSISTENT=False)
+            _gemv_fp8_autotuned[grid](*args, 0, *lora_args, **flags, PERSISTENT=False)
         else:
-            _gemv_autotuned[grid](*args, 0, **flags, PERSISTENT=False)
+            _gemv_autotuned[grid](*args, 0, *lora_args, **flags, PERSISTENT=False)
     else:
         cfg = dict(config)
         launch = {key: cfg.pop(key) for key in ("num_warps", "num_stages") if key in cfg}
         blocks = triton.cdiv(n, cfg["BLOCK_N"])
         # PROGRAMS: a persistent grid of that many programs (fewer when there are fewer row blocks)
         programs = min(blocks, cfg.pop("PROGRAMS", 0) or blocks)
-        _gemv_kernel[(programs,)](*args, programs, **flags, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
+        _gemv_kernel[(programs,)](*args, programs, *lora_args, **flags, EVEN_K=k % cfg["BLOCK_K"] == 0, **cfg,
                                   PERSISTENT=programs < blocks, **launch)
     return y

@@ -35,7 +35,9 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, act: Optional[nn.Module] = None) -> torch.Tensor:
         """act(x @ W^T + b); act (e.g. SiluAndMul over a [gate; up] weight) may be fused into the matmul."""
         if self.lora is not None and self.lora.active:
-            # the adapter's delta joins before the activation, so act is not fused into the matmul here
+            if self.linear_method.takes_lora_epilogue(self, x):  # the batch-1 GEMV adds the delta before act
+                return self.linear_method.apply(self, x, self.bias, act, lora=self.lora.gemv_epilogue(x))
+            # elsewhere the adapter's delta joins before the activation, so act is not fused into the matmul
             y = self.lora.add_delta(x, self.linear_method.apply(self, x, self.bias))
             return y if act is None else act(y)
         return self.linear_method.apply(self, x, self.bias, act)

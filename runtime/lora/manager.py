@@ -19,7 +19,9 @@ from typing import Collection, Optional
 import torch
 from torch import nn
 
+from braid.runtime.layers.gemv import LoraEpilogue
 from braid.runtime.lora.adapter import SUPPORTED_TARGETS, LoraAdapter, LoraError, load_adapter
+from braid.runtime.lora.bgmv_kernels import bgmv_shrink
 from braid.runtime.lora.ops import lora_expand, lora_shrink
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,12 @@ class LoraLayer:
         self.full_out = list(getattr(linear, "full_output_sizes", output_sizes))
         self.out_starts = list(getattr(linear, "shard_starts", [0] * len(output_sizes)))
         self.a = torch.zeros(num_slots, len(output_sizes) * rank, linear.in_features, device=device, dtype=dtype)
-        self.b = [torch.zeros(num_slots, out, rank, device=device, dtype=dtype) for out in output_sizes]
+        # every slice's B stacked along rows [N, sum(out_s), R] (the batch-1 GEMV's epilogue reads it whole); self.b
+        # are its per-slice views [N, out_s, R]
+        self.b_rows = torch.zeros(num_slots, sum(output_sizes), rank, device=device, dtype=dtype)
+        self.b = list(self.b_rows.split(list(output_sizes), dim=1))
+        starts = [sum(output_sizes[:i]) for i in range(1, len(output_sizes))] + [sum(output_sizes)] * 2
+        self.slice_starts = (starts[0], starts[1])  # the rows where slices 1 and 2 begin (the total past the last)
 
     def clear_slot(self, slot: int) -> None:
         self.a[slot].zero_()
@@ -76,6 +83,12 @@ class LoraLayer:
     @property
     def active(self) -> bool:
         return self.batch.idx is not None
+
+    def gemv_epilogue(self, x: torch.Tensor) -> LoraEpilogue:
+        """x: [1, in], for a batch-1 GEMV that adds the delta in its epilogue: the (per-row) shrink runs now, the
+        expand inside the GEMV."""
+        batch = self.batch
+        return LoraEpilogue(bgmv_shrink(x, self.a, batch.idx), self.b_rows, batch.scale, batch.idx, self.slice_starts)
 
     def add_delta(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # x: [T, in], y: [T, out] (the base output, updated in place)

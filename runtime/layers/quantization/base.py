@@ -37,6 +37,11 @@ class LinearMethod(ABC):
         """After every checkpoint tensor is in place (and weights are tied): re-lay-out or quantize. Runs again
         whenever the weights change."""
 
+    def takes_lora_epilogue(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """Whether apply(..., lora=...) adds a LoRA delta (gemv.LoraEpilogue) inside its kernel for this x; else the
+        layer adds it to apply's output (a shrink and an expand)."""
+        return False
+
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None,
               act: Optional[nn.Module] = None) -> torch.Tensor:
