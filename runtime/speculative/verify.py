@@ -336,26 +336,9 @@ class SpeculativeDecoder:
         paths: list[list[int]] = [[0] for _ in reqs]
         drafted = [i for i, t in enumerate(trees) if len(t)]
         if info.all_greedy:
-            # greedy rows: p is the one-hot of the row's argmax, so the acceptance rules (acceptance.accept,
-            # draft_tree.walk) take the child whose token is the argmax, and emit the argmax where none is (the
-            # uniforms they would draw decide nothing); a request without a draft emits its row's argmax, as the
-            # greedy sampler does. One copy of the argmaxes to the host is the pass's only wait for the device.
-            top = argmax_last_dim(processed).tolist()
-            for i, (tree, first) in enumerate(zip(trees, row_start)):
-                draft, node = tree.tokens, 0
-                if tree.is_chain():
-                    while node < len(draft) and draft[node] == top[first + node]:
-                        node += 1
-                    emitted[i], paths[i] = draft[:node] + [top[first + node]], list(range(node + 1))
-                    continue
-                kids = tree.children()
-                while True:
-                    want = top[first + node]
-                    node = next((c for c in kids[node] if draft[c - 1] == want), None)
-                    if node is None:
-                        break
-                    paths[i].append(node)
-                emitted[i] = [draft[c - 1] for c in paths[i][1:]] + [want]
+            # the acceptance rules' greedy case, and a request without a draft emits its row's argmax as the greedy
+            # sampler does: one copy of the argmaxes to the host is the pass's only wait for the device
+            emitted, paths = greedy_accept(argmax_last_dim(processed).tolist(), row_start, trees)
         elif drafted:
             probs = target_probs(processed, rows_info)
             starts, greedy = [row_start[i] for i in drafted], [info.is_greedy[i] for i in drafted]
@@ -462,6 +445,33 @@ def check_tree_verify(runner, topk: int) -> None:
         raise ValueError(f"--speculative-eagle-topk {topk} (tree drafts) is not supported yet on models with "
                          "sliding-window layers (a tree row's window would follow its depth, not its row); use "
                          "--speculative-eagle-topk 1 (chain drafts)")
+
+
+def greedy_accept(top: list[int], row_start: list[int], trees: list[DraftTree]) -> tuple[list[list[int]],
+                                                                                     list[list[int]]]:
+    """Acceptance of greedy requests from their verify rows' argmaxes (top[row_start[i] + node]: request i's row of
+    that node) -> (per request the emitted tokens, per request the path: [0] + the accepted nodes). A greedy row's p
+    is the one-hot of its argmax, so acceptance.accept and draft_tree.walk take the child whose token is the argmax
+    and emit the argmax where none is (their uniforms decide nothing); without a draft, the root row's argmax."""
+    emitted, paths = [], []
+    for tree, first in zip(trees, row_start):
+        draft, node = tree.tokens, 0
+        if tree.is_chain():
+            while node < len(draft) and draft[node] == top[first + node]:
+                node += 1
+            emitted.append(draft[:node] + [top[first + node]])
+            paths.append(list(range(node + 1)))
+            continue
+        kids, path = tree.children(), [0]
+        while True:
+            want = top[first + node]
+            node = next((c for c in kids[node] if draft[c - 1] == want), None)
+            if node is None:
+                break
+            path.append(node)
+        emitted.append([draft[c - 1] for c in path[1:]] + [want])
+        paths.append(path)
+    return emitted, paths
 
 
 def _to_device_packed(lists: list[list[int]], dtype: torch.dtype, device) -> list[torch.Tensor]:
