@@ -187,19 +187,21 @@ def _gemv_row_block(block, x_ptr, w_ptr, w_scale_ptr, y_ptr, N, K, w_row_stride,
     row_mask = rows < N
     b, scale = _lora_b_rows(rows, row_mask, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo, LORA,
                             L_BLOCK_R)
-    b_up, _ = _lora_b_rows(rows + N, row_mask, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo,
-                           LORA and SILU_MUL, L_BLOCK_R)
+    b_up = 0.0
+    if SILU_MUL:
+        b_up, _ = _lora_b_rows(rows + N, row_mask, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo,
+                               LORA, L_BLOCK_R)
     y, y_up = _gemv_rows(rows, row_mask, N, x_ptr, w_ptr, K, w_row_stride, SILU_MUL, EVEN_K, USE_PDL, WAIT,
                          BLOCK_K)
     if W_SCALED:  # w_scale: [rows] fp32, the up half's scales N entries further
         y = y * tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0)
         if SILU_MUL:
             y_up = y_up * tl.load(w_scale_ptr + N + rows, mask=row_mask, other=0.0)
-    out_dtype: tl.constexpr = y_ptr.dtype.element_ty
-    y = _with_lora(y, rows, b, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, out_dtype, LORA, L_BLOCK_R,
-                   L_BLOCK_P)
-    y_up = _with_lora(y_up, rows + N, b_up, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, out_dtype,
-                      LORA and SILU_MUL, L_BLOCK_R, L_BLOCK_P)
+    y = _with_lora(y, rows, b, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, y_ptr.dtype.element_ty,
+                   LORA, L_BLOCK_R, L_BLOCK_P)
+    if SILU_MUL:
+        y_up = _with_lora(y_up, rows + N, b_up, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2,
+                          y_ptr.dtype.element_ty, LORA, L_BLOCK_R, L_BLOCK_P)
     if SILU_MUL:  # the gated pair; GELU_GATE: gelu_tanh(gate) * up instead of silu(gate) * up
         gate = y.to(y_ptr.dtype.element_ty).to(tl.float32)
         up = y_up.to(y_ptr.dtype.element_ty).to(tl.float32)
@@ -297,7 +299,6 @@ def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin
     let_next_kernel_launch(USE_PDL)
     is_qk, head, pairs, v_cols, v_mask = rotary_store_program(tl.program_id(0), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
                                                               V_WIDTH, BLOCK_N)
-    out_dtype: tl.constexpr = q_ptr.dtype.element_ty
     if is_qk:
         rows = head * HEAD_DIM + pairs
         every = rows >= 0
@@ -307,10 +308,10 @@ def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin
                              l_stride_bo, LORA, L_BLOCK_R)
         y1, y2 = _gemv_rows(rows, every, HEAD_DIM // 2, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL,
                             True, BLOCK_K)
-        y1 = _with_lora(y1, rows, b1, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, out_dtype, LORA,
-                        L_BLOCK_R, L_BLOCK_P)
+        y1 = _with_lora(y1, rows, b1, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2,
+                        q_ptr.dtype.element_ty, LORA, L_BLOCK_R, L_BLOCK_P)
         y2 = _with_lora(y2, rows + HEAD_DIM // 2, b2, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2,
-                        out_dtype, LORA, L_BLOCK_R, L_BLOCK_P)
+                        q_ptr.dtype.element_ty, LORA, L_BLOCK_R, L_BLOCK_P)
         rotary_store_pair(y1, y2, head, pairs, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
                           k_cache_stride, NUM_Q_HEADS, HEAD_DIM)
     else:
@@ -318,9 +319,9 @@ def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin
         b, scale = _lora_b_rows(rows, v_mask, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo, LORA,
                                 L_BLOCK_R)
         y, _ = _gemv_rows(rows, v_mask, 0, x_ptr, w_ptr, K, w_row_stride, False, EVEN_K, USE_PDL, True, BLOCK_K)
-        y = _with_lora(y, rows, b, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, out_dtype, LORA,
-                       L_BLOCK_R, L_BLOCK_P)
-        store_v_row(y, v_cols, v_mask, loc_ptr, v_cache_ptr, v_cache_stride, out_dtype)
+        y = _with_lora(y, rows, b, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, q_ptr.dtype.element_ty,
+                       LORA, L_BLOCK_R, L_BLOCK_P)
+        store_v_row(y, v_cols, v_mask, loc_ptr, v_cache_ptr, v_cache_stride, q_ptr.dtype.element_ty)
 
 
 # measured_tiles.GEMV_CONFIGS, the tuples measured_config turns into gemv's `config`: (BLOCK_N, BLOCK_K, num_warps,
