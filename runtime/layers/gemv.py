@@ -300,26 +300,26 @@ def _gemv_rotary_store_kernel(x_ptr, w_ptr, q_ptr, pos_ptr, cos_sin_ptr, cos_sin
     is_qk, head, pairs, v_cols, v_mask = rotary_store_program(tl.program_id(0), NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM,
                                                               V_WIDTH, BLOCK_N)
     if is_qk:
-        rows = head * HEAD_DIM + pairs
-        every = rows >= 0
-        b1, scale = _lora_b_rows(rows, every, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo, LORA,
+        qk_rows = head * HEAD_DIM + pairs  # names apart from the v branch's: a runtime branch's types must agree
+        every = qk_rows >= 0
+        b1, qk_scale = _lora_b_rows(qk_rows, every, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo, LORA,
                                  L_BLOCK_R)
-        b2, _ = _lora_b_rows(rows + HEAD_DIM // 2, every, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn,
+        b2, b2_scale = _lora_b_rows(qk_rows + HEAD_DIM // 2, every, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn,
                              l_stride_bo, LORA, L_BLOCK_R)
-        y1, y2 = _gemv_rows(rows, every, HEAD_DIM // 2, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL,
+        y1, y2 = _gemv_rows(qk_rows, every, HEAD_DIM // 2, x_ptr, w_ptr, K, w_row_stride, True, EVEN_K, USE_PDL,
                             True, BLOCK_K)
-        y1 = _with_lora(y1, rows, b1, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2,
+        y1 = _with_lora(y1, qk_rows, b1, qk_scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2,
                         q_ptr.dtype.element_ty, LORA, L_BLOCK_R, L_BLOCK_P)
-        y2 = _with_lora(y2, rows + HEAD_DIM // 2, b2, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2,
+        y2 = _with_lora(y2, qk_rows + HEAD_DIM // 2, b2, b2_scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2,
                         q_ptr.dtype.element_ty, LORA, L_BLOCK_R, L_BLOCK_P)
         rotary_store_pair(y1, y2, head, pairs, q_ptr, pos_ptr, cos_sin_ptr, cos_sin_stride, loc_ptr, k_cache_ptr,
                           k_cache_stride, NUM_Q_HEADS, HEAD_DIM)
     else:
-        rows = (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + v_cols
-        b, scale = _lora_b_rows(rows, v_mask, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo, LORA,
+        v_rows = (NUM_Q_HEADS + NUM_KV_HEADS) * HEAD_DIM + v_cols
+        b, v_scale = _lora_b_rows(v_rows, v_mask, lb_ptr, lidx_ptr, lscale_ptr, L_R, l_stride_bn, l_stride_bo, LORA,
                                 L_BLOCK_R)
-        y, _ = _gemv_rows(rows, v_mask, 0, x_ptr, w_ptr, K, w_row_stride, False, EVEN_K, USE_PDL, True, BLOCK_K)
-        y = _with_lora(y, rows, b, scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, q_ptr.dtype.element_ty,
+        y, _ = _gemv_rows(v_rows, v_mask, 0, x_ptr, w_ptr, K, w_row_stride, False, EVEN_K, USE_PDL, True, BLOCK_K)
+        y = _with_lora(y, v_rows, b, v_scale, lh_ptr, L_R, L_P, L_S, l_stride_hp, l_off1, l_off2, q_ptr.dtype.element_ty,
                        LORA, L_BLOCK_R, L_BLOCK_P)
         store_v_row(y, v_cols, v_mask, loc_ptr, v_cache_ptr, v_cache_stride, q_ptr.dtype.element_ty)
 
