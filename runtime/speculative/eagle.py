@@ -132,24 +132,44 @@ class EagleProposer:
     def record(self, req: Req, start: int, feats: torch.Tensor) -> None:
         """feats: [n, F] the target's features at positions start..start + n - 1 of this request (a view of the
         pass's output: copied). Earlier features at those positions, and head rows built on them, are dropped."""
-        if not self.tracks(req) or feats.shape[0] == 0:
+        self.record_many([req], [start], feats, [feats.shape[0]])
+
+    def record_many(self, reqs: list[Req], starts: list[int], feats: torch.Tensor, counts: list[int]) -> None:
+        """`record` for several requests at once: feats [sum(counts), F] holds request i's counts[i] rows (positions
+        starts[i]..) after request i - 1's. Each request's features kept from before and its new rows are joined
+        in one copy for the batch (each request's state then holds a view of it)."""
+        pieces, states = [], []
+        offset = 0
+        for req, start, n in zip(reqs, starts, counts):
+            rows = feats.narrow(0, offset, n)
+            offset += n
+            if n == 0 or not self.tracks(req):
+                continue
+            st = req.spec_state
+            if st is None:
+                st = req.spec_state = EagleState(self.head.new_cache(start))
+            cache = st.cache
+            if start <= cache.start:
+                cache.reset(start)
+            else:
+                cache.truncate(start - cache.start)
+            kept, first = None, start
+            if st.feats is not None and st.feat_start <= start <= st.feat_end:
+                kept, first = st.feats[:start - st.feat_start], st.feat_start
+            # features of rows the cache holds are not needed again, but the last (a step with no new row reruns
+            # it): at most the kept ones
+            drop = min(cache.start + cache.length - 1, start) - first
+            if kept is not None and drop > 0:
+                kept, first = kept[drop:], first + drop
+            if kept is not None and kept.shape[0]:
+                pieces.append(kept)
+            pieces.append(rows)
+            states.append((st, first, n + (0 if kept is None else kept.shape[0])))
+        if not states:
             return
-        st = req.spec_state
-        if st is None:
-            st = req.spec_state = EagleState(self.head.new_cache(start))
-        cache = st.cache
-        if start <= cache.start:
-            cache.reset(start)
-        else:
-            cache.truncate(start - cache.start)
-        if st.feats is None or not st.feat_start <= start <= st.feat_end:
-            st.feats, st.feat_start = feats.clone(), start
-        else:
-            st.feats = torch.cat([st.feats[:start - st.feat_start], feats], dim=0)
-        # features of rows the cache holds are not needed again, but the last (a step with no new row reruns it)
-        drop = min(cache.start + cache.length - 1, start) - st.feat_start
-        if drop > 0:
-            st.feats, st.feat_start = st.feats[drop:], st.feat_start + drop
+        joined = torch.cat(pieces, dim=0) if len(pieces) > 1 else pieces[0].clone()
+        for (st, first, _), part in zip(states, joined.split([size for *_, size in states])):
+            st.feats, st.feat_start = part, first
 
     @staticmethod
     def release(req: Req) -> None:

@@ -1,9 +1,10 @@
 """NGRAM proposer: prompt lookup. The request's last n tokens (n from the longest window down to the shortest) are
 looked up earlier in its own prompt and output; the tokens that followed the latest earlier occurrence are the
-draft. Per step: one numpy pass over the request's tokens for the positions holding its last token, then up to
-max_match - 1 passes over those candidates (an index kept across steps is left for very long contexts). The
-request's tokens reach it as a numpy array: `TokenMirror` keeps one a request, extended by the tokens appended
-since the last step, so a step does not convert the whole context again."""
+draft. Per step: one numpy pass over the request's tokens for the positions holding its last token, one over those
+candidates for the token before it, and one over the candidates left for every longer match at once (an index kept
+across steps is left for very long contexts). The request's tokens reach it as a numpy array: `TokenMirror` keeps
+one a request, extended by the tokens appended since the last step, so a step does not convert the whole context
+again."""
 
 from __future__ import annotations
 
@@ -28,25 +29,25 @@ class NgramProposer:
             return []
         arr = np.asarray(tokens, dtype=np.int64)
         # candidates: earlier positions i holding the last token (an occurrence of the suffix ends there, with at
-        # least one token after it); one pass over the tokens, then at most max_match - 1 over the candidates
+        # least one token after it)
         ends = np.flatnonzero(arr[:L - 1] == arr[L - 1])
         if ends.size == 0:
             return []
-        matched = np.ones(ends.size, dtype=np.int64)  # suffix tokens matched ending at each candidate
-        alive = np.ones(ends.size, dtype=bool)
-        for j in range(1, min(self.max_match, L - 1)):
-            before = ends - j
-            ok = alive & (before >= 0)
-            ok[ok] = arr[before[ok]] == arr[L - 1 - j]
-            matched += ok
-            alive = ok
-            if not alive.any():
-                break
-        best = int(matched.max())
+        limit = min(self.max_match, L - 1)  # suffix tokens a match may count
+        best, hits = 1, ends
+        if limit > 1:
+            # the candidates whose token before matches too (most drop out here), then the runs of those, every
+            # length at once (a run lasts while the tokens before the candidate and before the last token agree)
+            two = ends[(ends >= 1) & (arr[np.maximum(ends - 1, 0)] == arr[L - 2])]
+            if two.size:
+                back = np.arange(2, limit)
+                before = two[:, None] - back
+                same = (arr[np.maximum(before, 0)] == arr[L - 1 - back]) & (before >= 0)
+                matched = 2 + np.logical_and.accumulate(same, axis=1).sum(axis=1)
+                best = int(matched.max())
+                hits = two[matched == best]
         if best < self.min_match:
             return []
-        hits = ends[matched == best]
-        # the latest occurrence followed by a whole draft (the freshest context for a copy), else the latest
         full = hits[hits + 1 + k <= L]
         start = int(full[-1] if full.size else hits[-1]) + 1
         return arr[start:start + k].tolist()

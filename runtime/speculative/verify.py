@@ -96,10 +96,7 @@ class SpeculativeDecoder:
         if self.eagle is None or output.hidden_states is None:
             return
         feats = self.eagle.features(output.hidden_states, output.aux_hidden_states)
-        row = 0
-        for req, start, n in zip(reqs, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
-            self.eagle.record(req, start, feats[row:row + n])
-            row += n
+        self.eagle.record_many(reqs, fb.extend_prefix_lens_cpu, feats, fb.extend_seq_lens_cpu)
 
     def release(self, req: Req) -> None:
         """A request that finished or was aborted: its draft-head state goes."""
@@ -160,12 +157,10 @@ class SpeculativeDecoder:
             # gathered for all at once
             rows = host_to_device([first + r for first, path in zip(row_start, paths) for r in path], torch.int64,
                                   self.device)
-            accepted = feats.index_select(0, rows).split([len(path) for path in paths])
-        for i, (req, start, n, path) in enumerate(zip(reqs, starts, lens, paths)):
+            self.eagle.record_many(reqs, starts, feats.index_select(0, rows), [len(path) for path in paths])
+        for req, start, n, path in zip(reqs, starts, lens, paths):
             if path != list(range(len(path))):
                 self._move_path_kv(req, start, n, path)
-            if self.eagle is not None:
-                self.eagle.record(req, start, accepted[i])
         self.num_verify_forward += 1
         self.num_drafts += sum(1 for t in trees if len(t))
         self.num_draft_tokens += total - len(reqs)
@@ -210,7 +205,10 @@ class SpeculativeDecoder:
             if self.eagle is not None:
                 chains = self.eagle.propose(reqs, rooms)
             else:
-                chains = [self.proposer.propose(self._tokens(req), room) if room > 0 else []
+                # braid's proposer reads each request's TokenMirror; one put in its place (a benchmark's wrapper)
+                # gets the token list
+                tokens = self._tokens if type(self.proposer) is NgramProposer else (lambda req: req.fill_ids)
+                chains = [self.proposer.propose(tokens(req), room) if room > 0 else []
                           for req, room in zip(reqs, rooms)]
             proposed = [DraftTree.chain(c) for c in chains]
         if ps.tp_size() > 1:
