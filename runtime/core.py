@@ -130,7 +130,7 @@ class Req:
     jump_forward_tokens: int = 0  # completion tokens appended by jump-forward (not sampled)
     spec_drafts: int = 0  # speculative decoding: this request's drafts verified (passes in which it had one)
     spec_accepted_tokens: int = 0  # speculative decoding: their tokens accepted
-    spec_state: Any = None  # EAGLE: the draft head's per-request state (runtime/speculative/eagle.py)
+    spec_state: Any = None  # EAGLE: the draft head's per-request state (runtime/speculative/eagle.py); NGRAM: its TokenMirror
 
     # ---- logprobs (filled by the scheduler) ----
     output_token_logprobs: list = field(default_factory=list)  # [(logprob, token_id)]
