@@ -9,6 +9,8 @@
 Every constrained output that ends by the grammar is checked against its schema (jsonschema).
 
     python benchmarks/grammar_serving.py --port 30000 --num-requests 512 --num-schemas 64
+
+--in-process runs phase 2 without a server (in_process): the host's work per request on a CPU machine.
 """
 
 from __future__ import annotations
@@ -90,7 +92,9 @@ async def run_all(url: str, prompts: list[str], params: list[dict], stream: bool
 
 
 TIMING_KEYS = ("num_steps", "num_forward_decode", "num_decode_overlapped", "num_forward_extend", "extend_time_s_total",
-               "step_time_s_total", "forward_time_s_total", "device_wait_s_total", "send_time_s_total", "grammar_accept_time_s_total", "grammar_mask_time_s_total")
+               "extend_forward_time_s_total", "extend_device_wait_s_total", "extend_grammar_mask_time_s_total",
+               "step_time_s_total", "forward_time_s_total", "device_wait_s_total", "send_time_s_total",
+               "grammar_accept_time_s_total", "grammar_mask_time_s_total")
 
 
 def server_timing(port: int) -> dict:
@@ -153,6 +157,54 @@ def schema_valid(outs: list[dict], schemas: list[dict]) -> tuple[int, int]:
     return ended, valid
 
 
+# --in-process: a one-layer Llama with Llama-3-8B's logits width, so that the host's work per request stands out
+TINY_LLAMA3_LOGITS = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                      "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                      "num_hidden_layers": 1, "vocab_size": 128256, "max_position_embeddings": 8192,
+                      "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "bos_token_id": 128000, "eos_token_id": 128001}
+
+
+def in_process(args) -> None:
+    """--in-process: phase 2 alone (constrained, then free with the same lengths) on a Scheduler in this process
+    (on a CPU machine: the synchronous step, jump-forward off as on CUDA), greedy, the grammars compiled first;
+    prints each phase's host timing as the server's counters give it."""
+    from braid.runtime.config import ServerArgs
+    from braid.runtime.core import Req
+    from braid.runtime.sampling_params import SamplingParams
+    from braid.runtime.scheduler.scheduler import Scheduler, freeze_startup_objects
+
+    n = args.num_requests
+    sched = Scheduler(ServerArgs(model_path="llama3-8b-dummy", load_format="dummy", dtype="float32",
+                                 model_config=json.dumps(TINY_LLAMA3_LOGITS), tokenizer_path=args.tokenizer_path,
+                                 max_total_tokens=n * 400, max_running_requests=n, disable_jump_forward=True,
+                                 log_level="warning"))
+    freeze_startup_objects()
+    schemas = [json.dumps(make_schema(i)) for i in range(args.num_schemas)]
+    for spec in schemas:
+        sched.intake.grammar_backend.compile("json", spec)
+    prompts = [sched.tokenizer.encode(make_prompt(i)) for i in range(n)]
+
+    def phase(name: str, params: list) -> tuple[dict, dict]:
+        assert sched.flush_cache()
+        before = sched.get_stats()
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            sched.add_request(Req(rid=f"{name}{i}", input_ids=list(ids), sampling_params=sp))
+        lens = {}
+        while sched.has_work():
+            lens.update((o.rid, o.completion_tokens) for o in sched.step() if o.finished)
+        after = sched.get_stats()
+        return {k: round(after.get(k, 0) - before.get(k, 0), 4) for k in TIMING_KEYS}, lens
+
+    cons_host, lens = phase("c", [SamplingParams(max_new_tokens=args.max_tokens, temperature=0,
+                                                 json_schema=schemas[i % len(schemas)]) for i in range(n)])
+    free_host, _ = phase("f", [SamplingParams(max_new_tokens=max(1, lens[f"c{i}"]), temperature=0, ignore_eos=True)
+                               for i in range(n)])
+    sched.shutdown()
+    print(f"{n} requests over {len(schemas)} schemas, {sum(lens.values())} tokens each phase")
+    for name, h in (("constrained", cons_host), ("free", free_host)):
+        print(f"host @{n} {name}: " + ", ".join(f"{k.replace('_time_s_total', '')}={v}" for k, v in h.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=30000)
@@ -162,7 +214,14 @@ def main() -> None:
     parser.add_argument("--tpot-batch", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--output-file", default=None)
+    parser.add_argument("--in-process", action="store_true",
+                        help="no server: phase 2 on a scheduler in this process, a one-layer Llama with Llama-3's "
+                             "logits width (in_process)")
+    parser.add_argument("--tokenizer-path", default=".gpu/tok", help="--in-process: the tokenizer")
     args = parser.parse_args()
+    if args.in_process:
+        in_process(args)
+        return
     url = f"http://127.0.0.1:{args.port}/generate"
     schemas = [make_schema(i) for i in range(args.num_schemas)]
     rows = {}

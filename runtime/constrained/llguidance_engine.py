@@ -2,7 +2,9 @@
 compiled on threads (the library drops the GIL) and matched by an Earley parser over a lazy lexer.
 
 A grammar holds one matcher built at compile time; each request gets a copy (cheap: the compiled grammar is shared).
-Masks of a batch are computed on the library's own thread pool straight into a packed bitmask.
+Masks of a batch are computed on the library's own thread pool straight into a packed bitmask. The start state's
+mask is computed once, by the compile, off the scheduler's thread: a request's first mask (the one its extend
+samples under) is a copy of it, not a walk of the vocabulary with its matcher's caches still cold.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import threading
 import llguidance
 import torch
 
+from .bitmask import allocate_bitmask
 from .grammar_errors import GrammarError, GrammarShutDownError, GrammarTimeoutError
 from .regex_index import check_regex_syntax
 from .jump_forward import JumpForward
@@ -106,6 +109,10 @@ class LLGuidanceGrammar:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._matcher = matcher  # never advanced: the start state every request copies
+        # [words] int32: the start state's allowed tokens (a copy's mask is computed; the template stays untouched)
+        self.start_mask = allocate_bitmask(1, vocab_size)[0]
+        matcher.deep_copy().unsafe_compute_mask_ptr(self.start_mask.data_ptr(), self.start_mask.numel() * 4)
+        self.start_mask_np = self.start_mask.numpy()  # the same memory, for grammar.fill_bitmasks
 
     def new_state(self) -> "LLGuidanceState":
         return LLGuidanceState(self, self._matcher.deep_copy())
@@ -151,17 +158,24 @@ class LLGuidanceState:
     def is_accepting(self) -> bool:
         return not self.terminated and not self.matcher.is_error() and self.matcher.is_accepting()
 
+    def at_start(self) -> bool:
+        """Whether the matcher is in the grammar's start state (nothing accepted, or all of it rolled back; not in
+        the error state a refused token of a batched accept leaves): its mask is grammar.start_mask."""
+        return self.num_accepted == 0 and not self.matcher.is_error()
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Overwrite `bitmask[row]` ([B, words] int32, contiguous, CPU) with this state's allowed tokens."""
         target = bitmask[row]
         if self.terminated:
             target.zero_()
             target[self.grammar.eos_token_id // 32] = _bit(self.grammar.eos_token_id % 32)
+        elif self.at_start():
+            target.copy_(self.grammar.start_mask)
         else:
             self.matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)
 
     def allowed_token_ids(self) -> torch.Tensor:
-        from .bitmask import allocate_bitmask, unpack_row
+        from .bitmask import unpack_row
 
         bitmask = allocate_bitmask(1, self.grammar.vocab_size)
         self.fill_bitmask(bitmask, 0)

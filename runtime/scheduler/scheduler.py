@@ -85,12 +85,17 @@ class HostTiming:
     a step's outputs to the I/O (the server process: building, encoding and sending the output batch). The rest of a
     step is the host's own work (admission, batch building, commits, reports). `extend_s`: the part of `step()` spent
     on extend passes (built, run to their results and committed; the decode pass before one is committed first), so
-    that a decoding request's time per token splits into its decode passes and the prefills between them."""
+    that a decoding request's time per token splits into its decode passes and the prefills between them; of it,
+    `extend_forward_s` inside `ModelRunner.forward` (with the grammar masks of the pass, `extend_grammar_mask_s`
+    of that) and `extend_wait_s` waiting for the pass's results."""
 
     def __init__(self):
         self.steps = 0
         self.step_s = 0.0
         self.extend_s = 0.0
+        self.extend_forward_s = 0.0
+        self.extend_wait_s = 0.0
+        self.extend_grammar_mask_s = 0.0
         self.forward_s = 0.0
         self.device_wait_s = 0.0
         self.send_s = 0.0
@@ -111,7 +116,10 @@ class HostTiming:
     def stats(self) -> dict:
         return dict(num_steps=self.steps, step_time_s_total=self.step_s, forward_time_s_total=self.forward_s,
                     device_wait_s_total=self.device_wait_s, send_time_s_total=self.send_s,
-                    extend_time_s_total=self.extend_s, grammar_accept_time_s_total=self.grammar_accept_s)
+                    extend_time_s_total=self.extend_s, extend_forward_time_s_total=self.extend_forward_s,
+                    extend_device_wait_s_total=self.extend_wait_s,
+                    extend_grammar_mask_time_s_total=self.extend_grammar_mask_s,
+                    grammar_accept_time_s_total=self.grammar_accept_s)
 
 
 class Scheduler:
@@ -401,8 +409,14 @@ class Scheduler:
         self.stats["num_computed_prompt_tokens_total"] += sum(
             max(0, min(p + n, len(r.input_ids)) - p)
             for r, p, n in zip(batch, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu))
-        output = self.timing.forward(self.runner, fb)
-        self.timing.wait(output)
+        timing, mask_s = self.timing, self.output.grammar_mask_s
+        start = time.perf_counter()
+        output = timing.forward(self.runner, fb)
+        waited = time.perf_counter()
+        timing.wait(output)
+        timing.extend_forward_s += waited - start
+        timing.extend_wait_s += time.perf_counter() - waited
+        timing.extend_grammar_mask_s += self.output.grammar_mask_s - mask_s
         host = output.host()
         if self.spec is not None:
             self.spec.record_extend(batch, fb, output)
@@ -531,10 +545,12 @@ class Scheduler:
                           jump_forward: bool) -> dict[int, bool]:
         """Each live grammar request's grammar takes its sampled token, for the batch at once. -> {row: whether its
         grammar ended, or _REFUSED}; flags in `check` the rows that need OutputProcessor.commit: a grammar that
-        ended or refused the token, and with jump_forward every grammar row (it may jump)."""
+        ended or refused the token, and with jump_forward every grammar row (it may jump; with jump-forward off for the
+        server none does, and the rest take the commit's plain path)."""
         rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.finished_reason is None]
         if not rows:
             return {}
+        jump_forward = jump_forward and self.output.jump_forward_enabled
         start = time.perf_counter()
         ok = accept_tokens([reqs[i].grammar for i in rows], [tokens[i] for i in rows])
         ended = {}

@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 import torch
 
-from braid.runtime.constrained import (GrammarBackend, GrammarError, JumpForward, allocate_bitmask,
+from braid.runtime.constrained import (GrammarBackend, GrammarError, JumpForward, accept_tokens, allocate_bitmask,
                                        build_token_vocabulary, choices_to_regex, fill_bitmasks, json_schema_to_regex,
                                        unpack_row)
 from braid.runtime.layers.token_bitmask import apply_token_bitmask_
@@ -361,6 +361,49 @@ def test_batch_mask_matches_allowed_ids_and_masks_logits(backend, smollm2_tokeni
     finite = torch.isfinite(logits)
     for row in range(batch):
         assert torch.equal(finite[row].nonzero().squeeze(1), unpack_row(bitmask[row], width))
+
+
+def _computed_mask(state) -> torch.Tensor:
+    """An llguidance state's mask as its matcher computes it (no start-mask copy)."""
+    row = allocate_bitmask(1, state.grammar.vocab_size)[0]
+    state.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+    return row
+
+
+def test_llguidance_start_state_mask_is_the_compiled_one(smollm2_tokenizer):
+    """A request's first mask (the one its extend samples under) is the start mask its grammar's compile computed:
+    equal to what the request's own matcher computes, in a batch fill beside advanced states, after a rollback to
+    the start, and not for a matcher a refused token left in its error state."""
+    tok = smollm2_tokenizer
+    be = GrammarBackend(tok, vocab_size=len(tok) + LOGITS_WIDTH_PAD, engine="llguidance")
+    try:
+        grammars = [be.compile("json", json.dumps(SCHEMAS[name])) for name in sorted(SCHEMAS)] + \
+            [be.compile("regex", REGEXES["date"])]
+        fresh = [g.new_state() for g in grammars]
+        for state in fresh:
+            assert state.at_start() and torch.equal(state.grammar.start_mask, _computed_mask(state))
+        advanced = grammars[1].new_state()
+        for t in tok.encode('{"color":"red","score":1', add_special_tokens=False):
+            advanced.accept_token(t)
+        rolled_back = grammars[1].new_state()
+        for t in tok.encode('{"color":"gr', add_special_tokens=False):
+            rolled_back.accept_token(t)
+        rolled_back.rollback(rolled_back.num_accepted)
+        refused = grammars[0].new_state()  # a batched accept that refuses leaves the matcher in its error state
+        assert accept_tokens([refused], [tok.convert_tokens_to_ids("]")]) == [False]
+        assert refused.num_accepted == 0 and not refused.at_start()
+        states = [fresh[0], advanced, None, rolled_back, refused] + fresh[1:]
+        bitmask = allocate_bitmask(len(states), be.vocab_size)
+        bitmask.zero_()
+        fill_bitmasks(states, bitmask)
+        for row, state in enumerate(states):
+            if state is None:
+                assert not bitmask[row].any()
+            else:
+                assert torch.equal(bitmask[row], _computed_mask(state)), row
+        assert torch.equal(bitmask[3], grammars[1].start_mask) and not torch.equal(bitmask[1], bitmask[3])
+    finally:
+        be.shutdown()
 
 
 def test_json_schema_to_regex_inputs():
