@@ -6,6 +6,9 @@ constrained/bitmask.py and llguidance). One Triton launch on CUDA; torch elsewhe
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +33,16 @@ def unpack_token_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
+def _banned(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, W] int32 -> [B, vocab_size] bool (True = banned). On a little-endian host's CPU tensors numpy unpacks the
+    words' bytes in token order, one byte a token, where the shift-and-mask of unpack_token_bitmask makes 32-bit
+    intermediates per token."""
+    if bitmask.device.type == "cpu" and sys.byteorder == "little":
+        words = bitmask.contiguous().numpy().view(np.uint8)
+        return torch.from_numpy(np.unpackbits(words, axis=1, count=vocab_size, bitorder="little")) == 0
+    return ~unpack_token_bitmask(bitmask, vocab_size)
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, *, use_kernel: bool | None = None,
                          block: int = 4096) -> None:
     """logits: [B, V] (unit stride along V); bitmask: [B, >= ceil(V / 32)] int32 on the same device."""
@@ -39,7 +52,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, *, use_ker
     if use_kernel is None:
         use_kernel = logits.is_cuda
     if not use_kernel:
-        logits.masked_fill_(~unpack_token_bitmask(bitmask, V), float("-inf"))
+        logits.masked_fill_(_banned(bitmask, V), float("-inf"))
         return
     if logits.stride(-1) != 1 or not bitmask.is_contiguous():
         raise ValueError("apply_token_bitmask_ needs unit stride along V and a contiguous bitmask")

@@ -1,6 +1,7 @@
 """The grammar-mask kernel (layers/token_bitmask.py) equals the torch unpacking: every bit of a word (the sign bit
 too), vocabularies that end inside a word, bitmasks wider than the vocabulary, rows with a stride, bf16 logits; under
-TRITON_INTERPRET=1 on CPU (small blocks), compiled on a GPU at Llama-3's vocabulary."""
+TRITON_INTERPRET=1 on CPU (small blocks), compiled on a GPU at Llama-3's vocabulary. The host path (CPU tensors)
+equals it too."""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ def test_kernel_equals_unpacked_mask(rows, vocab):
     got = logits.to(DEVICE)
     apply_token_bitmask_(got, bitmask.to(DEVICE), use_kernel=True, block=BLOCK)
     assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 1), (2, 31), (3, 32), (2, 33), (5, 1000), (2, 49152)])
+def test_host_path_equals_unpacked_mask(rows, vocab):
+    """The CPU path (numpy's byte unpacking) on a bitmask wider than the vocabulary and a column slice of one."""
+    wide = _random_bitmask(rows, vocab + 70, vocab + 1)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(3))
+    for bitmask in (wide, wide[:, 1:]):
+        expected = logits.masked_fill(~unpack_token_bitmask(bitmask, vocab), float("-inf"))
+        got = logits.clone()
+        apply_token_bitmask_(got, bitmask, use_kernel=False)
+        assert torch.equal(got, expected)
 
 
 def test_sign_bit_strided_rows_wide_bitmask_and_bf16():
