@@ -1,7 +1,8 @@
 # JSON-schema constrained against free generation on a Llama-3-8B-shaped dummy bf16 server (benchmarks/grammar_serving.py:
 # a burst of 64 new schemas from one client; 512 requests at once over 64 schemas, then the same prompts free with
 # each one's output length, twice (a cost only the first constrained round pays shows as its ratio); the same at 64,
-# streamed, for the time per output token), once per grammar engine named (default: llguidance), each optionally with server flags after commas. Prints the card's copy rate first.
+# streamed, for the time per output token), once per grammar engine named (default: llguidance), each optionally
+# with server flags after commas. Prints the card's copy rate first.
 # carry: .whl .gpu/tok
 #   bash benchmarks/gpu/grammar_serving.sh llguidance outlines llguidance,--enable-jump-forward
 set -o pipefail
