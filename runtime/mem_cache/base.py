@@ -10,11 +10,13 @@ With a HybridKVPool (window_pool.py) a slot's window-layer KV follows the same o
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from braid.runtime.core import host_to_device
 from braid.runtime.mem_cache.window_pool import RELEASE_STEP, HybridKVPool
 
 if TYPE_CHECKING:
@@ -93,22 +95,33 @@ class PrefixCache(ABC):
     def truncate_req_kv(self, req, new_len: int) -> None:
         """Shorten a running request's committed KV to its first new_len tokens (jump-forward rolled tokens back):
         the slots the request owns past new_len go back to the pool; slots the cache owns stay the cache's."""
-        if new_len >= req.kv_committed_len:
-            return
+        self.truncate_reqs_kv([req], [new_len])
+
+    def truncate_reqs_kv(self, reqs: list, new_lens: list[int]) -> None:
+        """truncate_req_kv for each request and its new length (a speculative pass's rejected drafts), the slots of
+        the whole batch gathered and freed at once."""
         pool = self.window_pool
-        if pool is not None and max(new_len - (pool.window - 1), 0) < req.window_kv_from:
-            # the next query (position new_len) sees keys from new_len - (W - 1) on; window_keep's margin keeps
-            # every rollback jump-forward can ask for above what trim_window_kv released
-            raise RuntimeError(f"request {getattr(req, 'rid', '?')}: rolled back to {new_len} tokens, but the window "
-                               f"KV below position {req.window_kv_from} was released")
-        cache_owned = self._cache_owned_len(req)
-        lo = max(new_len, cache_owned)
-        if lo < req.kv_committed_len:
-            row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-            self.kv_pool.free(row[lo:req.kv_committed_len].long().clone())
-        if req.prefix_indices is not None and new_len < len(req.prefix_indices):
-            req.prefix_indices = req.prefix_indices[:new_len]
-        req.kv_committed_len = new_len
+        rows, cols = [], []
+        for req, new_len in zip(reqs, new_lens):
+            end = req.kv_committed_len
+            if new_len >= end:
+                continue
+            if pool is not None and max(new_len - (pool.window - 1), 0) < req.window_kv_from:
+                # the next query (position new_len) sees keys from new_len - (W - 1) on; window_keep's margin keeps
+                # every rollback jump-forward can ask for above what trim_window_kv released
+                raise RuntimeError(f"request {getattr(req, 'rid', '?')}: rolled back to {new_len} tokens, but the "
+                                   f"window KV below position {req.window_kv_from} was released")
+            lo = max(new_len, self._cache_owned_len(req))
+            if lo < end:
+                rows.extend(itertools.repeat(req.req_pool_idx, end - lo))
+                cols.extend(range(lo, end))
+            if req.prefix_indices is not None and new_len < len(req.prefix_indices):
+                req.prefix_indices = req.prefix_indices[:new_len]
+            req.kv_committed_len = new_len
+        if rows:
+            req_to_token = self.req_to_token_pool.req_to_token
+            index = host_to_device(rows + cols, torch.int64, req_to_token.device).view(2, -1)
+            self.kv_pool.free(req_to_token[index[0], index[1]].long())
 
     def _cache_owned_len(self, req) -> int:
         """How many leading slots of the request's row the cache owns (its locked prefix)."""

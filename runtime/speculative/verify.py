@@ -400,19 +400,8 @@ class SpeculativeDecoder:
     def _release_rejected(self, reqs: list[Req]) -> None:
         """Give back the KV slots of every verified position past each request's last kept token (rejected drafts,
         tokens after a stop), for the whole batch at once: the newest token's KV is written by the next pass, as
-        after a decode step. The slots were allocated for this pass (past the request's committed KV, so past any
-        the prefix cache owns): prefix_cache.truncate_req_kv's rule, without a gather and a free per request."""
-        slot_rows, cols = [], []
-        for req in reqs:
-            keep, end = len(req.fill_ids) - 1, req.kv_committed_len
-            if keep < end:
-                slot_rows.extend(itertools.repeat(req.req_pool_idx, end - keep))
-                cols.extend(range(keep, end))
-                req.kv_committed_len = keep
-        if slot_rows:
-            index = host_to_device(slot_rows + cols, torch.int64, self.device).view(2, -1)
-            req_to_token = self.runner.req_to_token_pool.req_to_token
-            self.prefix_cache.kv_pool.free(req_to_token[index[0], index[1]].long())
+        after a decode step."""
+        self.prefix_cache.truncate_reqs_kv(reqs, [len(req.fill_ids) - 1 for req in reqs])
 
     def _settle(self, sched, req: Req, reason: Optional[FinishReason]) -> None:
         """The request after its tokens: finished, or back to sched.running (sched.resume_queue when it jumped
